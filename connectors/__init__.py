@@ -1,0 +1,1 @@
+"""Capture sources: database logs (PostgreSQL WAL, MySQL/MariaDB binlog) and Debezium topics."""

@@ -1,0 +1,1 @@
+"""MySQL/MariaDB connector: row-based binlog capture."""

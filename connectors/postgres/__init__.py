@@ -1,0 +1,1 @@
+"""PostgreSQL connector: consistent snapshot plus pgoutput logical decoding."""

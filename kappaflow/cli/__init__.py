@@ -1,0 +1,3 @@
+def main() -> None:
+    from kappaflow.cli.app import app
+    app()

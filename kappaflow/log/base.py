@@ -1,0 +1,202 @@
+"""The log contract: partitioned, compacted topics shared by every backend.
+
+Offsets are per partition, start at 0, are assigned in append order and never
+change (compaction leaves gaps). Resume state is always "the next offset to read".
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from enum import Enum
+
+from kappaflow.errors import ConfigError, ValidationError
+
+Headers = tuple[tuple[str, bytes], ...]
+
+DEFAULT_MAX_RECORD_BYTES = 1_048_576  # Kafka's default max.message.bytes (1 MiB)
+
+
+class CleanupPolicy(str, Enum):
+    DELETE = "delete"
+    COMPACT = "compact"
+
+
+@dataclass(frozen=True, slots=True)
+class TopicConfig:
+    """Fixed at creation, like a Kafka topic's partition count and configs."""
+
+    partitions: int = 1
+    cleanup_policy: CleanupPolicy = CleanupPolicy.DELETE
+    # How long a tombstone stays readable after compaction sees it (Kafka's delete.retention.ms).
+    delete_retention_ms: int = 86_400_000
+    max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.partitions, int) or self.partitions < 1:
+            raise ConfigError(f"topic config 'partitions': expected an integer >= 1, got {self.partitions!r}")
+        if not isinstance(self.cleanup_policy, CleanupPolicy):
+            try:
+                object.__setattr__(self, "cleanup_policy", CleanupPolicy(self.cleanup_policy))
+            except ValueError:
+                raise ConfigError(
+                    f"topic config 'cleanup.policy': expected 'delete' or 'compact', got {self.cleanup_policy!r}"
+                ) from None
+        if not isinstance(self.delete_retention_ms, int) or self.delete_retention_ms < 0:
+            raise ConfigError(
+                f"topic config 'delete.retention.ms': expected an integer >= 0, got {self.delete_retention_ms!r}"
+            )
+        if not isinstance(self.max_record_bytes, int) or self.max_record_bytes < 1:
+            raise ConfigError(
+                f"topic config 'max.message.bytes': expected an integer >= 1, got {self.max_record_bytes!r}"
+            )
+
+    @property
+    def compacted(self) -> bool:
+        return self.cleanup_policy is CleanupPolicy.COMPACT
+
+
+@dataclass(frozen=True, slots=True)
+class Record:
+    """A record to append. `value=None` is a tombstone."""
+
+    key: bytes | None
+    value: bytes | None
+    headers: Headers = ()
+    timestamp_ms: int | None = None  # None: the log stamps the append time
+
+    def __post_init__(self) -> None:
+        if self.key is not None and not isinstance(self.key, bytes):
+            raise ValidationError(f"record key: expected bytes or None, got {type(self.key).__name__}")
+        if self.value is not None and not isinstance(self.value, bytes):
+            raise ValidationError(f"record value: expected bytes or None, got {type(self.value).__name__}")
+
+
+@dataclass(frozen=True, slots=True)
+class LogRecord:
+    """A record read back from the log, with its position."""
+
+    topic: str
+    partition: int
+    offset: int
+    key: bytes | None
+    value: bytes | None
+    headers: Headers = ()
+    timestamp_ms: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Appended:
+    """Where one appended record landed."""
+
+    partition: int
+    offset: int
+
+
+@dataclass(slots=True)
+class CompactionStats:
+    topic: str
+    removed: int = 0
+    kept: int = 0
+    tombstones_removed: int = 0
+    per_partition: dict[int, int] = field(default_factory=dict)
+
+
+TopicPartition = tuple[str, int]
+
+
+class Log(abc.ABC):
+    """One contract for every log backend (embedded SQLite, Kafka).
+
+    Implementations must be safe for one writer and many readers, possibly in
+    other processes; a process killed mid-append leaves either all or none of
+    that append visible per partition, and never a record twice.
+    """
+
+    # --- topics -------------------------------------------------------------
+    @abc.abstractmethod
+    def create_topic(self, name: str, config: TopicConfig | None = None, *, exist_ok: bool = True) -> TopicConfig:
+        """Create a topic; with exist_ok, return the existing config (which must not conflict)."""
+
+    @abc.abstractmethod
+    def delete_topic(self, name: str) -> None:
+        """Delete a topic and its data; UnknownTopicError if missing."""
+
+    @abc.abstractmethod
+    def list_topics(self) -> dict[str, TopicConfig]:
+        """All topics with their configs."""
+
+    def topic_config(self, name: str) -> TopicConfig:
+        from kappaflow.errors import UnknownTopicError
+
+        topics = self.list_topics()
+        if name not in topics:
+            raise UnknownTopicError(name)
+        return topics[name]
+
+    def partitions(self, topic: str) -> int:
+        return self.topic_config(topic).partitions
+
+    # --- write --------------------------------------------------------------
+    @abc.abstractmethod
+    def append(self, topic: str, records: Sequence[Record], *, partition: int | None = None) -> list[Appended]:
+        """Append records durably; returns each record's partition and offset, in input order.
+
+        Partition = murmur2(key) mod partitions (Kafka's default partitioner) unless
+        `partition` is given; keyless records go to partition 0. When this returns, every
+        record is durable (fsync'd / acknowledged by all in-sync replicas).
+        """
+
+    # --- read ---------------------------------------------------------------
+    @abc.abstractmethod
+    def read(self, topic: str, partition: int, offset: int, max_records: int = 10_000) -> list[LogRecord]:
+        """Records with offset >= `offset`, in offset order, at most max_records; [] at the end."""
+
+    def iter_partition(self, topic: str, partition: int, start: int = 0, end: int | None = None,
+                       batch: int = 10_000) -> Iterator[LogRecord]:
+        """Every record from `start` up to (excluding) `end` (default: the end offset now)."""
+        stop = self.end_offset(topic, partition) if end is None else end
+        offset = start
+        while offset < stop:
+            chunk = self.read(topic, partition, offset, min(batch, stop - offset))
+            if not chunk:
+                break
+            for rec in chunk:
+                if rec.offset >= stop:
+                    return
+                yield rec
+            offset = chunk[-1].offset + 1
+
+    @abc.abstractmethod
+    def end_offset(self, topic: str, partition: int) -> int:
+        """The offset the next appended record will get (one past the last record)."""
+
+    def end_offsets(self, topic: str) -> dict[int, int]:
+        return {p: self.end_offset(topic, p) for p in range(self.partitions(topic))}
+
+    # --- consumer groups ----------------------------------------------------
+    @abc.abstractmethod
+    def commit(self, group: str, offsets: Mapping[TopicPartition, int]) -> None:
+        """Store the next offset to read per (topic, partition) for `group`, atomically."""
+
+    @abc.abstractmethod
+    def committed(self, group: str, topic: str) -> dict[int, int]:
+        """Committed next-offsets per partition of `topic` for `group` ({} if none)."""
+
+    # --- maintenance --------------------------------------------------------
+    @abc.abstractmethod
+    def compact(self, topic: str, *, now_ms: int | None = None) -> CompactionStats:
+        """Keep the latest record per key; drop tombstones older than delete.retention.ms.
+
+        Offsets of kept records never change. A no-op for delete-policy topics.
+        """
+
+    def close(self) -> None:  # noqa: B027 - optional for backends without resources
+        """Release connections and files."""
+
+    def __enter__(self) -> Log:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

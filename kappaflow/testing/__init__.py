@@ -1,0 +1,1 @@
+"""Test helpers shipped with the package: private servers and contract suites."""

@@ -1,0 +1,1 @@
+"""The ledger: an append-only event store that feeds the log."""

@@ -1,0 +1,1 @@
+"""Alembic migrations for kappaflow's own tables."""

@@ -1,0 +1,1 @@
+"""Projections: fold the log into materialized views on Spark."""

@@ -1,0 +1,1 @@
+"""View sinks: PostgreSQL, OpenSearch/Elasticsearch and Redis."""
