@@ -1,3 +1,7 @@
+"""Command line interface (`kappaflow ...`)."""
+
+
 def main() -> None:
-    from kappaflow.cli.app import app
-    app()
+    from kappaflow.cli.app import run
+
+    run()

@@ -1,0 +1,48 @@
+"""The `kappaflow` command: thin wiring of sub-commands owned by each part."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from kappaflow.cli import log as log_cli
+from kappaflow.cli import sources as sources_cli
+from kappaflow.cli.common import console, fail
+from kappaflow.errors import KappaflowError
+
+app = typer.Typer(
+    name="kappaflow",
+    help="Change data capture and event sourcing into a compacted log, projected by Spark into views.",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    add_completion=False,
+)
+app.add_typer(sources_cli.app, name="source")
+app.add_typer(log_cli.app, name="log")
+
+
+@app.callback()
+def _root(
+    ctx: typer.Context,
+    config: Annotated[Path | None, typer.Option("--config", "-c", help="Path to kappaflow.toml.")] = None,
+    profile: Annotated[
+        str | None, typer.Option("--profile", help="Use the profile.NAME overlay of the config file.")
+    ] = None,
+) -> None:
+    ctx.obj = {"config": config, "profile": profile}
+    # Projections and examples are imported by `module:Class`; the project folder must be importable.
+    if str(Path.cwd()) not in sys.path:
+        sys.path.insert(0, str(Path.cwd()))
+
+
+def run() -> None:
+    try:
+        app()
+    except KappaflowError as exc:
+        fail(str(exc), transient=exc.transient)
+
+
+__all__ = ["app", "console", "run"]

@@ -1,0 +1,100 @@
+"""`kappaflow source add|list|remove|status`: register capture sources in kappaflow.toml."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+from pydantic import ValidationError
+from rich.table import Table
+
+from kappaflow.cli.common import console, fail, settings
+from kappaflow.config import (
+    DebeziumSourceConfig,
+    MySQLSourceConfig,
+    PostgresSourceConfig,
+    SnapshotMode,
+    format_validation_error,
+)
+from kappaflow.errors import ConfigError
+
+app = typer.Typer(help="Register and inspect capture sources.", no_args_is_help=True)
+
+
+def _csv(value: str | None) -> list[str]:
+    return [v.strip() for v in (value or "").split(",") if v.strip()]
+
+
+def _key_columns(specs: list[str]) -> dict[str, list[str]]:
+    out: dict[str, list[str]] = {}
+    for spec in specs:
+        table, sep, cols = spec.partition("=")
+        if not sep or not table.strip() or not _csv(cols):
+            raise ConfigError(f"--key-columns {spec!r}: expected TABLE=COL[,COL...], e.g. public.events=id,seq")
+        out[table.strip()] = _csv(cols)
+    return out
+
+
+@app.command("add")
+def add(
+    ctx: typer.Context,
+    name: Annotated[str, typer.Argument(help="Source name; becomes the topic prefix.")],
+    postgres: Annotated[str | None, typer.Option("--postgres", help="postgresql://user@host:port/db")] = None,
+    mysql: Annotated[str | None, typer.Option("--mysql", help="mysql://user@host:port/db")] = None,
+    debezium: Annotated[str | None, typer.Option("--debezium", help="Kafka bootstrap host:port")] = None,
+    tables: Annotated[str | None, typer.Option("--tables", help="Comma list: schema.table / db.table")] = None,
+    topics: Annotated[str | None, typer.Option("--topics", help="Debezium topics, comma list")] = None,
+    key_columns: Annotated[
+        list[str] | None, typer.Option("--key-columns", help="TABLE=COL,... for tables without a primary key")
+    ] = None,
+    password_env: Annotated[
+        str | None, typer.Option("--password-env", help="Environment variable holding the password")
+    ] = None,
+    snapshot_mode: Annotated[SnapshotMode, typer.Option("--snapshot-mode")] = SnapshotMode.INITIAL,
+    replace: Annotated[bool, typer.Option("--replace", help="Overwrite an existing source of that name")] = False,
+) -> None:
+    """Add a source to kappaflow.toml (passwords stay in the environment)."""
+    chosen = [k for k, v in (("--postgres", postgres), ("--mysql", mysql), ("--debezium", debezium)) if v]
+    if len(chosen) != 1:
+        fail("give exactly one of --postgres DSN, --mysql DSN or --debezium BOOTSTRAP")
+    s = settings(ctx)
+    if name in s.sources and not replace:
+        fail(f"source {name!r} already exists; use --replace to overwrite it")
+    data: dict[str, object] = {"name": name, "tables": _csv(tables),
+                               "key_columns": _key_columns(key_columns or []), "snapshot_mode": snapshot_mode}
+    model: type[PostgresSourceConfig | MySQLSourceConfig | DebeziumSourceConfig]
+    if postgres:
+        model, data["dsn"], data["password_env"] = PostgresSourceConfig, postgres, password_env
+    elif mysql:
+        model, data["dsn"], data["password_env"] = MySQLSourceConfig, mysql, password_env
+    else:
+        model, data["bootstrap"], data["topics"] = DebeziumSourceConfig, debezium, _csv(topics)
+    try:
+        src = model.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(format_validation_error(exc, f"source {name!r}")) from None
+    s.sources[name] = src
+    path = s.save()
+    console.print(f"source [bold]{name}[/] ({src.kind}) saved to {path}")
+
+
+@app.command("list")
+def list_(ctx: typer.Context) -> None:
+    """List registered sources."""
+    s = settings(ctx)
+    table = Table("name", "kind", "where", "tables/topics", "snapshot")
+    for name, src in sorted(s.sources.items()):
+        where = getattr(src, "dsn", None) or getattr(src, "bootstrap", "")
+        items = getattr(src, "topics", None) or src.tables or ["(all)"]
+        table.add_row(name, src.kind, where, ", ".join(items), src.snapshot_mode.value)
+    console.print(table)
+
+
+@app.command("remove")
+def remove(ctx: typer.Context, name: str) -> None:
+    """Remove a source from kappaflow.toml (its topics and offsets stay in the log)."""
+    s = settings(ctx)
+    s.source(name)
+    del s.sources[name]
+    s.save()
+    console.print(f"source [bold]{name}[/] removed (log topics kept)")

@@ -1,0 +1,352 @@
+"""Typed configuration, parsed once at the boundary.
+
+Sources, in order of precedence (later wins):
+1. `kappaflow.toml` (or `--config PATH`), with an optional `[profile.NAME]` overlay
+   chosen by `--profile NAME` / `KAPPAFLOW_PROFILE`;
+2. environment variables `KAPPAFLOW_<SECTION>__<FIELD>` (nested with `__`), e.g.
+   `KAPPAFLOW_LOG__URL`, `KAPPAFLOW_SOURCES__SHOP__PASSWORD`;
+3. for source passwords also `KAPPAFLOW_SOURCE_<NAME>_PASSWORD` or the variable named
+   by `password_env`.
+Secrets are `SecretStr` and never rendered in errors or logs.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import tomllib
+from enum import Enum
+from pathlib import Path
+from typing import Annotated, Any, Literal
+from urllib.parse import quote, urlsplit, urlunsplit
+
+import pydantic
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator
+
+from kappaflow.errors import ConfigError
+
+CONFIG_FILE = "kappaflow.toml"
+ENV_PREFIX = "KAPPAFLOW_"
+NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,62}$")
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, use_enum_values=False)
+
+
+class SnapshotMode(str, Enum):
+    INITIAL = "initial"
+    NEVER = "never"
+    ALWAYS = "always"
+    INITIAL_ONLY = "initial_only"
+
+
+class SecurityProtocol(str, Enum):
+    PLAINTEXT = "PLAINTEXT"
+    SSL = "SSL"
+    SASL_PLAINTEXT = "SASL_PLAINTEXT"
+    SASL_SSL = "SASL_SSL"
+
+
+class SaslMechanism(str, Enum):
+    PLAIN = "PLAIN"
+    SCRAM_SHA_256 = "SCRAM-SHA-256"
+    SCRAM_SHA_512 = "SCRAM-SHA-512"
+
+
+DecimalMode = Literal["string", "precise", "double"]
+
+
+class KafkaClientConfig(_Model):
+    """Client settings for a Kafka cluster; maps to kafka-python keyword arguments."""
+
+    security_protocol: SecurityProtocol = SecurityProtocol.PLAINTEXT
+    sasl_mechanism: SaslMechanism | None = None
+    sasl_username: str | None = None
+    sasl_password: SecretStr | None = None
+    ssl_cafile: str | None = None
+    ssl_certfile: str | None = None
+    ssl_keyfile: str | None = None
+    client_id: str = "kappaflow"
+    request_timeout_ms: int = Field(30_000, ge=1000)
+    producer: dict[str, Any] = Field(default_factory=dict)  # extra producer kwargs (linger_ms, batch_size..)
+    consumer: dict[str, Any] = Field(default_factory=dict)
+
+    def client_options(self) -> dict[str, Any]:
+        opts: dict[str, Any] = {"security_protocol": self.security_protocol.value, "client_id": self.client_id,
+                                "request_timeout_ms": self.request_timeout_ms}
+        if self.security_protocol in (SecurityProtocol.SASL_PLAINTEXT, SecurityProtocol.SASL_SSL):
+            if self.sasl_mechanism is None or not self.sasl_username or self.sasl_password is None:
+                raise ConfigError("log.kafka: SASL needs sasl_mechanism, sasl_username and sasl_password")
+            opts.update(sasl_mechanism=self.sasl_mechanism.value, sasl_plain_username=self.sasl_username,
+                        sasl_plain_password=self.sasl_password.get_secret_value())
+        for name in ("ssl_cafile", "ssl_certfile", "ssl_keyfile"):
+            if getattr(self, name):
+                opts[name] = getattr(self, name)
+        return opts
+
+
+class LogConfig(_Model):
+    url: str = ".kappaflow/log"
+    partitions: int = Field(4, ge=1, le=10_000)
+    replication_factor: int = Field(1, ge=1)
+    kafka: KafkaClientConfig = Field(default_factory=KafkaClientConfig)
+
+    @property
+    def is_kafka(self) -> bool:
+        return self.url.startswith("kafka://")
+
+    def open(self, base_dir: Path | None = None) -> Any:
+        """Open the configured log (relative embedded paths resolve against `base_dir`)."""
+        from kappaflow.log import open_log
+
+        if self.is_kafka:
+            return open_log(self.url, **self.kafka.client_options())
+        path = Path(self.url.removeprefix("file:"))
+        if not path.is_absolute() and base_dir is not None:
+            path = base_dir / path
+        return open_log(str(path))
+
+
+class _SourceBase(_Model):
+    name: str
+    tables: list[str] = Field(default_factory=list)
+    key_columns: dict[str, list[str]] = Field(default_factory=dict)
+    snapshot_mode: SnapshotMode = SnapshotMode.INITIAL
+    snapshot_chunk_rows: int = Field(10_000, ge=1)
+    heartbeat_interval_s: float = Field(10.0, gt=0)
+    decimal_mode: DecimalMode = "string"
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, v: str) -> str:
+        if not NAME_RE.match(v):
+            raise ValueError("expected letters, digits, '_' or '-' (max 63), starting with a letter or digit")
+        return v
+
+
+class _DbSource(_SourceBase):
+    dsn: str
+    password: SecretStr | None = None
+    password_env: str | None = None
+
+    @field_validator("dsn")
+    @classmethod
+    def _no_inline_password(cls, v: str) -> str:
+        parts = urlsplit(v)
+        if parts.password:
+            # Keep the file free of secrets: move the password to the environment.
+            raise ValueError("the DSN holds a password; put it in the environment (password_env or "
+                             "KAPPAFLOW_SOURCE_<NAME>_PASSWORD) instead")
+        return v
+
+    def resolved_password(self) -> str | None:
+        if self.password is not None:
+            return self.password.get_secret_value()
+        if self.password_env:
+            value = os.environ.get(self.password_env)
+            if value is None:
+                raise ConfigError(f"sources.{self.name}.password_env: environment variable "
+                                  f"{self.password_env!r} is not set")
+            return value
+        env = f"{ENV_PREFIX}SOURCE_{self.name.upper().replace('-', '_')}_PASSWORD"
+        return os.environ.get(env)
+
+    def connect_dsn(self) -> str:
+        """The DSN with the password applied. Never log the result."""
+        password = self.resolved_password()
+        if not password:
+            return self.dsn
+        parts = urlsplit(self.dsn)
+        user = parts.username or ""
+        host = parts.hostname or ""
+        port = f":{parts.port}" if parts.port else ""
+        netloc = f"{quote(user, safe='')}:{quote(password, safe='')}@{host}{port}"
+        return urlunsplit((parts.scheme, netloc, parts.path, parts.query, parts.fragment))
+
+
+class PostgresSourceConfig(_DbSource):
+    kind: Literal["postgres"] = "postgres"
+    slot: str | None = None
+    publication: str | None = None
+
+    @field_validator("dsn")
+    @classmethod
+    def _pg_scheme(cls, v: str) -> str:
+        if not v.startswith(("postgresql://", "postgres://")):
+            raise ValueError("expected a postgresql://user@host:port/db URL")
+        return v
+
+    @property
+    def slot_name(self) -> str:
+        return self.slot or f"kappaflow_{self.name.replace('-', '_')}"
+
+    @property
+    def publication_name(self) -> str:
+        return self.publication or f"kappaflow_{self.name.replace('-', '_')}"
+
+
+class MySQLSourceConfig(_DbSource):
+    kind: Literal["mysql"] = "mysql"
+    server_id: int = Field(5401, ge=1, le=2**32 - 1)
+
+    @field_validator("dsn")
+    @classmethod
+    def _mysql_scheme(cls, v: str) -> str:
+        if not v.startswith(("mysql://", "mariadb://")):
+            raise ValueError("expected a mysql://user@host:port/db URL")
+        return v
+
+
+class DebeziumSourceConfig(_SourceBase):
+    kind: Literal["debezium"] = "debezium"
+    bootstrap: str
+    topics: list[str] = Field(min_length=1)
+    schemas_enabled: bool | None = None  # None: detect per record
+
+
+SourceConfig = Annotated[
+    PostgresSourceConfig | MySQLSourceConfig | DebeziumSourceConfig, Field(discriminator="kind")
+]
+
+
+class ViewsConfig(_Model):
+    postgres_dsn: str | None = None
+    postgres_password_env: str | None = None
+    search_url: str | None = None
+    search_flavor: Literal["opensearch", "elasticsearch"] = "opensearch"
+    redis_url: str | None = None
+
+    def postgres_connect_dsn(self) -> str:
+        if not self.postgres_dsn:
+            raise ConfigError("views.postgres_dsn: not set; add it to kappaflow.toml or KAPPAFLOW_VIEWS__POSTGRES_DSN")
+        if not self.postgres_password_env:
+            return self.postgres_dsn
+        src = PostgresSourceConfig(name="views", dsn=self.postgres_dsn, password_env=self.postgres_password_env)
+        return src.connect_dsn()
+
+
+class SparkConfig(_Model):
+    master: str = "local[*]"
+    app_name: str = "kappaflow"
+    conf: dict[str, str] = Field(default_factory=dict)
+    checkpoint_dir: str = ".kappaflow/checkpoints"
+
+
+class Settings(_Model):
+    log: LogConfig = Field(default_factory=LogConfig)
+    spark: SparkConfig = Field(default_factory=SparkConfig)
+    views: ViewsConfig = Field(default_factory=ViewsConfig)
+    sources: dict[str, SourceConfig] = Field(default_factory=dict)
+    profile: dict[str, dict[str, Any]] = Field(default_factory=dict, exclude=True)
+
+    # Where the file was read from; relative paths resolve against its folder.
+    base_dir: Path = Field(default_factory=Path.cwd, exclude=True)
+    active_profile: str | None = Field(None, exclude=True)
+
+    @classmethod
+    def load(cls, path: Path | str | None = None, *, profile: str | None = None,
+             environ: dict[str, str] | None = None) -> Settings:
+        env = dict(os.environ if environ is None else environ)
+        file = Path(path) if path else Path.cwd() / CONFIG_FILE
+        data: dict[str, Any] = {}
+        if file.exists():
+            try:
+                data = tomllib.loads(file.read_text())
+            except tomllib.TOMLDecodeError as exc:
+                raise ConfigError(f"{file}: not valid TOML: {exc}") from None
+        elif path:
+            raise ConfigError(f"config file {file} does not exist")
+        profile = profile or env.get(f"{ENV_PREFIX}PROFILE")
+        profiles = data.get("profile", {})
+        if profile:
+            if profile not in profiles:
+                known = ", ".join(sorted(profiles)) or "none defined"
+                raise ConfigError(f"--profile {profile!r}: no [profile.{profile}] in {file} (known: {known})")
+            data = _deep_merge(data, profiles[profile])
+        data = _deep_merge(data, _env_overrides(env))
+        for name, src in (data.get("sources") or {}).items():
+            if isinstance(src, dict):
+                src.setdefault("name", name)
+        try:
+            settings = cls.model_validate({**data, "base_dir": file.parent.resolve(), "active_profile": profile})
+        except pydantic.ValidationError as exc:
+            raise ConfigError(format_validation_error(exc, str(file))) from None
+        for name, src in settings.sources.items():
+            if src.name != name:
+                raise ConfigError(f"{file}: sources.{name}.name: expected {name!r} (the table key), got {src.name!r}")
+        return settings
+
+    def save(self, path: Path | str | None = None) -> Path:
+        """Write the settings back (secrets are never written)."""
+        import tomli_w
+
+        file = Path(path) if path else self.base_dir / CONFIG_FILE
+        data = self.model_dump(mode="json", exclude_none=True, exclude_defaults=True)
+        for src in data.get("sources", {}).values():
+            src.pop("password", None)
+            src.setdefault("kind", "postgres")
+        for sname, src in self.sources.items():
+            data.setdefault("sources", {}).setdefault(sname, {})["kind"] = src.kind
+            data["sources"][sname]["name"] = sname
+        if self.profile:
+            data["profile"] = self.profile
+        file.write_text(tomli_w.dumps(data))
+        return file
+
+    def source(self, name: str) -> PostgresSourceConfig | MySQLSourceConfig | DebeziumSourceConfig:
+        if name not in self.sources:
+            known = ", ".join(sorted(self.sources)) or "none registered"
+            raise ConfigError(f"unknown source {name!r} (known: {known}); add one with `kappaflow source add`")
+        return self.sources[name]
+
+    def resolve(self, path: str) -> Path:
+        p = Path(path)
+        return p if p.is_absolute() else self.base_dir / p
+
+    def open_log(self) -> Any:
+        return self.log.open(self.base_dir)
+
+
+def format_validation_error(exc: pydantic.ValidationError, where: str) -> str:
+    """One line per problem: field path, what was wrong, what was given (secrets masked)."""
+    lines = [f"{where}: invalid configuration"]
+    for err in exc.errors():
+        loc = ".".join(str(p) for p in err["loc"])
+        given = err.get("input")
+        secret = any(s in loc for s in ("password", "secret", "token"))
+        shown = "***" if secret else redact(repr(given))
+        if isinstance(given, dict):
+            shown = "a table"
+        lines.append(f"  {loc}: {err['msg']} (got {shown})")
+    return "\n".join(lines)
+
+
+_URL_PASSWORD = re.compile(r"(?P<pre>[a-zA-Z][a-zA-Z0-9+.-]*://[^:/@\s]*:)[^@\s]*@")
+
+
+def redact(text: str) -> str:
+    """Mask passwords inside URLs (scheme://user:PASSWORD@host) anywhere in `text`."""
+    return _URL_PASSWORD.sub(lambda m: m.group("pre") + "***@", text)
+
+
+def _deep_merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for k, v in over.items():
+        out[k] = _deep_merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def _env_overrides(env: dict[str, str]) -> dict[str, Any]:
+    """`KAPPAFLOW_A__B__C=v` -> {"a": {"b": {"c": v}}}; lists accept comma-separated values."""
+    out: dict[str, Any] = {}
+    for key, value in env.items():
+        if not key.startswith(ENV_PREFIX) or "__" not in key:
+            continue
+        path = [p.lower() for p in key[len(ENV_PREFIX):].split("__")]
+        node = out
+        for part in path[:-1]:
+            node = node.setdefault(part, {})
+        leaf = path[-1]
+        node[leaf] = value.split(",") if leaf in ("tables", "topics") else value
+    return out

@@ -1,0 +1,46 @@
+"""The `osmem` in-memory OpenSearch-compatible server from the osmem-server wheel."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from kappaflow.testing.servers._process import ManagedProcess, ServerStartError, free_port, wait_until
+
+
+def osmem_binary() -> Path:
+    try:
+        import osmem_server
+    except ImportError:
+        raise ServerStartError("osmem-server is not installed: pip install 'kappaflow[dev]'") from None
+    path = Path(osmem_server.__file__).parent / "bin" / "osmem-server"
+    if not path.exists():
+        raise ServerStartError(f"osmem-server binary missing at {path}")
+    return path
+
+
+class OsmemServer(ManagedProcess):
+    name = "osmem"
+
+    def __init__(self, *, port: int | None = None, workdir: str | Path | None = None) -> None:
+        super().__init__(workdir)
+        self.host = "127.0.0.1"
+        self.port = port or free_port()
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def start(self, timeout: float = 30.0) -> OsmemServer:
+        binary = osmem_binary()
+        binary.chmod(binary.stat().st_mode | 0o111)
+        # osmem exits when its stdin closes: hold a pipe open for its lifetime.
+        self._spawn([str(binary), "-addr", f"{self.host}:{self.port}"], hold_stdin=True)
+        wait_until(self._ready, timeout=timeout, what=f"osmem on {self.url}", on_timeout=self.log_tail)
+        return self
+
+    def _ready(self) -> bool:
+        self._check_alive()
+        import urllib.request
+
+        with urllib.request.urlopen(self.url + "/", timeout=1) as resp:
+            return bool(resp.status == 200)

@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# Create .venv and install kappaflow with everything the tests, benchmarks and demo need.
+# Re-runs are cheap: the install is skipped while pyproject.toml is unchanged.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+  "$PYTHON" -m venv .venv
+fi
+stamp=.venv/.kappaflow-installed
+want=$(sha256sum pyproject.toml | cut -d' ' -f1)
+if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
+  echo "bootstrap: installing kappaflow[dev] into .venv (first run downloads pyspark, ~5 min)" >&2
+  .venv/bin/python -m pip install -q --disable-pip-version-check --upgrade pip setuptools wheel
+  .venv/bin/python -m pip install -q --disable-pip-version-check -e '.[dev]'
+  echo "$want" > "$stamp"
+fi
+if ! command -v java >/dev/null 2>&1; then
+  echo "bootstrap: Java 17+ is required by Spark (apt-get install openjdk-17-jre-headless)" >&2
+  exit 1
+fi
