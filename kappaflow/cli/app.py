@@ -4,16 +4,29 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
+from typer.core import TyperGroup
 
 from kappaflow.cli import log as log_cli
 from kappaflow.cli import sources as sources_cli
 from kappaflow.cli.common import console, fail
 from kappaflow.errors import KappaflowError
 
+
+class _Group(TyperGroup):
+    """Turns kappaflow errors into one clear line and exit code 2, for every sub-command."""
+
+    def invoke(self, ctx: Any) -> Any:
+        try:
+            return super().invoke(ctx)
+        except KappaflowError as exc:
+            fail(str(exc), transient=exc.transient)
+
+
 app = typer.Typer(
+    cls=_Group,
     name="kappaflow",
     help="Change data capture and event sourcing into a compacted log, projected by Spark into views.",
     no_args_is_help=True,
@@ -39,10 +52,7 @@ def _root(
 
 
 def run() -> None:
-    try:
-        app()
-    except KappaflowError as exc:
-        fail(str(exc), transient=exc.transient)
+    app()
 
 
 __all__ = ["app", "console", "run"]
