@@ -15,6 +15,12 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   .venv/bin/python -m pip install -q --disable-pip-version-check -e '.[dev]'
   echo "$want" > "$stamp"
 fi
+# The compose test validates compose/docker-compose.yml with Debian's docker-compose (no engine needed).
+if ! command -v docker-compose >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+  echo "bootstrap: installing docker-compose (Debian package) to validate compose/" >&2
+  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq docker-compose) >/dev/null 2>&1 \
+    || echo "bootstrap: could not install docker-compose; tests/compose will fail" >&2
+fi
 if ! command -v java >/dev/null 2>&1; then
   echo "bootstrap: Java 17+ is required by Spark (apt-get install openjdk-17-jre-headless)" >&2
   exit 1
