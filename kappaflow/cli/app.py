@@ -12,6 +12,7 @@ from typer.core import TyperGroup
 from kappaflow.cli import log as log_cli
 from kappaflow.cli import sources as sources_cli
 from kappaflow.cli.common import console, fail
+from kappaflow.cli.doctor import doctor
 from kappaflow.errors import KappaflowError
 
 
@@ -35,6 +36,7 @@ app = typer.Typer(
 )
 app.add_typer(sources_cli.app, name="source")
 app.add_typer(log_cli.app, name="log")
+app.command("doctor")(doctor)
 
 
 @app.callback()

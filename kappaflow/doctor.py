@@ -1,0 +1,247 @@
+"""`kappaflow doctor`: check a configuration against the live services and say how to fix what is wrong.
+
+Each check returns findings; a finding is OK, WARN or FAIL with a one-line fix. Checks never
+raise for an unreachable service: unreachability is itself a finding.
+"""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from enum import Enum
+from urllib.parse import urlsplit
+
+from kappaflow.config import (
+    DebeziumSourceConfig,
+    MySQLSourceConfig,
+    PostgresSourceConfig,
+    Settings,
+    redact,
+)
+from kappaflow.errors import KappaflowError
+
+
+class Status(str, Enum):
+    OK = "ok"
+    WARN = "warn"
+    FAIL = "fail"
+
+
+@dataclass(frozen=True)
+class Finding:
+    area: str
+    check: str
+    status: Status
+    detail: str
+    fix: str = ""
+
+
+def _ok(area: str, check: str, detail: str) -> Finding:
+    return Finding(area, check, Status.OK, detail)
+
+
+def _fail(area: str, check: str, detail: str, fix: str) -> Finding:
+    return Finding(area, check, Status.FAIL, redact(detail), fix)
+
+
+def _warn(area: str, check: str, detail: str, fix: str) -> Finding:
+    return Finding(area, check, Status.WARN, redact(detail), fix)
+
+
+def check_log(settings: Settings) -> Iterator[Finding]:
+    area = "log"
+    try:
+        log = settings.open_log()
+    except KappaflowError as exc:
+        fix = ("start the broker or correct log.url / KAPPAFLOW_LOG__URL" if settings.log.is_kafka
+               else "make log.url a writable directory")
+        yield _fail(area, "reachable", f"{settings.log.url}: {exc}", fix)
+        return
+    try:
+        topics = log.list_topics()
+        yield _ok(area, "reachable", f"{settings.log.url}: {len(topics)} topics")
+        prefixes = tuple(f"{name}." for name in settings.sources)
+        for topic, cfg in sorted(topics.items()):
+            kappaflow_topic = topic.startswith(prefixes) or topic.startswith("__kappaflow")
+            if kappaflow_topic and not cfg.compacted and not topic.endswith(".__dlq"):
+                yield _fail(area, f"topic {topic}", "cleanup.policy=delete: old changes of a key are never "
+                            "removed and deleted keys stay forever",
+                            f"kafka-configs.sh --alter --entity-type topics --entity-name {topic} "
+                            "--add-config cleanup.policy=compact")
+    except KappaflowError as exc:
+        yield _fail(area, "topics", str(exc), "check the broker's logs and ACLs (DescribeConfigs)")
+    finally:
+        log.close()
+
+
+def check_postgres_source(src: PostgresSourceConfig) -> Iterator[Finding]:
+    import psycopg
+
+    area = f"source {src.name}"
+    try:
+        conn = psycopg.connect(src.connect_dsn(), connect_timeout=5, autocommit=True)
+    except (psycopg.Error, KappaflowError) as exc:
+        yield _fail(area, "connect", f"{src.dsn}: {str(exc).strip().splitlines()[0]}",
+                    "check host, port, database, user and the password variable")
+        return
+    with conn:
+        version = conn.execute("show server_version").fetchone()
+        yield _ok(area, "connect", f"PostgreSQL {version[0] if version else '?'}")
+        wal = conn.execute("show wal_level").fetchone()
+        if wal and wal[0] == "logical":
+            yield _ok(area, "wal_level", "logical")
+        else:
+            yield _fail(area, "wal_level", f"wal_level={wal[0] if wal else '?'}; logical decoding is off",
+                        "ALTER SYSTEM SET wal_level = logical; then restart PostgreSQL")
+        row = conn.execute("select rolreplication or rolsuper from pg_roles where rolname = current_user").fetchone()
+        if row and row[0]:
+            yield _ok(area, "replication role", "current role may replicate")
+        else:
+            yield _fail(area, "replication role", "the role lacks REPLICATION",
+                        "ALTER ROLE <user> WITH REPLICATION (as a superuser)")
+        slots = conn.execute("show max_replication_slots").fetchone()
+        used = conn.execute("select count(*) from pg_replication_slots").fetchone()
+        if slots and used and int(used[0]) >= int(slots[0]):
+            yield _warn(area, "slots", f"all {slots[0]} replication slots are in use",
+                        "raise max_replication_slots or drop unused slots")
+        slot = conn.execute(
+            "select active, wal_status, pg_wal_lsn_diff(pg_current_wal_lsn(), confirmed_flush_lsn) "
+            "from pg_replication_slots where slot_name = %s", (src.slot_name,)).fetchone()
+        if slot is None:
+            yield _ok(area, "slot", f"{src.slot_name} not created yet (capture creates it)")
+        elif slot[1] == "lost":
+            yield _fail(area, "slot", f"{src.slot_name} was invalidated (WAL removed)",
+                        f"drop it (select pg_drop_replication_slot('{src.slot_name}')) and capture "
+                        "again with snapshot_mode=always")
+        else:
+            lag = int(slot[2] or 0)
+            status = "active" if slot[0] else "inactive"
+            yield _ok(area, "slot", f"{src.slot_name} {status}, {lag} bytes behind")
+
+
+def check_mysql_source(src: MySQLSourceConfig) -> Iterator[Finding]:
+    import pymysql
+
+    area = f"source {src.name}"
+    parts = urlsplit(src.connect_dsn())
+    try:
+        conn = pymysql.connect(host=parts.hostname or "127.0.0.1", port=parts.port or 3306,
+                               user=parts.username or "root", password=parts.password or "",
+                               connect_timeout=5)
+    except pymysql.MySQLError as exc:
+        yield _fail(area, "connect", f"{src.dsn}: {exc}", "check host, port, user and the password variable")
+        return
+    try:
+        with conn.cursor() as cur:
+            cur.execute("select version(), @@log_bin, @@binlog_format, @@binlog_row_image")
+            version, log_bin, fmt, image = cur.fetchone()
+            yield _ok(area, "connect", f"server {version}")
+            expected = {"log_bin": (log_bin, 1, "--log-bin"), "binlog_format": (fmt, "ROW", "--binlog-format=ROW"),
+                        "binlog_row_image": (image, "FULL", "--binlog-row-image=FULL")}
+            for name, (value, want, flag) in expected.items():
+                if str(value).upper() == str(want):
+                    yield _ok(area, name, str(value))
+                else:
+                    yield _fail(area, name, f"{name}={value}, kappaflow needs {want}",
+                                f"start the server with {flag} (or SET GLOBAL {name}='{want}' where allowed)")
+            cur.execute("show grants")
+            grants = " ".join(str(r[0]) for r in cur.fetchall()).upper()
+            if "ALL PRIVILEGES ON *.*" in grants or ("REPLICATION SLAVE" in grants and (
+                    "REPLICATION CLIENT" in grants or "BINLOG MONITOR" in grants)):
+                yield _ok(area, "privileges", "replication privileges granted")
+            else:
+                yield _fail(area, "privileges", "missing REPLICATION SLAVE / REPLICATION CLIENT",
+                            "GRANT REPLICATION SLAVE, REPLICATION CLIENT, SELECT ON *.* TO <user>")
+    finally:
+        conn.close()
+
+
+def _tcp(host: str, port: int) -> str | None:
+    try:
+        with socket.create_connection((host, port), timeout=3):
+            return None
+    except OSError as exc:
+        return str(exc)
+
+
+def check_debezium_source(src: DebeziumSourceConfig) -> Iterator[Finding]:
+    area = f"source {src.name}"
+    for address in src.bootstrap.split(","):
+        host, _, port = address.strip().rpartition(":")
+        err = _tcp(host, int(port or 9092))
+        if err:
+            yield _fail(area, "broker", f"{address}: {err}", "check the Debezium cluster's bootstrap address")
+        else:
+            yield _ok(area, "broker", f"{address} reachable")
+
+
+def check_views(settings: Settings) -> Iterator[Finding]:
+    views = settings.views
+    if views.postgres_dsn:
+        import psycopg
+
+        try:
+            with psycopg.connect(views.postgres_connect_dsn(), connect_timeout=5) as conn:
+                version = conn.execute("show server_version").fetchone()
+            yield _ok("views", "postgres", f"PostgreSQL {version[0] if version else '?'}")
+        except (psycopg.Error, KappaflowError) as exc:
+            yield _fail("views", "postgres", f"{views.postgres_dsn}: {str(exc).strip().splitlines()[0]}",
+                        "check views.postgres_dsn and its password variable")
+    if views.search_url:
+        import json
+        import urllib.request
+
+        try:
+            with urllib.request.urlopen(views.search_url.rstrip("/") + "/", timeout=5) as resp:
+                info = json.loads(resp.read() or b"{}")
+            number = info.get("version", {}).get("number", "?")
+            distro = info.get("version", {}).get("distribution", "elasticsearch")
+            yield _ok("views", "search", f"{distro} {number}")
+            if (distro == "opensearch") != (views.search_flavor == "opensearch"):
+                want = "opensearch" if distro == "opensearch" else "elasticsearch"
+                yield _warn("views", "search flavor", f"server is {distro}, config says {views.search_flavor}",
+                            f'set views.search_flavor = "{want}"')
+        except (OSError, ValueError) as exc:
+            yield _fail("views", "search", f"{views.search_url}: {exc}", "check views.search_url")
+    if views.redis_url:
+        import redis
+
+        try:
+            redis.Redis.from_url(views.redis_url, socket_timeout=3).ping()
+            yield _ok("views", "redis", "ping ok")
+        except redis.RedisError as exc:
+            yield _fail("views", "redis", f"{views.redis_url}: {exc}", "check views.redis_url")
+
+
+def check_spark(settings: Settings) -> Iterator[Finding]:
+    master = settings.spark.master
+    if master.startswith("local"):
+        yield _ok("spark", "master", f"{master} (in-process)")
+        return
+    if master.startswith("spark://"):
+        for address in master.removeprefix("spark://").split(","):
+            host, _, port = address.rpartition(":")
+            err = _tcp(host, int(port or 7077))
+            if err:
+                yield _fail("spark", "master", f"{address}: {err}", "start the Spark master or fix spark.master")
+            else:
+                yield _ok("spark", "master", f"{address} reachable")
+        return
+    yield _ok("spark", "master", f"{master} (not checked)")
+
+
+def run_checks(settings: Settings) -> list[Finding]:
+    checks: list[Callable[[], Iterator[Finding]]] = [lambda: check_log(settings)]
+    for src in settings.sources.values():
+        if isinstance(src, PostgresSourceConfig):
+            checks.append(lambda src=src: check_postgres_source(src))  # type: ignore[misc]
+        elif isinstance(src, MySQLSourceConfig):
+            checks.append(lambda src=src: check_mysql_source(src))  # type: ignore[misc]
+        else:
+            checks.append(lambda src=src: check_debezium_source(src))  # type: ignore[misc]
+    checks += [lambda: check_views(settings), lambda: check_spark(settings)]
+    findings: list[Finding] = []
+    for check in checks:
+        findings.extend(check())
+    return findings
