@@ -1,1 +1,79 @@
-"""The ledger: an append-only event store that feeds the log."""
+"""The ledger: an append-only, hash-chained event store in PostgreSQL that feeds the log.
+
+    from kappaflow.ledger import Ledger, NewEvent, StreamAppend, ExpectedVersion, install
+
+    install(dsn)                                   # Alembic branch "ledger" (idempotent)
+    with Ledger(dsn, registry=registry) as ledger:
+        r = ledger.append("account-1", [Deposited(amount=100)], expected_version=3)
+        ledger.append_many([StreamAppend("account-1", [...], 4), StreamAppend("account-2", [...])],
+                           idempotency_key="transfer-77")
+        ledger.read_stream("account-1"); ledger.read_all(from_position=r.position)
+        ledger.verify()                            # hash chain, dense positions, stream versions
+    wait_for_projection(dsn, "balances", r.position, timeout=5)
+"""
+
+from kappaflow.ledger.errors import (
+    CorruptLedgerError,
+    EventTooLargeError,
+    IdempotencyKeyReusedError,
+    ImmutableLedgerError,
+    InvalidAppendError,
+    LedgerError,
+    LedgerNotInstalledError,
+    LedgerUnavailableError,
+    ProjectionTimeoutError,
+    StreamTypeMismatchError,
+    UnknownEventTypeError,
+    UpcastError,
+    WrongExpectedVersionError,
+)
+from kappaflow.ledger.events import (
+    DEFAULT_MAX_EVENT_BYTES,
+    EventRegistry,
+    ExpectedVersion,
+    NewEvent,
+    RecordedEvent,
+    parse_expected_version,
+    stream_category,
+)
+from kappaflow.ledger.hashing import VerifyReport, verify
+from kappaflow.ledger.schema import DEFAULT_SCHEMA, install
+from kappaflow.ledger.store import AppendResult, Head, Ledger, LedgerStats, StreamAppend
+from kappaflow.ledger.tail import TailReader
+from kappaflow.ledger.wait import PostgresProjectionPositions, ProjectionPositions, wait_for_projection
+
+__all__ = [
+    "DEFAULT_MAX_EVENT_BYTES",
+    "DEFAULT_SCHEMA",
+    "AppendResult",
+    "CorruptLedgerError",
+    "EventRegistry",
+    "EventTooLargeError",
+    "ExpectedVersion",
+    "Head",
+    "IdempotencyKeyReusedError",
+    "ImmutableLedgerError",
+    "InvalidAppendError",
+    "Ledger",
+    "LedgerError",
+    "LedgerNotInstalledError",
+    "LedgerStats",
+    "LedgerUnavailableError",
+    "NewEvent",
+    "PostgresProjectionPositions",
+    "ProjectionPositions",
+    "ProjectionTimeoutError",
+    "RecordedEvent",
+    "StreamAppend",
+    "StreamTypeMismatchError",
+    "TailReader",
+    "UnknownEventTypeError",
+    "UpcastError",
+    "VerifyReport",
+    "WrongExpectedVersionError",
+    "install",
+    "parse_expected_version",
+    "stream_category",
+    "verify",
+    "wait_for_projection",
+]

@@ -1,0 +1,426 @@
+"""The ledger store: atomic multi-stream appends with optimistic concurrency, reads.
+
+Gap-safe order (why positions are assigned under one lock)
+----------------------------------------------------------
+Every append runs one server-side function, ``<schema>.append(...)``, in one transaction:
+
+1. idempotency key: insert-or-find (a concurrent append with the same key waits here);
+2. streams: upsert every touched stream in id order, bumping its version (row locks in a fixed
+   order, so multi-stream appends cannot deadlock each other), then check expected versions;
+3. payloads are parsed and content digests computed -- all of this runs concurrently;
+4. LAST, the single ``head`` row is locked ``FOR UPDATE``: positions head+1..head+n are assigned,
+   the hash chain is extended from the head hash, events are inserted, head is moved.
+   The lock is held until COMMIT, and PostgreSQL makes a transaction visible before it
+   releases its locks, so the next appender can only take positions after the previous one
+   is visible.
+
+Hence positions are dense (no sequence, no holes from rollbacks) and in commit order: a reader
+that has seen position p has seen every position < p, and ``WHERE position > last`` never skips
+an event that commits late. The alternative -- sequence positions plus readers that stop below
+the oldest in-flight transaction (pg_snapshot_xmin, as Marten/eventsourcing do) -- allows more
+parallel commits but cannot extend a hash chain at append time, because the predecessor of an
+event is not known until older transactions finish. The serial section here is only step 4
+(a few index inserts) plus the commit; everything else runs in parallel.
+
+Appends inside a caller's transaction (``connection=``) hold the head lock until that
+transaction ends: keep such transactions short, and use READ COMMITTED.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import hashlib
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+import psycopg
+from psycopg import errors as pgerrors
+from psycopg import sql
+
+from kappaflow.ledger.connection import ConnectionPool, configure_connection
+from kappaflow.ledger.errors import (
+    IdempotencyKeyReusedError,
+    ImmutableLedgerError,
+    InvalidAppendError,
+    LedgerNotInstalledError,
+    LedgerUnavailableError,
+    StreamTypeMismatchError,
+    WrongExpectedVersionError,
+)
+from kappaflow.ledger.events import (
+    DEFAULT_MAX_EVENT_BYTES,
+    EventRegistry,
+    ExpectedVersion,
+    RecordedEvent,
+    check_identifier,
+    encode_event,
+    parse_expected_version,
+    stream_category,
+)
+from kappaflow.ledger.schema import DEFAULT_SCHEMA, LedgerTables
+
+_DEADLOCK_RETRIES = 5
+
+EVENT_COLUMNS = ("position", "stream_id", "stream_type", "stream_version", "event_type", "schema_version",
+                 "payload", "metadata", "recorded_at", "idempotency_key", "hash")
+
+
+@dataclass(frozen=True, slots=True)
+class StreamAppend:
+    """One stream's part of an atomic (possibly multi-stream) append."""
+
+    stream_id: str
+    events: Sequence[Any]
+    expected_version: int | ExpectedVersion | str = ExpectedVersion.ANY
+    stream_type: str | None = None  # default: the stream id's category ("account-7" -> "account")
+
+
+@dataclass(frozen=True, slots=True)
+class AppendResult:
+    """Where an append landed. `position` is the global position of its last event."""
+
+    first_position: int
+    position: int
+    versions: dict[str, int]
+    recorded_at: dt.datetime
+    duplicate: bool = False  # the idempotency key matched an earlier append; nothing was written
+
+
+@dataclass(frozen=True, slots=True)
+class Head:
+    position: int
+    hash: bytes
+    recorded_at: dt.datetime | None
+
+
+@dataclass(frozen=True, slots=True)
+class LedgerStats:
+    head_position: int
+    head_hash: str
+    streams: int
+    events_by_stream_type: dict[str, int] = field(default_factory=dict)
+    idempotency_keys: int = 0
+    first_recorded_at: str | None = None
+    last_recorded_at: str | None = None
+    table_bytes: dict[str, int] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "head_position": self.head_position, "head_hash": self.head_hash, "streams": self.streams,
+            "events": sum(self.events_by_stream_type.values()),
+            "events_by_stream_type": self.events_by_stream_type, "idempotency_keys": self.idempotency_keys,
+            "first_recorded_at": self.first_recorded_at, "last_recorded_at": self.last_recorded_at,
+            "table_bytes": self.table_bytes,
+        }
+
+
+class Ledger:
+    """An append-only, hash-chained event store in PostgreSQL.
+
+    Thread-safe: appends and reads borrow connections from an internal pool.
+    """
+
+    def __init__(self, dsn: str, *, schema: str = DEFAULT_SCHEMA, registry: EventRegistry | None = None,
+                 max_event_bytes: int = DEFAULT_MAX_EVENT_BYTES, pool_size: int = 8,
+                 connect_timeout: float = 10.0) -> None:
+        from kappaflow.errors import ConfigError
+
+        if not isinstance(max_event_bytes, int) or max_event_bytes < 1:
+            raise ConfigError(f"ledger max_event_bytes: expected an integer >= 1, got {max_event_bytes!r}")
+        self.dsn = dsn
+        self.tables = LedgerTables(schema)
+        self.registry = registry
+        self.max_event_bytes = max_event_bytes
+        self._pool = ConnectionPool(dsn, max_size=pool_size, connect_timeout=connect_timeout)
+        t = self.tables
+        self._append_sql = sql.SQL(
+            "select first_position, last_position, stream_ids, versions, recorded_at, duplicate "
+            "from {fn}(%s::text[], %s::text[], %s::bigint[], %s::bigint[], %s::int[], %s::text[], "
+            "%s::int[], %s::text[], %s::text[], %s::text, %s::bytea)"
+        ).format(fn=t.append_fn)
+        cols = sql.SQL(", ").join(sql.Identifier(c) for c in EVENT_COLUMNS)
+        self._read_stream_sql = sql.SQL(
+            "select {cols} from {events} where stream_id = %s and stream_version >= %s "
+            "order by stream_version limit %s").format(cols=cols, events=t.events)
+        self._read_all_sql = sql.SQL(
+            "select {cols} from {events} where position >= %s order by position limit %s"
+        ).format(cols=cols, events=t.events)
+        self._read_all_types_sql = sql.SQL(
+            "select {cols} from {events} where position >= %s and stream_type = any(%s::text[]) "
+            "order by position limit %s").format(cols=cols, events=t.events)
+
+    # --- lifecycle ----------------------------------------------------------
+    def close(self) -> None:
+        self._pool.close()
+
+    def __enter__(self) -> Ledger:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @contextmanager
+    def connection(self) -> Iterator[psycopg.Connection]:
+        """Borrow a pooled autocommit connection (mapped errors)."""
+        with self._pool.connection() as conn, self._mapped_errors():
+            yield conn
+
+    # --- append -------------------------------------------------------------
+    def append(self, stream_id: str, events: Sequence[Any],
+               expected_version: int | ExpectedVersion | str = ExpectedVersion.ANY, *,
+               stream_type: str | None = None, idempotency_key: str | None = None,
+               metadata: Mapping[str, Any] | None = None,
+               connection: psycopg.Connection | None = None) -> AppendResult:
+        """Append events to one stream; see `append_many`."""
+        return self.append_many([StreamAppend(stream_id, events, expected_version, stream_type)],
+                                idempotency_key=idempotency_key, metadata=metadata, connection=connection)
+
+    def append_many(self, parts: Sequence[StreamAppend], *, idempotency_key: str | None = None,
+                    metadata: Mapping[str, Any] | None = None,
+                    connection: psycopg.Connection | None = None) -> AppendResult:
+        """Append to several streams in one commit: all events or none.
+
+        Each part carries its own expected version; the first mismatch raises
+        `WrongExpectedVersionError` and nothing is written. With `idempotency_key`, a repeat of
+        the same request returns the original result (``duplicate=True``) and writes nothing;
+        the same key with a different request raises `IdempotencyKeyReusedError`.
+        `metadata` is merged into every event's metadata. With `connection`, the append runs
+        inside the caller's open transaction (committed by the caller).
+        """
+        params = self._build_params(parts, idempotency_key, metadata)
+        if connection is not None:
+            with self._mapped_errors():
+                row = connection.execute(self._append_sql, params).fetchone()
+            return _result(row)
+        for attempt in range(_DEADLOCK_RETRIES):
+            try:
+                with self.connection() as conn:
+                    row = conn.execute(self._append_sql, params, prepare=True).fetchone()
+                return _result(row)
+            except _Retryable:
+                if attempt == _DEADLOCK_RETRIES - 1:
+                    raise LedgerUnavailableError("append kept deadlocking; giving up") from None
+                time.sleep(0.001 * (2 ** attempt))
+        raise AssertionError("unreachable")
+
+    def _build_params(self, parts: Sequence[StreamAppend], key: str | None,
+                      metadata: Mapping[str, Any] | None) -> tuple[Any, ...]:
+        if isinstance(parts, StreamAppend) or not isinstance(parts, Sequence) or not parts:
+            raise InvalidAppendError("expected a non-empty list of StreamAppend", field="parts")
+        if key is not None:
+            check_identifier(key, field="idempotency_key")
+        if metadata is not None and not isinstance(metadata, Mapping):
+            raise InvalidAppendError(f"expected a mapping, got {type(metadata).__name__}", field="metadata")
+        stream_ids: list[str] = []
+        stream_types: list[str] = []
+        expected: list[int] = []
+        counts: list[int] = []
+        ev_stream: list[int] = []
+        ev_types: list[str] = []
+        ev_schema: list[int] = []
+        payloads: list[str] = []
+        metas: list[str] = []
+        seen: set[str] = set()
+        registry, limit = self.registry, self.max_event_bytes
+        for si, part in enumerate(parts, start=1):
+            if not isinstance(part, StreamAppend):
+                raise InvalidAppendError(f"expected a StreamAppend, got {type(part).__name__}",
+                                         field=f"parts[{si - 1}]")
+            sid = check_identifier(part.stream_id, field="stream_id")
+            if sid in seen:
+                raise InvalidAppendError(f"stream {sid!r} appears twice in one append; merge its events",
+                                         field="stream_id")
+            seen.add(sid)
+            stype = part.stream_type if part.stream_type is not None else stream_category(sid)
+            check_identifier(stype, field=f"stream_type (stream {sid!r})")
+            exp = parse_expected_version(part.expected_version, field=f"expected_version (stream {sid!r})")
+            evs = part.events
+            if isinstance(evs, str | bytes) or not isinstance(evs, Sequence) or not evs:
+                raise InvalidAppendError("expected a non-empty list of events", field=f"events (stream {sid!r})")
+            prefix = "events" if len(parts) == 1 else f"parts[{si - 1}].events"
+            for ei, ev in enumerate(evs):
+                enc = encode_event(ev, field=f"{prefix}[{ei}]", registry=registry,
+                                   common_metadata=metadata, max_bytes=limit)
+                ev_stream.append(si)
+                ev_types.append(enc.type)
+                ev_schema.append(enc.schema_version)
+                payloads.append(enc.payload)
+                metas.append(enc.metadata)
+            stream_ids.append(sid)
+            stream_types.append(stype)
+            expected.append(exp)
+            counts.append(len(evs))
+        request_hash: bytes | None = None
+        if key is not None:
+            request_hash = hashlib.sha256(orjson.dumps(
+                [stream_ids, stream_types, expected, ev_stream, ev_types, ev_schema, payloads, metas])).digest()
+        return (stream_ids, stream_types, expected, counts, ev_stream, ev_types, ev_schema, payloads, metas,
+                key, request_hash)
+
+    # --- read ---------------------------------------------------------------
+    def read_stream(self, stream_id: str, *, from_version: int = 1, limit: int | None = None,
+                    decode: bool = True) -> list[RecordedEvent]:
+        """Events of one stream from `from_version` (inclusive), in stream order."""
+        check_identifier(stream_id, field="stream_id")
+        _check_int(from_version, "from_version", minimum=1)
+        if limit is not None:
+            _check_int(limit, "limit", minimum=1)
+        with self.connection() as conn:
+            rows = conn.execute(self._read_stream_sql, (stream_id, from_version, limit)).fetchall()
+        return self._records(rows, decode)
+
+    def read_all(self, *, from_position: int = 1, limit: int = 1000,
+                 stream_types: Sequence[str] | None = None, decode: bool = True) -> list[RecordedEvent]:
+        """Events in global (commit) order from `from_position` (inclusive)."""
+        _check_int(from_position, "from_position", minimum=1)
+        _check_int(limit, "limit", minimum=1)
+        with self.connection() as conn:
+            if stream_types:
+                rows = conn.execute(self._read_all_types_sql, (from_position, list(stream_types), limit)).fetchall()
+            else:
+                rows = conn.execute(self._read_all_sql, (from_position, limit)).fetchall()
+        return self._records(rows, decode)
+
+    def iter_all(self, *, from_position: int = 1, batch: int = 5000,
+                 decode: bool = True) -> Iterator[RecordedEvent]:
+        """Every event from `from_position` up to the head at the time each batch is read."""
+        pos = from_position
+        while True:
+            chunk = self.read_all(from_position=pos, limit=batch, decode=decode)
+            yield from chunk
+            if len(chunk) < batch:
+                return
+            pos = chunk[-1].position + 1
+
+    def stream_version(self, stream_id: str) -> int:
+        """The stream's current version (0 when it has no events)."""
+        check_identifier(stream_id, field="stream_id")
+        with self.connection() as conn:
+            row = conn.execute(sql.SQL("select version from {} where stream_id = %s").format(
+                self.tables.streams), (stream_id,)).fetchone()
+        return int(row[0]) if row else 0
+
+    def head(self) -> Head:
+        with self.connection() as conn:
+            row = conn.execute(sql.SQL("select position, hash, recorded_at from {}").format(
+                self.tables.head)).fetchone()
+        if row is None:
+            raise LedgerNotInstalledError(self.tables.schema, "the head row is missing")
+        return Head(int(row[0]), bytes(row[1]), row[2])
+
+    def stats(self) -> LedgerStats:
+        t = self.tables
+        with self.connection() as conn:
+            head = conn.execute(sql.SQL("select position, hash from {}").format(t.head)).fetchone()
+            by_type = dict(conn.execute(sql.SQL(
+                "select stream_type, sum(version)::bigint from {} group by stream_type order by 1").format(
+                t.streams)).fetchall())
+            n_streams = conn.execute(sql.SQL("select count(*) from {}").format(t.streams)).fetchone()
+            n_keys = conn.execute(sql.SQL("select count(*) from {}").format(t.idempotency_keys)).fetchone()
+            first = conn.execute(sql.SQL("select recorded_at from {} order by position limit 1").format(
+                t.events)).fetchone()
+            last = conn.execute(sql.SQL("select recorded_at from {} order by position desc limit 1").format(
+                t.events)).fetchone()
+            sizes = dict(conn.execute(
+                "select c.relname, pg_total_relation_size(c.oid) from pg_class c "
+                "join pg_namespace n on n.oid = c.relnamespace where n.nspname = %s and c.relkind = 'r'",
+                (t.schema,)).fetchall())
+        assert head is not None and n_streams is not None and n_keys is not None
+        return LedgerStats(
+            head_position=int(head[0]), head_hash=bytes(head[1]).hex(), streams=int(n_streams[0]),
+            events_by_stream_type={k: int(v) for k, v in by_type.items()}, idempotency_keys=int(n_keys[0]),
+            first_recorded_at=first[0].isoformat() if first else None,
+            last_recorded_at=last[0].isoformat() if last else None,
+            table_bytes={k: int(v) for k, v in sizes.items()},
+        )
+
+    def verify(self, **kwargs: Any) -> Any:
+        """Check the hash chain and stream versions; see `kappaflow.ledger.hashing.verify`."""
+        from kappaflow.ledger.hashing import verify
+
+        with self.connection() as conn:
+            return verify(conn, self.tables.schema, **kwargs)
+
+    # --- helpers ------------------------------------------------------------
+    def _records(self, rows: list[tuple[Any, ...]], decode: bool) -> list[RecordedEvent]:
+        registry = self.registry if decode else None
+        out = []
+        for r in rows:
+            event = registry.decode(r[4], r[5], r[6], position=r[0]) if registry is not None else None
+            out.append(RecordedEvent(r[0], r[1], r[2], r[3], r[4], r[5], r[6], r[7], r[8], r[9], bytes(r[10]),
+                                     event))
+        return out
+
+    @contextmanager
+    def _mapped_errors(self) -> Iterator[None]:
+        try:
+            yield
+        except psycopg.Error as exc:
+            raise _map_error(exc, self.tables.schema) from None
+
+
+class _Retryable(LedgerUnavailableError):
+    """A deadlock or serialisation failure: the transaction rolled back, retrying is safe."""
+
+
+def _result(row: tuple[Any, ...] | None) -> AppendResult:
+    assert row is not None
+    return AppendResult(first_position=int(row[0]), position=int(row[1]),
+                        versions=dict(zip(row[2], (int(v) for v in row[3]), strict=True)),
+                        recorded_at=row[4], duplicate=bool(row[5]))
+
+
+def _expected_from_sql(value: int) -> int | ExpectedVersion:
+    return ExpectedVersion(value) if value < 0 else value
+
+
+def _map_error(exc: psycopg.Error, schema: str) -> Exception:
+    state = getattr(exc, "sqlstate", None)
+    detail: dict[str, Any] = {}
+    diag = getattr(exc, "diag", None)
+    if diag is not None and diag.message_detail and diag.message_detail.startswith("{"):
+        try:
+            detail = orjson.loads(diag.message_detail)
+        except orjson.JSONDecodeError:
+            detail = {}
+    if state == "KL001":
+        return WrongExpectedVersionError(detail.get("stream_id", "?"), _expected_from_sql(int(detail["expected"])),
+                                         int(detail["actual"]))
+    if state == "KL002":
+        return IdempotencyKeyReusedError(str(detail.get("key", "?")))
+    if state == "KL003":
+        return StreamTypeMismatchError(str(detail.get("stream_id")), str(detail.get("expected")),
+                                       str(detail.get("actual")))
+    if state == "KL010":
+        return ImmutableLedgerError(_first_line(exc))
+    if isinstance(exc, pgerrors.DeadlockDetected | pgerrors.SerializationFailure):
+        return _Retryable(_first_line(exc))
+    if isinstance(exc, pgerrors.UndefinedFunction | pgerrors.UndefinedTable | pgerrors.InvalidSchemaName):
+        return LedgerNotInstalledError(schema, _first_line(exc))
+    if isinstance(exc, pgerrors.ProgramLimitExceeded | pgerrors.UntranslatableCharacter
+                  | pgerrors.CharacterNotInRepertoire):
+        return InvalidAppendError(_first_line(exc), field="events")
+    if isinstance(exc, psycopg.OperationalError):
+        return LedgerUnavailableError(
+            f"ledger database unavailable ({_first_line(exc)}); an append in flight may or may not have "
+            "committed: retry it with the same idempotency key")
+    from kappaflow.ledger.errors import LedgerError
+
+    return LedgerError(f"ledger database error [{state}]: {_first_line(exc)}")
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+def _check_int(value: Any, name: str, *, minimum: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise InvalidAppendError(f"expected an integer >= {minimum}, got {value!r}", field=name)
+
+
+__all__ = ["AppendResult", "Head", "Ledger", "LedgerStats", "StreamAppend", "configure_connection"]

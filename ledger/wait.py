@@ -1,0 +1,112 @@
+"""Read-your-writes: wait until a named projection has processed a ledger position.
+
+`append` returns the global position of the last event written; a caller that must show the
+user a view including that write calls ``wait_for_projection(dsn, "balances", result.position)``.
+Where a projection records its progress is the projections part's business; this module only
+needs something that answers "the highest ledger position this projection has processed",
+the `ProjectionPositions` protocol. The default reads a PostgreSQL table
+(``kappaflow.projection_positions (projection, source, position)`` by default; names configurable).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
+
+import psycopg
+from psycopg import sql
+
+from kappaflow.errors import ConfigError
+from kappaflow.ledger.errors import LedgerUnavailableError, ProjectionTimeoutError
+
+
+@runtime_checkable
+class ProjectionPositions(Protocol):
+    def processed(self, projection: str) -> int | None:
+        """The highest ledger position `projection` has fully processed, or None if unknown."""
+
+
+@dataclass
+class PostgresProjectionPositions:
+    """Reads a positions table: ``max(position)`` over the projection's rows (optionally one source).
+
+    `next_to_read=True` when the table stores the next position to read (resume state) rather
+    than the last processed one.
+    """
+
+    dsn: str
+    schema: str = "kappaflow"
+    table: str = "projection_positions"
+    source: str | None = None
+    projection_column: str = "projection"
+    source_column: str = "source"
+    position_column: str = "position"
+    next_to_read: bool = False
+    _conn: psycopg.Connection | None = field(default=None, init=False, repr=False)
+
+    def _query(self) -> sql.Composed:
+        q = sql.SQL("select max({pos}) from {tbl} where {proj} = %s").format(
+            pos=sql.Identifier(self.position_column), tbl=sql.Identifier(self.schema, self.table),
+            proj=sql.Identifier(self.projection_column))
+        if self.source is not None:
+            q = q + sql.SQL(" and {src} = %s").format(src=sql.Identifier(self.source_column))
+        return q
+
+    def processed(self, projection: str) -> int | None:
+        if self._conn is None or self._conn.closed:
+            try:
+                self._conn = psycopg.connect(self.dsn, autocommit=True, connect_timeout=10)
+            except psycopg.OperationalError as exc:
+                raise LedgerUnavailableError(f"cannot connect to read projection positions: "
+                                             f"{str(exc).strip().splitlines()[0]}") from None
+        params: tuple[object, ...] = (projection,) if self.source is None else (projection, self.source)
+        try:
+            row = self._conn.execute(self._query(), params).fetchone()
+        except psycopg.errors.UndefinedTable:
+            raise ConfigError(f"projection positions table {self.schema}.{self.table} does not exist "
+                              "(run the projections migrations, or point PostgresProjectionPositions "
+                              "at the right table)") from None
+        except psycopg.errors.UndefinedColumn as exc:
+            raise ConfigError(f"projection positions table {self.schema}.{self.table}: "
+                              f"{str(exc).strip().splitlines()[0]}") from None
+        if row is None or row[0] is None:
+            return None
+        value = int(row[0])
+        return value - 1 if self.next_to_read else value
+
+    def close(self) -> None:
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None
+
+
+def wait_for_projection(dsn: str | ProjectionPositions, projection_name: str, position: int,
+                        timeout: float = 10.0, *, poll_interval: float = 0.05,
+                        source: str | None = None) -> int:
+    """Block until `projection_name` has processed ledger `position`; returns the position reached.
+
+    `dsn` is the database holding the projection positions table, or any `ProjectionPositions`.
+    Raises `ProjectionTimeoutError` (transient) naming the projection, the wanted and the reached
+    position after `timeout` seconds.
+    """
+    if not isinstance(position, int) or isinstance(position, bool) or position < 0:
+        raise ConfigError(f"wait_for_projection position: expected an integer >= 0, got {position!r}")
+    if timeout < 0:
+        raise ConfigError(f"wait_for_projection timeout: expected seconds >= 0, got {timeout!r}")
+    own = isinstance(dsn, str)
+    positions: ProjectionPositions = PostgresProjectionPositions(dsn, source=source) if isinstance(dsn, str) \
+        else dsn
+    deadline = time.monotonic() + timeout
+    try:
+        while True:
+            reached = positions.processed(projection_name)
+            if reached is not None and reached >= position:
+                return reached
+            now = time.monotonic()
+            if now >= deadline:
+                raise ProjectionTimeoutError(projection_name, position, reached, timeout)
+            time.sleep(min(poll_interval, deadline - now))
+    finally:
+        if own and isinstance(positions, PostgresProjectionPositions):
+            positions.close()
