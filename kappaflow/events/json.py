@@ -1,0 +1,750 @@
+"""Debezium JsonConverter-compatible JSON for change events (orjson underneath).
+
+Value messages are Debezium envelopes (``before``/``after``/``source``/``op``/
+``ts_ms``/``transaction``); with ``include_schema=True`` they are wrapped as
+``{"schema": <Connect schema>, "payload": <envelope>}`` exactly like
+JsonConverter with ``schemas.enable=true``. kappaflow adds ``source.kf_pos``
+(the exact Position) and, when some column values are unknown, a top-level
+``kf_unavailable`` list. A column absent from a row is absent in the JSON too
+(Debezium would write null); None is written as null.
+
+Speed: per schema the codec builds, once, a tuple of (column, converter) for
+the columns whose JSON form differs from the Python value, plus the rendered
+Connect schema as an ``orjson.Fragment``; encoding an event then builds plain
+dicts and calls ``orjson.dumps`` once. Errors are located only after a failure
+(a slow second pass names the field), so the fast path has no checks beyond
+the converters themselves.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from datetime import date, datetime, time, timedelta
+from decimal import Decimal
+from typing import Any
+from uuid import UUID
+
+import orjson
+
+from kappaflow import __version__
+from kappaflow.errors import ValidationError
+from kappaflow.events.connect import connect_envelope_schema, connect_key_schema, table_from_connect
+from kappaflow.events.model import ChangeEvent, Op, Snapshot, SourceInfo, TransactionInfo
+from kappaflow.events.position import BinlogPosition, LedgerPosition, PgPosition, Position
+from kappaflow.events.schema import DECIMAL_MODES, Column, FieldType, TableSchema
+from kappaflow.events.values import (
+    JSON_NULL,
+    Wire,
+    default_wire,
+    describe,
+    make_decoder,
+    make_encoder,
+    short_repr,
+)
+
+__all__ = [
+    "JSON_NULL",
+    "EventCodec",
+    "decode_row_values",
+    "encode_row_values",
+    "op_header",
+    "tombstone_for",
+    "topic_name",
+]
+
+SOURCE_VERSION = f"kappaflow-{__version__}"
+_UTC_Z = orjson.OPT_UTC_Z
+
+RowFn = Callable[[dict[str, Any]], dict[str, Any]]
+
+
+class _UnknownColumn(Exception):
+    pass
+
+
+# -- row converters (built once per schema and mode) ---------------------------------------------
+def _row_encoder(schema: TableSchema, mode: str, native: bool) -> RowFn:
+    convs = tuple((c.name, enc) for c in schema.columns if (enc := make_encoder(c, mode, native)) is not None)
+    issuperset = frozenset(c.name for c in schema.columns).issuperset
+
+    if not convs:
+
+        def conv_plain(row: dict[str, Any]) -> dict[str, Any]:
+            if not issuperset(row):
+                raise _UnknownColumn
+            return row
+
+        return conv_plain
+
+    def conv(row: dict[str, Any]) -> dict[str, Any]:
+        if not issuperset(row):
+            raise _UnknownColumn
+        out = row.copy()
+        for name, fn in convs:
+            v = out.get(name)
+            if v is not None:
+                out[name] = fn(v)
+        return out
+
+    return conv
+
+
+def _identity_checker(col: Column) -> Callable[[Any], bool] | None:
+    """Python-side type check for columns whose value JSON carries as-is (validate=True)."""
+    t = col.type
+    if t in (FieldType.INT8, FieldType.INT16, FieldType.INT32, FieldType.INT64, FieldType.YEAR):
+        lo, hi = {
+            FieldType.INT8: (-(1 << 7), (1 << 7) - 1),
+            FieldType.INT16: (-(1 << 15), (1 << 15) - 1),
+            FieldType.INT64: (-(1 << 63), (1 << 63) - 1),
+        }.get(t, (-(1 << 31), (1 << 31) - 1))
+        return lambda v: type(v) is int and lo <= v <= hi
+    if t is FieldType.STRING or t is FieldType.ENUM:
+        return lambda v: type(v) is str
+    if t is FieldType.BOOLEAN:
+        return lambda v: type(v) is bool
+    if t is FieldType.UUID:
+        return lambda v: isinstance(v, UUID)
+    return None
+
+
+def _row_validator(schema: TableSchema) -> Callable[[dict[str, Any]], None]:
+    checks = tuple((c.name, chk) for c in schema.columns if (chk := _identity_checker(c)) is not None)
+
+    def validate(row: dict[str, Any]) -> None:
+        for name, chk in checks:
+            v = row.get(name)
+            if v is not None and not chk(v):
+                raise _UnknownColumn  # any exception: the slow pass names the field
+        return None
+
+    return validate
+
+
+def _row_decoder(schema: TableSchema, wires: Mapping[str, Wire] | None, mode: str) -> Callable[[Any, str], Any]:
+    decs = tuple(
+        (
+            c.name,
+            make_decoder(c, wires[c.name] if wires is not None else default_wire(c, mode)),
+            c,
+        )
+        for c in schema.columns
+    )
+    names = frozenset(c.name for c in schema.columns)
+    issuperset = names.issuperset
+
+    def dec(row: Any, path: str) -> Any:
+        if type(row) is not dict:
+            if row is None:
+                return None
+            raise ValidationError(f"{path}: expected an object of column values or null, got {short_repr(row)}")
+        if not issuperset(row):
+            unknown = sorted(set(row) - names)
+            raise ValidationError(
+                f"{path}.{unknown[0]}: column not in schema {schema.name!r} (columns: {sorted(names)})"
+            )
+        name = ""
+        try:
+            for name, fn, _col in decs:
+                v = row.get(name)
+                if v is not None:
+                    row[name] = fn(v)
+        except Exception:
+            for n, _fn, col in decs:
+                if n == name:
+                    w = wires[n] if wires is not None else default_wire(col, mode)
+                    raise ValidationError(
+                        f"{path}.{n}: expected {describe(col, w)}, got {short_repr(row[n])}"
+                    ) from None
+            raise
+        return row
+
+    return dec
+
+
+def _raw_rows(row: Any, path: str) -> Any:
+    if row is None or type(row) is dict:
+        return row
+    raise ValidationError(f"{path}: expected an object of column values or null, got {short_repr(row)}")
+
+
+# -- source blocks ---------------------------------------------------------------------------------
+def _src_pg(s: SourceInfo, version: str) -> dict[str, Any]:
+    p: PgPosition = s.position  # type: ignore[assignment]
+    return {
+        "version": version,
+        "connector": s.connector,
+        "name": s.name,
+        "ts_ms": s.ts_ms,
+        "snapshot": s.snapshot,
+        "db": s.db,
+        "sequence": None,
+        "schema": s.schema,
+        "table": s.table,
+        "txId": s.tx_id,
+        "lsn": p.lsn,
+        "xmin": None,
+        "kf_pos": {"kind": "pg", "lsn": p.lsn, "index": p.index, "snapshot": p.snapshot},
+    }
+
+
+def _src_binlog(s: SourceInfo, version: str) -> dict[str, Any]:
+    p: BinlogPosition = s.position  # type: ignore[assignment]
+    return {
+        "version": version,
+        "connector": s.connector,
+        "name": s.name,
+        "ts_ms": s.ts_ms,
+        "snapshot": s.snapshot,
+        "db": s.db,
+        "sequence": None,
+        "table": s.table,
+        "server_id": p.server_id if p.server_id is not None else 0,
+        "gtid": p.gtid,
+        "file": p.file,
+        "pos": p.pos,
+        "row": p.row,
+        "thread": None,
+        "query": None,
+        "txId": s.tx_id,
+        "kf_pos": p.to_dict(),
+    }
+
+
+def _src_ledger(s: SourceInfo, version: str) -> dict[str, Any]:
+    return {
+        "version": version,
+        "connector": s.connector,
+        "name": s.name,
+        "ts_ms": s.ts_ms,
+        "snapshot": s.snapshot,
+        "db": s.db,
+        "sequence": None,
+        "schema": s.schema,
+        "table": s.table,
+        "txId": s.tx_id,
+        "kf_pos": s.position.to_dict(),
+    }
+
+
+_SOURCE_BUILDERS: dict[type, tuple[str, Callable[[SourceInfo, str], dict[str, Any]]]] = {
+    PgPosition: ("pg", _src_pg),
+    BinlogPosition: ("binlog", _src_binlog),
+    LedgerPosition: ("ledger", _src_ledger),
+}
+
+
+def _str_field(s: Mapping[str, Any], key: str, optional: bool = False) -> Any:
+    v = s.get(key)
+    if type(v) is str or (optional and v is None):
+        return v
+    what = "missing" if key not in s else f"got {short_repr(v)}"
+    raise ValidationError(f"source.{key}: expected a string, {what}")
+
+
+_SNAPSHOTS = {s.value: s for s in Snapshot}
+_OPS = {o.value: o for o in Op}
+
+
+def _decode_source(s: Any) -> SourceInfo:
+    if type(s) is not dict:
+        raise ValidationError(f"source: expected an object, got {short_repr(s)}")
+    get = s.get
+    connector, name, db, schema, table, ts_ms = (
+        get("connector"), get("name"), get("db"), get("schema"), get("table"), get("ts_ms")
+    )
+    if not (
+        type(connector) is str
+        and type(name) is str
+        and type(db) is str
+        and type(table) is str
+        and (schema is None or type(schema) is str)
+        and type(ts_ms) is int
+    ):
+        for key in ("connector", "name", "db", "table", "schema"):
+            _str_field(s, key, optional=key == "schema")
+        raise ValidationError(f"source.ts_ms: expected an integer (ms since the epoch), got {short_repr(ts_ms)}")
+    snap = get("snapshot")
+    snapshot = _SNAPSHOTS.get(snap) if type(snap) is str else _snapshot_from(snap)
+    if snapshot is None:
+        raise ValidationError(f"source.snapshot: expected one of {list(_SNAPSHOTS)}, got {snap!r}")
+    tx_id = get("txId")
+    if tx_id is not None and type(tx_id) is not int and type(tx_id) is not str:
+        raise ValidationError(f"source.txId: expected an integer, a string or null, got {short_repr(tx_id)}")
+    kf = get("kf_pos")
+    position: Position
+    if type(kf) is dict and kf.get("kind") == "pg":  # fast path for the common case
+        lsn, index, snap_flag = kf.get("lsn"), kf.get("index"), kf.get("snapshot")
+        if type(lsn) is int and type(index) is int and type(snap_flag) is bool and lsn >= 0 and index >= 0:
+            position = PgPosition(lsn, index, snap_flag)
+        else:
+            position = _position_from(kf)
+    elif kf is not None:
+        position = _position_from(kf)
+    else:
+        position = _derive_position(s, snapshot)
+    return SourceInfo(connector, name, db, schema, table, position, ts_ms, tx_id, snapshot)
+
+
+def _snapshot_from(snap: Any) -> Snapshot:
+    if snap is None or snap is False:
+        return Snapshot.FALSE
+    if snap is True:  # Debezium 0.x/1.0 wrote a boolean
+        return Snapshot.TRUE
+    raise ValidationError(f"source.snapshot: expected a string, got {short_repr(snap)}")
+
+
+def _position_from(kf: Any) -> Position:
+    try:
+        return Position.from_dict(kf)
+    except ValidationError as e:
+        raise ValidationError(f"source.kf_pos: {e}") from None
+
+
+def _derive_position(s: Mapping[str, Any], snapshot: Snapshot) -> Position:
+    """A Position for events written by Debezium itself (no kf_pos)."""
+    in_snapshot = snapshot is not Snapshot.FALSE and snapshot is not Snapshot.INCREMENTAL
+    if s.get("lsn") is not None:
+        lsn = s["lsn"]
+        if type(lsn) is not int or lsn < 0:
+            raise ValidationError(f"source.lsn: expected a non-negative integer, got {short_repr(lsn)}")
+        return PgPosition(lsn, 0, in_snapshot)
+    if s.get("file") is not None:
+        file, pos, row = s.get("file"), s.get("pos"), s.get("row", 0)
+        if type(pos) is not int or type(row) is not int:
+            raise ValidationError(f"source.pos/row: expected integers, got {short_repr(pos)}, {short_repr(row)}")
+        server_id = s.get("server_id")
+        try:
+            return BinlogPosition(file, pos, row, s.get("gtid"), server_id, in_snapshot)  # type: ignore[arg-type]
+        except ValidationError as e:
+            raise ValidationError(f"source.file: {e}") from None
+    raise ValidationError(
+        "source.kf_pos: missing, and the source block has no 'lsn' or binlog 'file'/'pos' to derive a position from"
+    )
+
+
+def _decode_transaction(t: Any) -> TransactionInfo | None:
+    if t is None:
+        return None
+    if type(t) is not dict:
+        raise ValidationError(f"transaction: expected an object or null, got {short_repr(t)}")
+    tid = t.get("id")
+    if type(tid) is not str:
+        raise ValidationError(f"transaction.id: expected a string, got {short_repr(tid)}")
+    orders = []
+    for k in ("total_order", "data_collection_order"):
+        v = t.get(k)
+        if type(v) is str and v.isdigit():  # Debezium's docs show them quoted
+            v = int(v)
+        if type(v) is not int:
+            raise ValidationError(f"transaction.{k}: expected an integer, got {short_repr(v)}")
+        orders.append(v)
+    return TransactionInfo(tid, orders[0], orders[1])
+
+
+# -- generic key values (no schema at hand) -------------------------------------------------------
+def _encode_any(v: Any) -> Any:
+    """Deterministic JSON form of a key value by its Python type (used without a schema)."""
+    t = type(v)
+    if t is int or t is str or t is bool or v is None:
+        return v
+    if t is float:
+        return make_encoder(Column("_", FieldType.FLOAT64), "string")(v)  # type: ignore[misc]
+    if isinstance(v, Decimal):
+        return format(v, "f") if v.is_finite() else str(v)
+    if isinstance(v, datetime):
+        if v.tzinfo is None:
+            return (v - datetime(1970, 1, 1)) // timedelta(microseconds=1)
+        return make_encoder(Column("_", FieldType.TIMESTAMPTZ), "string")(v)  # type: ignore[misc]
+    if isinstance(v, date):
+        return v.toordinal() - 719163
+    if isinstance(v, time):
+        return make_encoder(Column("_", FieldType.TIME), "string")(v)  # type: ignore[misc]
+    if isinstance(v, timedelta):
+        return v // timedelta(microseconds=1)
+    if isinstance(v, UUID):
+        return str(v)
+    if isinstance(v, (bytes, bytearray, memoryview)):
+        return make_encoder(Column("_", FieldType.BYTES), "string")(bytes(v))  # type: ignore[misc]
+    raise ValidationError(f"key: cannot encode {short_repr(v)} without a schema")
+
+
+# -- the codec ---------------------------------------------------------------------------------------
+class EventCodec:
+    """Encode/decode change events as Debezium JsonConverter JSON.
+
+    ``decimal_mode``: "string" (kappaflow's default, "12.34"), "precise" (Debezium's
+    default: Connect Decimal, base64 unscaled bytes) or "double". ``include_schema``:
+    wrap messages as ``{"schema", "payload"}`` (JsonConverter schemas.enable=true).
+    ``validate``: also type-check values JSON carries as-is (ints, strings, booleans,
+    UUIDs) when encoding; off by default because connectors produce typed values.
+    """
+
+    __slots__ = ("_connect_cache", "_dec_key", "_enc_key", "decimal_mode", "include_schema", "validate", "version")
+
+    def __init__(
+        self,
+        decimal_mode: str = "string",
+        include_schema: bool = False,
+        *,
+        validate: bool = False,
+        version: str = SOURCE_VERSION,
+    ) -> None:
+        if decimal_mode not in DECIMAL_MODES:
+            raise ValidationError(f"decimal_mode: expected one of {list(DECIMAL_MODES)}, got {decimal_mode!r}")
+        if type(include_schema) is not bool:
+            raise ValidationError(f"include_schema: expected true or false, got {include_schema!r}")
+        self.decimal_mode = decimal_mode
+        self.include_schema = include_schema
+        self.validate = validate
+        self.version = version
+        self._enc_key = ("enc", decimal_mode, include_schema, validate)
+        self._dec_key = ("dec", decimal_mode)
+        self._connect_cache: dict[Any, tuple[Any, Any]] = {}
+
+    def __repr__(self) -> str:
+        return f"EventCodec(decimal_mode={self.decimal_mode!r}, include_schema={self.include_schema!r})"
+
+    # -- plans -------------------------------------------------------------------------------------
+    def _enc_plan(self, schema: TableSchema) -> tuple[Any, ...]:
+        plan = schema._cache.get(self._enc_key)
+        if plan is None:
+            mode = self.decimal_mode
+            validator = _row_validator(schema) if self.validate else None
+            plan = schema._cache[self._enc_key] = (
+                _row_encoder(schema, mode, True),  # for orjson.dumps(option=OPT_UTC_Z)
+                validator,
+                {},  # position kind -> rendered Connect schema (orjson.Fragment)
+                _row_encoder(schema, mode, False),  # plain JSON values (encode_row_values)
+            )
+        return plan
+
+    def _schema_fragment(self, schema: TableSchema, plan: tuple[Any, ...], kind: str) -> Any:
+        frags = plan[2]
+        frag = frags.get(kind)
+        if frag is None:
+            frag = frags[kind] = orjson.Fragment(
+                orjson.dumps(connect_envelope_schema(schema, self.decimal_mode, kind))
+            )
+        return frag
+
+    def _dec_plan(self, schema: TableSchema) -> Callable[[Any, str], Any]:
+        plan = schema._cache.get(self._dec_key)
+        if plan is None:
+            plan = schema._cache[self._dec_key] = _row_decoder(schema, None, self.decimal_mode)
+        return plan
+
+    def _plan_from_connect(self, wire_schema: Any) -> tuple[TableSchema, Callable[[Any, str], Any]]:
+        name = wire_schema.get("name") if isinstance(wire_schema, dict) else None
+        hit = self._connect_cache.get(name)
+        if hit is not None and hit[0] == wire_schema:
+            return hit[1]
+        table, wires = table_from_connect(wire_schema)
+        plan = (table, _row_decoder(table, wires, self.decimal_mode))
+        if len(self._connect_cache) > 1024:
+            self._connect_cache.clear()
+        self._connect_cache[name] = (wire_schema, plan)
+        return plan
+
+    # -- values ------------------------------------------------------------------------------------
+    def encode_value(self, event: ChangeEvent, schema: TableSchema) -> bytes:
+        """The value bytes of a change event (a Debezium envelope)."""
+        plan = schema._cache.get(self._enc_key) or self._enc_plan(schema)
+        conv = plan[0]
+        try:
+            before = event.before
+            after = event.after
+            if plan[1] is not None:
+                if before is not None:
+                    plan[1](before)
+                if after is not None:
+                    plan[1](after)
+            src = event.source
+            kind, build = _SOURCE_BUILDERS[type(src.position)]
+            tx = event.transaction
+            payload = {
+                "before": None if before is None else conv(before),
+                "after": None if after is None else conv(after),
+                "source": build(src, self.version),
+                "op": event.op,
+                "ts_ms": event.ts_ms,
+                "transaction": None
+                if tx is None
+                else {"id": tx.id, "total_order": tx.total_order, "data_collection_order": tx.data_collection_order},
+            }
+            if event.unavailable:
+                payload["kf_unavailable"] = list(event.unavailable)
+            if self.include_schema:
+                frag = self._schema_fragment(schema, plan, kind)
+                return orjson.dumps({"schema": frag, "payload": payload}, option=_UTC_Z)
+            return orjson.dumps(payload, option=_UTC_Z)
+        except ValidationError:
+            raise
+        except Exception as exc:
+            raise self._diagnose(event, schema, exc) from None
+
+    def encode_row_values(self, schema: TableSchema, row: dict[str, Any]) -> dict[str, Any]:
+        """A row's column values in their JSON form (the fast path connectors can reuse)."""
+        plan = schema._cache.get(self._enc_key) or self._enc_plan(schema)
+        try:
+            if plan[1] is not None:
+                plan[1](row)
+            return plan[3](row)
+        except Exception as exc:
+            raise self._diagnose_row(row, "row", schema, exc) from None
+
+    def decode_row_values(self, schema: TableSchema, row: dict[str, Any]) -> dict[str, Any]:
+        """Inverse of ``encode_row_values`` (decodes a copy; the input is left alone)."""
+        return self._dec_plan(schema)(dict(row), "row")
+
+    def _diagnose(self, event: ChangeEvent, schema: TableSchema, exc: Exception) -> ValidationError:
+        for part in ("before", "after"):
+            row = getattr(event, part)
+            if row is not None:
+                err = self._diagnose_row(row, part, schema, exc, generic=False)
+                if err is not None:
+                    return err
+        if type(event.source.position) not in _SOURCE_BUILDERS:
+            return ValidationError(
+                f"source.position: no JSON layout for {type(event.source.position).__name__} "
+                "(expected PgPosition, BinlogPosition or LedgerPosition)"
+            )
+        try:
+            orjson.dumps(_src_ledger(event.source, self.version))
+        except Exception:
+            return ValidationError(f"source: cannot be encoded as JSON ({exc}); check tx_id, ts_ms and names")
+        return ValidationError(f"event: cannot be encoded as JSON: {type(exc).__name__}: {exc}")
+
+    def _diagnose_row(
+        self, row: Any, path: str, schema: TableSchema, exc: Exception, generic: bool = True
+    ) -> Any:
+        if not isinstance(row, dict):
+            return ValidationError(f"{path}: expected a dict of column -> value, got {short_repr(row)}")
+        names = {c.name for c in schema.columns}
+        for k in row:
+            if k not in names:
+                return ValidationError(
+                    f"{path}.{k}: column not in schema {schema.name!r} (columns: {sorted(names)})"
+                )
+        mode = self.decimal_mode
+        for c in schema.columns:
+            v = row.get(c.name)
+            if v is None:
+                continue
+            enc = make_encoder(c, mode)
+            chk = _identity_checker(c) if enc is None else None
+            try:
+                if chk is not None and self.validate and not chk(v):
+                    raise TypeError
+                orjson.dumps(enc(v) if enc is not None else v)
+            except Exception:
+                return ValidationError(
+                    f"{path}.{c.name}: expected {describe(c, default_wire(c, mode))}, got {short_repr(v)}"
+                )
+        if generic:
+            return ValidationError(f"{path}: cannot be encoded as JSON: {type(exc).__name__}: {exc}")
+        return None
+
+    def decode_value(self, data: bytes | str | None, schema: TableSchema | None = None) -> ChangeEvent:
+        """Parse value bytes into a ChangeEvent.
+
+        Messages with an embedded ``schema`` are decoded by it. Schemaless messages are
+        decoded by ``schema``; without one, row values stay raw JSON types. The event's
+        key is taken from the row (``schema.key`` or the embedded ``kf.key``); use
+        ``decode_record`` to take it from the record key instead.
+        """
+        if data is None:
+            raise ValidationError("value: null (a tombstone) is not a change event")
+        try:
+            obj = orjson.loads(data)
+        except orjson.JSONDecodeError as e:
+            raise ValidationError(f"value: malformed JSON ({e})") from None
+        if type(obj) is not dict:
+            raise ValidationError(f"value: expected a JSON object (Debezium envelope), got {short_repr(obj)}")
+        table: TableSchema | None = schema
+        if "payload" in obj and "schema" in obj and len(obj) == 2:
+            payload = obj["payload"]
+            wire_schema = obj["schema"]
+            if wire_schema is not None:
+                table, rows = self._plan_from_connect(wire_schema)
+                if schema is not None and not table.key and schema.key:
+                    table = schema
+            else:
+                rows = self._dec_plan(schema) if schema is not None else _raw_rows
+            if type(payload) is not dict:
+                raise ValidationError(f"payload: expected a JSON object (Debezium envelope), got {short_repr(payload)}")
+        else:
+            payload = obj
+            rows = self._dec_plan(schema) if schema is not None else _raw_rows
+
+        op_code = payload.get("op")
+        op = _OPS.get(op_code) if type(op_code) is str else None
+        if op is None:
+            if "op" not in payload:
+                raise ValidationError("op: missing (not a Debezium change event envelope?)")
+            raise ValidationError(f"op: expected one of {list(_OPS)}, got {op_code!r}")
+        source = _decode_source(payload.get("source"))
+        try:
+            before = rows(payload.get("before"), "before")
+            after = rows(payload.get("after"), "after")
+        except ValidationError as e:
+            raise ValidationError(
+                f"{e} (op {op.value!r} on {source.name}/{source.table} at position {source.position})"
+            ) from None
+        ts_ms = payload.get("ts_ms")
+        if ts_ms is None:
+            ts_ms = source.ts_ms
+        elif type(ts_ms) is not int:
+            raise ValidationError(f"ts_ms: expected an integer (ms since the epoch) or null, got {short_repr(ts_ms)}")
+        unavailable = payload.get("kf_unavailable") or ()
+        if unavailable:
+            if type(unavailable) is not list or not all(type(u) is str for u in unavailable):
+                raise ValidationError(f"kf_unavailable: expected a list of column names, got {short_repr(unavailable)}")
+            unavailable = tuple(unavailable)
+        key = None
+        if table is not None and table.key:
+            row = after if after is not None else before
+            if row is not None:
+                try:
+                    key = {k: row[k] for k in table.key}
+                except KeyError:
+                    key = None
+        return ChangeEvent(
+            op=op,
+            key=key,
+            before=before,
+            after=after,
+            source=source,
+            ts_ms=ts_ms,
+            transaction=_decode_transaction(payload.get("transaction")),
+            unavailable=unavailable,
+        )
+
+    def decode_record(
+        self, key: bytes | None, value: bytes | None, schema: TableSchema | None = None
+    ) -> ChangeEvent | None:
+        """A log record -> ChangeEvent, with the key from the record key; None for a tombstone."""
+        if value is None:
+            return None
+        event = self.decode_value(value, schema)
+        k = self.decode_key(key, schema)
+        if k is not None and k != event.key:
+            from dataclasses import replace
+
+            event = replace(event, key=k)
+        return event
+
+    # -- keys --------------------------------------------------------------------------------------
+    def encode_key(self, key: Mapping[str, Any] | None, schema: TableSchema | None = None) -> bytes | None:
+        """Record key bytes: the key columns in key order (``{"id": 1}`` when schemaless).
+
+        None (a table without a key) gives None. Pass the schema: without it values are
+        encoded by their Python type and ``include_schema`` is impossible.
+        """
+        if key is None:
+            return None
+        if not isinstance(key, Mapping):
+            raise ValidationError(f"key: expected a dict of key column -> value, got {short_repr(key)}")
+        if schema is None:
+            if self.include_schema:
+                raise ValidationError("key: include_schema=True needs the table schema to render the key schema")
+            return orjson.dumps({k: _encode_any(v) for k, v in key.items()})
+        plan = schema._cache.get(("key", *self._enc_key))
+        if plan is None:
+            kcols = schema.key_schema().columns
+            encs = tuple((c.name, make_encoder(c, self.decimal_mode), c) for c in kcols)
+            frag = (
+                orjson.Fragment(orjson.dumps(connect_key_schema(schema, self.decimal_mode)))
+                if self.include_schema and schema.key
+                else None
+            )
+            plan = schema._cache[("key", *self._enc_key)] = (encs, frag, frozenset(schema.key))
+        encs, frag, names = plan
+        if len(key) != len(names) or not names.issuperset(key):
+            missing = sorted(names - set(key))
+            extra = sorted(set(key) - names)
+            what = f"missing key column(s) {missing}" if missing else f"not key column(s) {extra}"
+            raise ValidationError(f"key: {what} of {schema.name!r} (key: {list(schema.key)})")
+        out = {}
+        for name, enc, col in encs:
+            v = key[name]
+            try:
+                out[name] = v if (enc is None or v is None) else enc(v)
+            except Exception:
+                raise ValidationError(
+                    f"key.{name}: expected {describe(col, default_wire(col, self.decimal_mode))}, got {short_repr(v)}"
+                ) from None
+        try:
+            if frag is not None:
+                return orjson.dumps({"schema": frag, "payload": out})
+            return orjson.dumps(out)
+        except orjson.JSONEncodeError as e:
+            raise ValidationError(f"key: cannot be encoded as JSON ({e})") from None
+
+    def decode_key(self, data: bytes | str | None, schema: TableSchema | None = None) -> dict[str, Any] | None:
+        """Record key bytes -> the key dict (None for a null key)."""
+        if data is None:
+            return None
+        try:
+            obj = orjson.loads(data)
+        except orjson.JSONDecodeError as e:
+            raise ValidationError(f"key: malformed JSON ({e})") from None
+        dec: Callable[[Any, str], Any] | None = None
+        if type(obj) is dict and "payload" in obj and "schema" in obj and len(obj) == 2:
+            wire_schema, obj = obj["schema"], obj["payload"]
+            if wire_schema is not None:
+                dec = self._plan_from_connect(wire_schema)[1]
+        if obj is None:
+            return None
+        if type(obj) is not dict:
+            raise ValidationError(f"key: expected a JSON object of key columns, got {short_repr(obj)}")
+        if dec is None and schema is not None:
+            ks = schema._cache.get("key_schema")
+            if ks is None:
+                ks = schema._cache["key_schema"] = schema.key_schema()
+            dec = self._dec_plan(ks)
+        return obj if dec is None else dec(obj, "key")
+
+    def tombstone_for(self, event: ChangeEvent, schema: TableSchema | None = None) -> tuple[bytes | None, None]:
+        """(key bytes, None): the record that lets compaction remove the event's key."""
+        key = event.key
+        if key is None and schema is not None and schema.key:
+            row = event.before if event.before is not None else event.after
+            if row is not None and all(k in row for k in schema.key):
+                key = {k: row[k] for k in schema.key}
+        if key is None:
+            raise ValidationError("key: the event has no key, so there is nothing for a tombstone to remove")
+        return self.encode_key(key, schema), None
+
+
+_DEFAULT_CODEC = EventCodec()
+_OP_HEADERS = {o: (("kf.op", o.value.encode()),) for o in Op}
+
+
+def encode_row_values(schema: TableSchema, row: dict[str, Any], decimal_mode: str = "string") -> dict[str, Any]:
+    """A row's values in their JSON form (see ``EventCodec.encode_row_values``)."""
+    codec = _DEFAULT_CODEC if decimal_mode == "string" else EventCodec(decimal_mode)
+    return codec.encode_row_values(schema, row)
+
+
+def decode_row_values(schema: TableSchema, row: dict[str, Any], decimal_mode: str = "string") -> dict[str, Any]:
+    """Row values from their JSON form back to Python values."""
+    codec = _DEFAULT_CODEC if decimal_mode == "string" else EventCodec(decimal_mode)
+    return codec.decode_row_values(schema, row)
+
+
+def tombstone_for(
+    event: ChangeEvent, schema: TableSchema | None = None, codec: EventCodec | None = None
+) -> tuple[bytes | None, None]:
+    """(key bytes, None) for the tombstone that follows a delete (see EventCodec.tombstone_for)."""
+    return (codec or _DEFAULT_CODEC).tombstone_for(event, schema)
+
+
+def op_header(event: ChangeEvent) -> tuple[tuple[str, bytes], ...]:
+    """Record headers carrying the op: ``(("kf.op", b"c"),)``."""
+    return _OP_HEADERS[event.op]
+
+
+def topic_name(source: SourceInfo) -> str:
+    """``<source>.<schema>.<table>`` (PostgreSQL) or ``<source>.<db>.<table>`` (MySQL)."""
+    return f"{source.name}.{source.schema if source.schema is not None else source.db}.{source.table}"

@@ -1,0 +1,312 @@
+"""Table schemas with Kafka Connect / Debezium-compatible field types.
+
+A ``TableSchema`` describes one captured table: its columns (typed with
+``FieldType``) and its key. It renders the Debezium value and key schemas
+(``connect_schema`` / ``connect_key_schema``) exactly as Debezium's JsonConverter
+writes them, and reads them back (``TableSchema.from_connect``), so kappaflow can
+consume topics written by Debezium and Debezium consumers can read kappaflow's.
+
+Debezium's schema carries no primary key and renders some types ambiguously
+(a decimal in ``string`` mode is a plain string); kappaflow adds schema
+``parameters`` prefixed ``kf.`` for those, which Connect ignores.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+import orjson
+
+from kappaflow.errors import ValidationError
+
+__all__ = [
+    "DECIMAL_MODES",
+    "Column",
+    "FieldType",
+    "TableSchema",
+]
+
+DECIMAL_MODES = ("string", "precise", "double")
+
+
+class FieldType(str, Enum):
+    """Column types; each maps to one Kafka Connect type plus a Debezium semantic name."""
+
+    INT8 = "int8"
+    INT16 = "int16"
+    INT32 = "int32"
+    INT64 = "int64"
+    FLOAT32 = "float32"
+    FLOAT64 = "float64"
+    BOOLEAN = "boolean"
+    STRING = "string"
+    BYTES = "bytes"
+    DECIMAL = "decimal"  # fixed scale: numeric(p, s)
+    VARIABLE_DECIMAL = "variable_decimal"  # numeric without a scale
+    DATE = "date"
+    TIME = "time"  # micros since midnight
+    TIMESTAMP = "timestamp"  # naive, micros
+    TIMESTAMPTZ = "timestamptz"  # zoned
+    INTERVAL = "interval"  # micro duration
+    UUID = "uuid"
+    JSON = "json"
+    ENUM = "enum"
+    ARRAY = "array"
+    YEAR = "year"
+    BITS = "bits"
+    SET = "set"  # MySQL SET
+
+
+@dataclass(frozen=True, slots=True)
+class Column:
+    """One column. ``default`` is a Python value of the column's type (or None)."""
+
+    name: str
+    type: FieldType
+    optional: bool = True
+    scale: int | None = None
+    precision: int | None = None
+    items: Column | None = None
+    allowed: tuple[str, ...] | None = None
+    length: int | None = None
+    default: Any = None
+    native_type: str | None = None
+
+    def __post_init__(self) -> None:
+        where = f"column {self.name!r}"
+        if not isinstance(self.name, str) or not self.name:
+            raise ValidationError(f"column name: expected a non-empty string, got {self.name!r}")
+        if not isinstance(self.type, FieldType):
+            try:
+                object.__setattr__(self, "type", FieldType(self.type))
+            except ValueError:
+                raise ValidationError(
+                    f"{where}.type: expected one of {[t.value for t in FieldType]}, got {self.type!r}"
+                ) from None
+        if type(self.optional) is not bool:
+            raise ValidationError(f"{where}.optional: expected true or false, got {self.optional!r}")
+        for attr in ("scale", "precision", "length"):
+            v = getattr(self, attr)
+            if v is not None and (type(v) is not int or (attr != "scale" and v < 0)):
+                raise ValidationError(f"{where}.{attr}: expected an integer, got {v!r}")
+        if self.type is FieldType.DECIMAL and self.scale is None:
+            raise ValidationError(f"{where}.scale: a DECIMAL column needs a scale (use VARIABLE_DECIMAL)")
+        if self.type is FieldType.ARRAY:
+            if not isinstance(self.items, Column):
+                raise ValidationError(f"{where}.items: an ARRAY column needs an element Column, got {self.items!r}")
+        elif self.items is not None:
+            raise ValidationError(f"{where}.items: only ARRAY columns have items")
+        if self.allowed is not None:
+            if isinstance(self.allowed, str) or not all(isinstance(a, str) for a in self.allowed):
+                raise ValidationError(f"{where}.allowed: expected a sequence of strings, got {self.allowed!r}")
+            if not isinstance(self.allowed, tuple):
+                object.__setattr__(self, "allowed", tuple(self.allowed))
+        if self.native_type is not None and not isinstance(self.native_type, str):
+            raise ValidationError(f"{where}.native_type: expected a string, got {self.native_type!r}")
+
+    def to_dict(self) -> dict[str, Any]:
+        from kappaflow.events.values import encode_default
+
+        d: dict[str, Any] = {"name": self.name, "type": self.type.value, "optional": self.optional}
+        if self.scale is not None:
+            d["scale"] = self.scale
+        if self.precision is not None:
+            d["precision"] = self.precision
+        if self.items is not None:
+            d["items"] = self.items.to_dict()
+        if self.allowed is not None:
+            d["allowed"] = list(self.allowed)
+        if self.length is not None:
+            d["length"] = self.length
+        if self.default is not None:
+            d["default"] = encode_default(self, self.default, "string", f"column {self.name!r}.default")
+        if self.native_type is not None:
+            d["native_type"] = self.native_type
+        return d
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any], path: str = "column") -> Column:
+        from kappaflow.events.values import decode_default
+
+        if not isinstance(d, Mapping):
+            raise ValidationError(f"{path}: expected an object, got {type(d).__name__}")
+        known = {"name", "type", "optional", "scale", "precision", "items", "allowed", "length", "default",
+                 "native_type"}
+        extra = set(d) - known
+        if extra:
+            raise ValidationError(f"{path}: unknown keys {sorted(extra)}")
+        name = d.get("name")
+        if not isinstance(name, str):
+            raise ValidationError(f"{path}.name: expected a string, got {name!r}")
+        items = d.get("items")
+        allowed = d.get("allowed")
+        col = cls(
+            name=name,
+            type=d.get("type"),  # type: ignore[arg-type]
+            optional=d.get("optional", True),
+            scale=d.get("scale"),
+            precision=d.get("precision"),
+            items=None if items is None else cls.from_dict(items, f"{path}.items"),
+            allowed=None if allowed is None else tuple(allowed),
+            length=d.get("length"),
+            native_type=d.get("native_type"),
+        )
+        if d.get("default") is not None:
+            default = decode_default(col, d["default"], f"{path}.default")
+            object.__setattr__(col, "default", default)
+        return col
+
+
+@dataclass(frozen=True, slots=True)
+class TableSchema:
+    """One table: ``name`` is the topic name (``<source>.<schema>.<table>`` or
+    ``<source>.<db>.<table>``), ``key`` the primary-key column names in key order."""
+
+    name: str
+    columns: tuple[Column, ...]
+    key: tuple[str, ...] = ()
+    # Per-schema caches (codec plans, fingerprint); not part of the value.
+    _cache: dict[Any, Any] = field(default_factory=dict, init=False, repr=False, compare=False, hash=False)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name:
+            raise ValidationError(f"table schema name: expected a non-empty string, got {self.name!r}")
+        if not isinstance(self.columns, tuple):
+            object.__setattr__(self, "columns", tuple(self.columns))
+        if isinstance(self.key, str):
+            raise ValidationError(f"table {self.name!r} key: expected a sequence of column names, got a string")
+        if not isinstance(self.key, tuple):
+            object.__setattr__(self, "key", tuple(self.key))
+        seen: set[str] = set()
+        for c in self.columns:
+            if not isinstance(c, Column):
+                raise ValidationError(f"table {self.name!r} columns: expected Column objects, got {c!r}")
+            if c.name in seen:
+                raise ValidationError(f"table {self.name!r} columns: duplicate column {c.name!r}")
+            seen.add(c.name)
+        for k in self.key:
+            if k not in seen:
+                raise ValidationError(f"table {self.name!r} key: column {k!r} is not a column of the table")
+
+    # -- lookup --------------------------------------------------------------------
+    def column(self, name: str) -> Column:
+        by_name = self._cache.get("by_name")
+        if by_name is None:
+            by_name = self._cache["by_name"] = {c.name: c for c in self.columns}
+        try:
+            return by_name[name]
+        except KeyError:
+            raise KeyError(f"table {self.name!r} has no column {name!r}") from None
+
+    @property
+    def column_names(self) -> tuple[str, ...]:
+        return tuple(c.name for c in self.columns)
+
+    def key_schema(self) -> TableSchema:
+        """The key's own schema: the key columns (never optional), in key order."""
+        cols = []
+        for k in self.key:
+            c = self.column(k)
+            cols.append(c if not c.optional else _replace(c, optional=False))
+        return TableSchema(self.name, tuple(cols), self.key)
+
+    # -- Kafka Connect schemas -----------------------------------------------------
+    def connect_schema(
+        self, envelope: bool = True, *, decimal_mode: str = "precise", position_kind: str = "pg"
+    ) -> dict[str, Any]:
+        """The Debezium value schema as JsonConverter writes it.
+
+        ``envelope=True``: the ``<name>.Envelope`` struct (before/after/source/op/ts_ms/
+        transaction); the source block's layout follows ``position_kind`` ("pg": the
+        PostgreSQL connector's, "binlog": MySQL's, "ledger": kappaflow's ledger).
+        ``envelope=False``: only the ``<name>.Value`` row struct.
+        ``decimal_mode`` is Debezium's ``decimal.handling.mode`` (default "precise").
+        """
+        from kappaflow.events.connect import connect_envelope_schema, connect_row_schema
+
+        _check_mode(decimal_mode)
+        key = ("connect", envelope, decimal_mode, position_kind)
+        cached = self._cache.get(key)
+        if cached is None:
+            if envelope:
+                cached = connect_envelope_schema(self, decimal_mode, position_kind)
+            else:
+                cached = connect_row_schema(self, decimal_mode, optional=False)
+            self._cache[key] = cached
+        return _deep_copy(cached)
+
+    def connect_key_schema(self, *, decimal_mode: str = "precise") -> dict[str, Any]:
+        """The Debezium key schema: ``<name>.Key`` struct of the key columns."""
+        from kappaflow.events.connect import connect_key_schema
+
+        _check_mode(decimal_mode)
+        if not self.key:
+            raise ValidationError(f"table {self.name!r} has no key columns: its events have a null key")
+        return connect_key_schema(self, decimal_mode)
+
+    @classmethod
+    def from_connect(cls, schema: Mapping[str, Any], key: Sequence[str] | None = None) -> TableSchema:
+        """Read a Debezium value schema (Envelope or Value struct) back into a TableSchema.
+
+        The key comes from ``key`` or, for kappaflow-written schemas, the ``kf.key``
+        parameter; Debezium-written schemas carry none (the key is in the key schema).
+        """
+        from kappaflow.events.connect import table_from_connect
+
+        table, _wires = table_from_connect(schema, key)
+        return table
+
+    # -- identity and storage ------------------------------------------------------
+    def fingerprint(self) -> str:
+        """Stable hash of the schema's content (hex sha256); equal schemas, equal prints."""
+        fp = self._cache.get("fingerprint")
+        if fp is None:
+            fp = hashlib.sha256(orjson.dumps(self.to_dict(), option=orjson.OPT_SORT_KEYS)).hexdigest()
+            self._cache["fingerprint"] = fp
+        return fp
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "columns": [c.to_dict() for c in self.columns],
+            "key": list(self.key),
+        }
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> TableSchema:
+        if not isinstance(d, Mapping):
+            raise ValidationError(f"table schema: expected an object, got {type(d).__name__}")
+        name = d.get("name")
+        cols = d.get("columns")
+        key = d.get("key", [])
+        if not isinstance(name, str):
+            raise ValidationError(f"table schema.name: expected a string, got {name!r}")
+        if not isinstance(cols, list):
+            raise ValidationError(f"table schema {name!r}.columns: expected a list, got {type(cols).__name__}")
+        if not isinstance(key, list) or not all(isinstance(k, str) for k in key):
+            raise ValidationError(f"table schema {name!r}.key: expected a list of column names, got {key!r}")
+        columns = tuple(Column.from_dict(c, f"table schema {name!r}.columns[{i}]") for i, c in enumerate(cols))
+        return cls(name, columns, tuple(key))
+
+
+def _check_mode(mode: str) -> None:
+    if mode not in DECIMAL_MODES:
+        raise ValidationError(f"decimal_mode: expected one of {list(DECIMAL_MODES)}, got {mode!r}")
+
+
+def _replace(c: Column, **changes: Any) -> Column:
+    from dataclasses import replace
+
+    return replace(c, **changes)
+
+
+def _deep_copy(obj: Any) -> Any:
+    if isinstance(obj, dict):
+        return {k: _deep_copy(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_deep_copy(v) for v in obj]
+    return obj
