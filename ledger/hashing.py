@@ -100,9 +100,11 @@ def verify(conn: psycopg.Connection, schema: str, *, from_position: int = 1, chu
     head_pos, head_hash = int(row[0]), bytes(row[1])
     max_row = conn.execute(sql.SQL("select max(position) from {}").format(events)).fetchone()
     max_pos = int(max_row[0]) if max_row and max_row[0] is not None else 0
-    end = max(head_pos, max_pos)
+    end = head_pos
 
     problems: list[tuple[int, str]] = []
+    if max_pos > head_pos:
+        problems.append((head_pos + 1, f"position {head_pos + 1} is beyond the head ({head_pos}): inserted row"))
     chunk_sql = sql.SQL(
         "with e as (select e.position, e.prev_hash, e.hash, " + _ROW_HASH_SQL + " as computed, "
         "lag(e.position) over (order by e.position) as lag_pos, "
@@ -149,14 +151,10 @@ def verify(conn: psycopg.Connection, schema: str, *, from_position: int = 1, chu
             progress(hi, end)
         lo = hi + 1
 
-    # The head row anchors the end of the chain: rows removed at the end or added after it.
-    if not problems and max_pos != head_pos:
-        if max_pos > head_pos:
-            problems.append((head_pos + 1, f"position {head_pos + 1} is beyond the head ({head_pos}): "
-                                           "inserted row"))
-        else:
-            problems.append((max_pos + 1, f"position {max_pos + 1} is missing (removed at the end; "
-                                          f"head is {head_pos})"))
+    # The head row anchors the end of the chain: rows removed at the end.
+    if not problems and max_pos < head_pos:
+        problems.append((max_pos + 1, f"position {max_pos + 1} is missing (removed at the end; "
+                                      f"head is {head_pos})"))
     if not problems and head_pos > 0:
         last = conn.execute(sql.SQL("select hash from {} where position = %s").format(events),
                             (head_pos,)).fetchone()
@@ -173,17 +171,21 @@ def verify(conn: psycopg.Connection, schema: str, *, from_position: int = 1, chu
         if bad_stream and bad_stream[0] is not None:
             problems.append((int(bad_stream[0]), f"position {bad_stream[0]}: stream versions out of order "
                                                  "or with a gap"))
-        mismatch = conn.execute(sql.SQL(
-            "select s.stream_id, s.version, coalesce(e.v, 0), e.last_pos from {streams} s "
-            "full join (select stream_id, max(stream_version) as v, max(position) as last_pos from {events} "
-            "group by stream_id) e using (stream_id) "
-            "where s.version is distinct from coalesce(e.v, 0) order by e.last_pos nulls first limit 1"
-        ).format(streams=streams, events=events)).fetchone()
-        if not problems and mismatch is not None:
-            sid, sver, ever, last_pos = mismatch
-            at = int(last_pos) + 1 if last_pos is not None else 1
-            problems.append((at, f"stream {sid!r}: streams.version is {sver} but its events end at "
-                                 f"version {ever} (removed or inserted event)"))
+        mismatches = conn.execute(sql.SQL(
+            "select stream_id, coalesce(s.version, 0), coalesce(e.v, 0) from {streams} s "
+            "full join (select stream_id, max(stream_version) as v from {events} group by stream_id) e "
+            "using (stream_id) where coalesce(s.version, 0) <> coalesce(e.v, 0) limit 100"
+        ).format(streams=streams, events=events)).fetchall()
+        for sid, sver, ever in mismatches:
+            if sver > ever:  # the chain is intact, so the stream's missing events were cut off the end
+                at, what = head_pos + 1, "events were removed from the end of the ledger"
+            else:
+                first = conn.execute(sql.SQL(
+                    "select min(position) from {} where stream_id = %s and stream_version > %s").format(events),
+                    (sid, sver)).fetchone()
+                at, what = int(first[0]) if first and first[0] else 1, "events were inserted"
+            problems.append((at, f"stream {sid!r}: streams.version is {sver} but its events end at version "
+                                 f"{ever} ({what})"))
 
     for pos, expected in anchors:
         got = conn.execute(sql.SQL("select hash from {} where position = %s").format(events), (pos,)).fetchone()

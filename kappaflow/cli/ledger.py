@@ -1,0 +1,228 @@
+"""`kappaflow ledger ...`: append, read, verify and inspect the ledger.
+
+The database comes from ``--dsn``, else ``KAPPAFLOW_LEDGER_DSN``, else a ``[ledger]`` section of
+kappaflow.toml (``dsn``, ``schema``) once the config has one.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Annotated, Any
+
+import orjson
+import typer
+
+from kappaflow.cli.common import console, fail
+from kappaflow.errors import ConfigError, KappaflowError
+
+app = typer.Typer(help="The ledger: an append-only, hash-chained event store.", no_args_is_help=True)
+
+DsnOpt = Annotated[str | None, typer.Option("--dsn", envvar="KAPPAFLOW_LEDGER_DSN",
+                                            help="PostgreSQL URL of the ledger database.")]
+SchemaOpt = Annotated[str | None, typer.Option("--schema", envvar="KAPPAFLOW_LEDGER_SCHEMA",
+                                               help="PostgreSQL schema of the ledger tables.")]
+
+
+@contextmanager
+def _errors() -> Iterator[None]:
+    try:
+        yield
+    except KappaflowError as exc:
+        fail(str(exc), transient=exc.transient)
+
+
+def _target(ctx: typer.Context, dsn: str | None, schema: str | None) -> tuple[str, str]:
+    from kappaflow.ledger import DEFAULT_SCHEMA
+
+    if dsn is None or schema is None:
+        cfg: Any = None
+        try:
+            from kappaflow.cli.common import settings
+
+            cfg = getattr(settings(ctx), "ledger", None)
+        except KappaflowError:
+            cfg = None
+        dsn = dsn or getattr(cfg, "dsn", None)
+        schema = schema or getattr(cfg, "schema_name", None) or getattr(cfg, "schema", None)
+        if callable(getattr(cfg, "connect_dsn", None)) and dsn == getattr(cfg, "dsn", None):
+            dsn = cfg.connect_dsn()
+    if not dsn:
+        raise ConfigError("ledger dsn: not set; pass --dsn or set KAPPAFLOW_LEDGER_DSN")
+    return dsn, schema if isinstance(schema, str) and schema else DEFAULT_SCHEMA
+
+
+def _print_json(value: Any) -> None:
+    sys.stdout.write(orjson.dumps(value).decode() + "\n")
+
+
+@app.command("install")
+def install_cmd(ctx: typer.Context, dsn: DsnOpt = None, schema: SchemaOpt = None) -> None:
+    """Create or upgrade the ledger tables (Alembic branch `ledger`)."""
+    with _errors():
+        from kappaflow.ledger import install
+
+        url, sch = _target(ctx, dsn, schema)
+        install(url, sch)
+        console.print(f"ledger installed in schema {sch!r}", highlight=False, markup=False)
+
+
+@app.command("append")
+def append_cmd(
+    ctx: typer.Context,
+    stream: Annotated[str, typer.Argument(help="Stream id, e.g. account-42 (type = part before '-').")],
+    event_type: Annotated[str | None, typer.Argument(help="Event type (omit with --jsonl).")] = None,
+    data: Annotated[str | None, typer.Argument(help="Event data as a JSON object ('-' reads stdin).")] = None,
+    jsonl: Annotated[Path | None, typer.Option(
+        "--jsonl", help="Append many events: a file of JSON lines {type, data, metadata?, schema_version?}.")] = None,
+    expected_version: Annotated[str, typer.Option(
+        "--expected-version", "-e", help="any | no_stream | exists | N")] = "any",
+    idempotency_key: Annotated[str | None, typer.Option("--idempotency-key", "-k")] = None,
+    stream_type: Annotated[str | None, typer.Option("--stream-type")] = None,
+    metadata: Annotated[str | None, typer.Option("--metadata", help="JSON object merged into each event.")] = None,
+    schema_version: Annotated[int, typer.Option("--schema-version")] = 1,
+    dsn: DsnOpt = None,
+    schema: SchemaOpt = None,
+) -> None:
+    """Append events atomically; prints the result (global position, stream versions) as JSON."""
+    with _errors():
+        from kappaflow.ledger import Ledger, NewEvent
+
+        events: list[NewEvent] = []
+        if jsonl is not None:
+            if event_type is not None or data is not None:
+                raise ConfigError("append: give either EVENT_TYPE [DATA] or --jsonl, not both")
+            text = sys.stdin.read() if str(jsonl) == "-" else jsonl.read_text()
+            for n, line in enumerate(text.splitlines(), start=1):
+                if not line.strip():
+                    continue
+                obj = _json(line, f"--jsonl line {n}")
+                if not isinstance(obj, dict) or "type" not in obj:
+                    raise ConfigError(f"--jsonl line {n}: expected an object with 'type' and 'data'")
+                events.append(NewEvent(obj["type"], obj.get("data", {}), obj.get("metadata"),
+                                       obj.get("schema_version", 1)))
+        else:
+            if event_type is None:
+                raise ConfigError("append: EVENT_TYPE is required (or --jsonl FILE)")
+            raw = sys.stdin.read() if data == "-" else (data or "{}")
+            events.append(NewEvent(event_type, _json(raw, "DATA"), None, schema_version))
+        meta = _json(metadata, "--metadata") if metadata else None
+        url, sch = _target(ctx, dsn, schema)
+        with Ledger(url, schema=sch, pool_size=1) as ledger:
+            r = ledger.append(stream, events, expected_version, stream_type=stream_type,
+                              idempotency_key=idempotency_key, metadata=meta)
+        _print_json({"first_position": r.first_position, "position": r.position, "versions": r.versions,
+                     "recorded_at": r.recorded_at.isoformat(), "duplicate": r.duplicate})
+
+
+@app.command("read")
+def read_cmd(
+    ctx: typer.Context,
+    stream: Annotated[str | None, typer.Argument(help="Stream id; omit to read all in global order.")] = None,
+    start: Annotated[int, typer.Option("--from", help="First stream version (with STREAM) or position.")] = 1,
+    limit: Annotated[int, typer.Option("--limit", "-n")] = 100,
+    follow: Annotated[bool, typer.Option("--follow", "-f", help="Keep reading new events (all only).")] = False,
+    dsn: DsnOpt = None,
+    schema: SchemaOpt = None,
+) -> None:
+    """Print events as JSON lines."""
+    with _errors():
+        from kappaflow.ledger import Ledger, TailReader
+
+        url, sch = _target(ctx, dsn, schema)
+        with Ledger(url, schema=sch, pool_size=1) as ledger:
+            if stream is not None:
+                if follow:
+                    raise ConfigError("read --follow: only for the whole ledger (omit STREAM)")
+                for e in ledger.read_stream(stream, from_version=start, limit=limit, decode=False):
+                    _print_json(e.to_dict())
+                return
+            if not follow:
+                for e in ledger.read_all(from_position=start, limit=limit, decode=False):
+                    _print_json(e.to_dict())
+                return
+            reader = TailReader(ledger, next_position=start, decode=False)
+            try:
+                for e in reader:
+                    _print_json(e.to_dict())
+                    sys.stdout.flush()
+            except KeyboardInterrupt:
+                pass
+
+
+@app.command("verify")
+def verify_cmd(
+    ctx: typer.Context,
+    start: Annotated[int, typer.Option("--from", help="Trust rows before this position.")] = 1,
+    anchor: Annotated[list[str] | None, typer.Option(
+        "--anchor", help="POSITION:HASH_HEX recorded elsewhere (repeatable).")] = None,
+    as_json: Annotated[bool, typer.Option("--json")] = False,
+    dsn: DsnOpt = None,
+    schema: SchemaOpt = None,
+) -> None:
+    """Check the hash chain, dense positions and stream versions; exit 1 naming the first bad position."""
+    with _errors():
+        from kappaflow.ledger import Ledger
+
+        anchors = [_anchor(a) for a in anchor or []]
+        url, sch = _target(ctx, dsn, schema)
+        with Ledger(url, schema=sch, pool_size=1) as ledger:
+            report = ledger.verify(from_position=start, anchors=anchors)
+        if as_json:
+            _print_json(report.to_dict())
+        elif report.ok:
+            console.print(f"ok: {report.checked} events verified, head position {report.head_position}",
+                          highlight=False, markup=False)
+        else:
+            console.print(f"FAILED at position {report.first_bad_position}: {report.reason}",
+                          highlight=False, markup=False)
+        if not report.ok:
+            raise typer.Exit(1)
+
+
+@app.command("stats")
+def stats_cmd(
+    ctx: typer.Context,
+    as_json: Annotated[bool, typer.Option("--json")] = False,
+    dsn: DsnOpt = None,
+    schema: SchemaOpt = None,
+) -> None:
+    """Head position and hash (keep them as an external anchor), streams, events per type, sizes."""
+    with _errors():
+        from rich.table import Table
+
+        from kappaflow.ledger import Ledger
+
+        url, sch = _target(ctx, dsn, schema)
+        with Ledger(url, schema=sch, pool_size=1) as ledger:
+            st = ledger.stats()
+        if as_json:
+            _print_json(st.to_dict())
+            return
+        table = Table("stat", "value")
+        d = st.to_dict()
+        for key in ("head_position", "head_hash", "streams", "events", "idempotency_keys",
+                    "first_recorded_at", "last_recorded_at"):
+            table.add_row(key, str(d[key]))
+        for t, n in st.events_by_stream_type.items():
+            table.add_row(f"events[{t}]", str(n))
+        for t, n in st.table_bytes.items():
+            table.add_row(f"bytes[{t}]", str(n))
+        console.print(table)
+
+
+def _json(text: str, what: str) -> Any:
+    try:
+        return orjson.loads(text)
+    except orjson.JSONDecodeError as exc:
+        raise ConfigError(f"{what}: not valid JSON ({exc})") from None
+
+
+def _anchor(text: str) -> tuple[int, bytes]:
+    pos, _, hexhash = text.partition(":")
+    try:
+        return int(pos), bytes.fromhex(hexhash)
+    except ValueError:
+        raise ConfigError(f"--anchor {text!r}: expected POSITION:HASH_HEX") from None
