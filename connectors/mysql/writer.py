@@ -1,0 +1,243 @@
+"""Turning captured changes into log records, batched for ``connectors/writer.CaptureWriter``.
+
+Record layout (the same as every kappaflow connector, and Debezium's):
+
+- topic ``<source>.<db>.<table>`` (compacted, keyed by the primary key);
+- key ``{"id": 1}`` (``EventCodec.encode_key``), value the Debezium envelope
+  (``EventCodec.encode_value``), headers ``kf.op`` and ``kf.pos`` (the position, see
+  ``connectors/base.py``);
+- a delete is followed by a tombstone (same key, no value) so compaction drops the key;
+- an update that changes the primary key becomes a delete (+ tombstone) of the old key
+  and a create of the new one, like Debezium;
+- ``TRUNCATE TABLE`` becomes, in every partition of the table's topic, an ``op=t`` marker
+  (key ``{}``) followed by tombstones for every key that partition holds, so the compacted
+  topic is empty like the table (the PostgreSQL connector does the same);
+- schema records go to ``<source>.__schema`` (compacted, key ``"db.table"``, value
+  ``TableSchema.to_dict()`` plus ``table``, ``kf_pos``, ``ts_ms``, ``change`` and ``ddl``; a
+  dropped table gets a tombstone), the layout the PostgreSQL connector writes.
+
+Exactly once: the batch builder is given the last position stored in each topic-partition
+(``tail_positions``); a record whose position is not above its partition's tail is
+already in the log and is skipped. Positions grow along the binlog, so once a record
+passes the highest tail no further check is needed.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+from typing import Any
+
+import orjson
+
+from kappaflow.connectors.base import OP_HEADER, POSITION_HEADER, TrustedRecord
+from kappaflow.connectors.mysql.schema_tracking import TableState
+from kappaflow.connectors.offsets import OffsetStore
+from kappaflow.connectors.writer import Batch, CaptureWriter, FaultHook
+from kappaflow.errors import SourceError
+from kappaflow.events import ChangeEvent, EventCodec, Op, Position, Snapshot, SourceInfo, TableSchema
+from kappaflow.events.position import BinlogPosition
+from kappaflow.log.base import CleanupPolicy, Log, Record, TopicConfig
+from kappaflow.log.partitioner import partition_for
+
+__all__ = ["TRUNCATE_KEY", "ChangeBatcher", "key_of", "make_source", "now_ms", "rows_to_events"]
+
+TRUNCATE_KEY = b"{}"
+_OPS = {o: (OP_HEADER, o.value.encode()) for o in Op}
+
+
+class ChangeBatcher:
+    """Builds the pending batch of a source, skipping what the log already holds, and hands it
+    (offset last) to a :class:`CaptureWriter`."""
+
+    def __init__(self, log: Log, *, source: str, codec: EventCodec, partitions: int,
+                 tails: dict[tuple[str, int], Position] | None = None, threaded: bool = True,
+                 fault: FaultHook | None = None, offsets: OffsetStore | None = None) -> None:
+        self.log = log
+        self.source = source
+        self.codec = codec
+        self.partitions = partitions
+        self.tails: dict[tuple[str, int], Position] = dict(tails or {})
+        self._max_tail: Position | None = max(self.tails.values()) if self.tails else None
+        self._topic_parts: dict[str, int] = {}
+        self._pending: dict[tuple[str, int | None], list[Record]] = {}
+        self._creates: list[tuple[str, TopicConfig]] = []
+        self.buffered = 0
+        self.skipped = 0
+        self.events = 0
+        self.records = 0
+        self.last_position: Position | None = None
+        self.offsets = offsets or OffsetStore(log)
+        self.writer = CaptureWriter(log, self.offsets, source, threaded=threaded, fault=fault)
+        self.schema_topic = f"{source}.__schema"
+        self.stored_schemas: dict[str, str] = {}
+
+    # -- topics ------------------------------------------------------------------------
+    def ensure_topic(self, topic: str) -> int:
+        n = self._topic_parts.get(topic)
+        if n is None:
+            existing = self.log.list_topics().get(topic)
+            if existing is None:
+                cfg = TopicConfig(partitions=self.partitions, cleanup_policy=CleanupPolicy.COMPACT)
+                existing = self.log.create_topic(topic, cfg, exist_ok=True)
+            n = self._topic_parts[topic] = existing.partitions
+        return n
+
+    def load_schemas(self) -> None:
+        """Fingerprints of the schemas already on the schema topic (so restarts do not repeat them)."""
+        self.log.create_topic(self.schema_topic, TopicConfig(partitions=1, cleanup_policy=CleanupPolicy.COMPACT),
+                              exist_ok=True)
+        for rec in self.log.iter_partition(self.schema_topic, 0):
+            if rec.key is None:
+                continue
+            name = orjson.loads(rec.key)
+            if rec.value is None:
+                self.stored_schemas.pop(name, None)
+            else:
+                self.stored_schemas[name] = TableSchema.from_dict(orjson.loads(rec.value)).fingerprint()
+
+    # -- duplicates --------------------------------------------------------------------
+    def _already_written(self, topic: str, key: bytes | None, pos: Position, partition: int | None) -> bool:
+        mt = self._max_tail
+        if mt is None:
+            return False
+        if pos > mt:
+            self._max_tail = None  # everything from here on is new
+            self.tails.clear()
+            return False
+        p = partition if partition is not None else partition_for(
+            key, self._topic_parts.get(topic) or self.ensure_topic(topic))
+        tail = self.tails.get((topic, p))
+        return tail is not None and pos <= tail
+
+    @property
+    def deduplicating(self) -> bool:
+        return self._max_tail is not None
+
+    # -- adding ------------------------------------------------------------------------
+    def _add(self, topic: str, partition: int | None, rec: Record) -> None:
+        buf = self._pending.get((topic, partition))
+        if buf is None:
+            if topic not in self._topic_parts:
+                self.ensure_topic(topic)
+            buf = self._pending[(topic, partition)] = []
+        buf.append(rec)
+        self.buffered += 1
+
+    def add_event(self, state: TableState, event: ChangeEvent, pos: Position) -> None:
+        """One change event (+ its tombstone for deletes)."""
+        schema = state.schema
+        codec = self.codec
+        key = codec.encode_key(event.key, schema) if event.key is not None else None
+        if self._max_tail is not None and self._already_written(state.topic, key, pos, None):
+            self.skipped += 1
+            return
+        ph = (POSITION_HEADER, orjson.dumps(pos.to_dict()))
+        self._add(state.topic, None, TrustedRecord(key, codec.encode_value(event, schema), (_OPS[event.op], ph)))
+        if event.op is Op.DELETE and key is not None:
+            self._add(state.topic, None, TrustedRecord(key, None, (_OPS[Op.DELETE], ph)))
+        self.events += 1
+        self.last_position = pos
+
+    def add_truncate(self, state: TableState, event: ChangeEvent, pos: Position) -> None:
+        """The op=t marker and the tombstones of every live key, per partition (see the module docstring).
+
+        The caller must have flushed and drained first: the keys are read from the log.
+        """
+        topic = state.topic
+        n = self.ensure_topic(topic)
+        live: list[set[bytes]] = [set() for _ in range(n)]
+        for p in range(n):
+            for rec in self.log.iter_partition(topic, p):
+                if rec.key is None or rec.key == TRUNCATE_KEY:
+                    continue
+                if rec.value is None:
+                    live[p].discard(rec.key)
+                else:
+                    live[p].add(rec.key)
+        value = self.codec.encode_value(event, state.schema)
+        ph = (POSITION_HEADER, orjson.dumps(pos.to_dict()))
+        op_t = _OPS[Op.TRUNCATE]
+        for p in range(n):
+            if self._max_tail is not None and self._already_written(topic, None, pos, p):
+                self.skipped += 1
+                continue
+            self._add(topic, p, TrustedRecord(TRUNCATE_KEY, value, (op_t, ph)))
+            for k in sorted(live[p]):
+                self._add(topic, p, TrustedRecord(k, None, (op_t, ph)))
+        self.events += 1
+        self.last_position = pos
+
+    def add_schema(self, qualified: str, schema: TableSchema | None, pos: Position, *, change: str,
+                   ddl: list[str] | None = None) -> bool:
+        """A schema record when the table's schema differs from the stored one (True if written)."""
+        if schema is None:
+            if qualified not in self.stored_schemas:
+                return False
+            self.stored_schemas.pop(qualified, None)
+            self._add(self.schema_topic, None, TrustedRecord(orjson.dumps(qualified), None))
+            return True
+        fp = schema.fingerprint()
+        if self.stored_schemas.get(qualified) == fp:
+            return False
+        value = dict(schema.to_dict())
+        value.update({"kf_pos": pos.to_dict(), "table": qualified, "ts_ms": now_ms(), "change": change,
+                      "ddl": ";\n".join(ddl) if ddl else None})
+        self._add(self.schema_topic, None, TrustedRecord(orjson.dumps(qualified), orjson.dumps(value)))
+        self.stored_schemas[qualified] = fp
+        return True
+
+    # -- flushing ----------------------------------------------------------------------
+    def flush(self, offset: dict[str, Any] | None, token: Any = None) -> None:
+        """Hand the pending records (schema records first) and then the offset to the writer."""
+        batch = Batch(creates=self._creates, offset=offset, token=token)
+        schema = self._pending.pop((self.schema_topic, None), None)
+        if schema:
+            batch.add(self.schema_topic, schema)
+        for (topic, partition), recs in self._pending.items():
+            batch.add(topic, recs, partition)
+        self.records += batch.records
+        self._pending = {}
+        self._creates = []
+        self.buffered = 0
+        self.writer.submit(batch)
+
+    def drain(self) -> None:
+        self.writer.drain()
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+def make_source(state: TableState, source: str, pos: BinlogPosition, ts_ms: int, tx_id: str | None,
+                snapshot: Snapshot = Snapshot.FALSE) -> SourceInfo:
+    return SourceInfo("mysql", source, state.db, None, state.table, pos, ts_ms, tx_id, snapshot)
+
+
+def key_of(state: TableState, row: dict[str, Any]) -> dict[str, Any]:
+    try:
+        return {k: row[k] for k in state.key}
+    except KeyError as exc:
+        raise SourceError(f"table {state.qualified}: key column {exc.args[0]!r} missing from a row "
+                          f"(key: {list(state.key)})") from None
+
+
+def now_ms() -> int:
+    return int(time.time() * 1000)
+
+
+def rows_to_events(state: TableState, op: Op, rows: Iterable[tuple[dict[str, Any] | None, dict[str, Any] | None]],
+                   ) -> Iterable[tuple[Op, dict[str, Any] | None, dict[str, Any] | None]]:
+    """(op, before, after) per change; a key-changing update becomes a delete and a create."""
+    if op is not Op.UPDATE:
+        for before, after in rows:
+            yield op, before, after
+        return
+    keycols = state.key
+    for before, after in rows:
+        assert before is not None and after is not None
+        if any(before[k] != after[k] for k in keycols):
+            yield Op.DELETE, before, None
+            yield Op.CREATE, None, after
+        else:
+            yield op, before, after
