@@ -111,7 +111,8 @@ def isolated_python(venv_dir: Path) -> str:
 
     if not (venv_dir / "bin" / "python").exists():
         venv.EnvBuilder(with_pip=False, symlinks=True).create(venv_dir)
-    out = subprocess.run([str(venv_dir / "bin" / "python"), "-c", "import sysconfig;print(sysconfig.get_paths()['purelib'])"],
+    probe = "import sysconfig; print(sysconfig.get_paths()['purelib'])"
+    out = subprocess.run([str(venv_dir / "bin" / "python"), "-c", probe],
                          capture_output=True, text=True, check=True).stdout.strip()
     packages = [p for p in site.getsitepackages() if p.endswith("site-packages")]
     Path(out, "kappaflow-deps.pth").write_text("\n".join(packages) + "\n")
