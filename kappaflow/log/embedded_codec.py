@@ -1,0 +1,389 @@
+"""Record-batch encoding and batch partitioning for the embedded log.
+
+Records are stored like Kafka stores them: many records per stored batch, so the
+per-row cost of SQLite (B-tree insert, record formatting) is paid once per batch
+instead of once per record. A batch is one SQLite row ``(base, last, n, idx, data, crc)``:
+
+* ``idx``: a little-endian index, ``<BqqI`` header (format version, base offset,
+  last offset, record count n) followed by six arrays of n items: offset deltas
+  (uint32), timestamps (int64), key lengths, value lengths (int32, -1 = null),
+  header-blob lengths (int32) and per-record CRC32s (uint32).
+* ``data``: all keys, then all values, then all header blobs, concatenated.
+* ``crc``: CRC32 of ``idx``, so damage to lengths/offsets/timestamps is caught;
+  each record's CRC32 covers its key, value and header bytes, so a flipped bit in
+  a payload is named by its exact offset while the records before it stay readable.
+"""
+
+from __future__ import annotations
+
+import struct
+import sys
+import zlib
+from array import array
+from bisect import bisect_left
+from collections.abc import Sequence
+from itertools import accumulate
+from typing import NamedTuple
+
+import numpy as np
+
+from kappaflow.errors import ValidationError
+from kappaflow.log.base import Headers, LogRecord
+from kappaflow.log.partitioner import partition_for
+
+FORMAT_VERSION = 1
+_HEADER = struct.Struct("<BqqI")
+_BIG_ENDIAN = sys.byteorder == "big"
+_E = b""
+_crc32 = zlib.crc32
+
+
+class BatchDamaged(Exception):
+    """Raised by `decode`; `offset` is the first offset that cannot be trusted.
+
+    `records` holds the records before the damage that were decoded and verified.
+    """
+
+    def __init__(self, reason: str, offset: int, records: list[LogRecord]) -> None:
+        super().__init__(reason)
+        self.reason = reason
+        self.offset = offset
+        self.records = records
+
+
+def _le(a: array) -> bytes:
+    if _BIG_ENDIAN:  # pragma: no cover - no big-endian CI machine
+        a = array(a.typecode, a)
+        a.byteswap()
+    return a.tobytes()
+
+
+def _from_le(code: str, buf: bytes | memoryview) -> array:
+    a = array(code)
+    a.frombytes(buf)
+    if _BIG_ENDIAN:  # pragma: no cover
+        a.byteswap()
+    return a
+
+
+# --- headers ---------------------------------------------------------------------------------
+_HNAME = struct.Struct("<H")
+_HVAL = struct.Struct("<i")
+
+
+def encode_headers(headers: Headers, index: int) -> bytes:
+    """Headers as ``(u16 name length, utf-8 name, i32 value length, value)*``."""
+    parts: list[bytes] = []
+    try:
+        for name, value in headers:
+            if not isinstance(name, str):
+                raise ValidationError(
+                    f"record {index}: header name: expected str, got {type(name).__name__}")
+            if not isinstance(value, bytes):
+                raise ValidationError(
+                    f"record {index}: header {name!r} value: expected bytes, got {type(value).__name__}")
+            raw = name.encode()
+            if len(raw) > 0xFFFF:
+                raise ValidationError(f"record {index}: header name longer than 65535 bytes")
+            parts += (_HNAME.pack(len(raw)), raw, _HVAL.pack(len(value)), value)
+    except (TypeError, ValueError) as exc:
+        if isinstance(exc, ValidationError):
+            raise
+        raise ValidationError(
+            f"record {index}: headers: expected a sequence of (str, bytes) pairs, got {headers!r:.80}"
+        ) from None
+    return _E.join(parts)
+
+
+def decode_headers(blob: bytes) -> Headers:
+    out: list[tuple[str, bytes]] = []
+    pos = 0
+    end = len(blob)
+    while pos < end:
+        (nlen,) = _HNAME.unpack_from(blob, pos)
+        pos += 2
+        name = blob[pos : pos + nlen].decode()
+        pos += nlen
+        (vlen,) = _HVAL.unpack_from(blob, pos)
+        pos += 4
+        out.append((name, blob[pos : pos + vlen]))
+        pos += vlen
+    return tuple(out)
+
+
+# --- encoding --------------------------------------------------------------------------------
+class Batch(NamedTuple):
+    """One stored batch row."""
+
+    base: int
+    last: int
+    n: int
+    idx: bytes
+    data: bytes
+    crc: int
+
+
+def encode(
+    offsets: Sequence[int] | None,
+    base: int,
+    keys: Sequence[bytes | None],
+    values: Sequence[bytes | None],
+    timestamps: Sequence[int],
+    headers: Sequence[bytes] | None = None,
+    crcs: Sequence[int] | None = None,
+) -> Batch:
+    """Encode one batch. `offsets` None means consecutive offsets from `base`.
+
+    `headers` are already-encoded header blobs (None: no record has headers); `crcs`
+    are the records' CRCs when re-encoding verified records (compaction).
+    """
+    n = len(keys)
+    if offsets is None:
+        deltas = array("I", range(n))
+        last = base + n - 1
+    else:
+        base = offsets[0]
+        last = offsets[-1]
+        deltas = array("I", [o - base for o in offsets])
+    klen = array("i", [-1 if k is None else len(k) for k in keys])
+    vlen = array("i", [-1 if v is None else len(v) for v in values])
+    if crcs is None:
+        if headers is None:
+            crcs = [_crc32(v or _E, _crc32(k or _E)) for k, v in zip(keys, values, strict=True)]
+        else:
+            crcs = [
+                _crc32(h, _crc32(v or _E, _crc32(k or _E)))
+                for k, v, h in zip(keys, values, headers, strict=True)
+            ]
+    hlen = array("i", bytes(4 * n)) if headers is None else array("i", [len(h) for h in headers])
+    idx = b"".join((
+        _HEADER.pack(FORMAT_VERSION, base, last, n),
+        _le(deltas),
+        _le(array("q", timestamps)),
+        _le(klen),
+        _le(vlen),
+        _le(hlen),
+        _le(array("I", crcs)),
+    ))
+    chunks = [k for k in keys if k]
+    chunks += [v for v in values if v]
+    if headers is not None:
+        chunks += [h for h in headers if h]
+    return Batch(base, last, n, idx, b"".join(chunks), _crc32(idx))
+
+
+# --- decoding --------------------------------------------------------------------------------
+class Decoded(NamedTuple):
+    offsets: list[int]
+    timestamps: array
+    klen: array
+    vlen: array
+    hlen: array
+    crcs: array
+
+
+def decode_index(base: int, last: int, n: int, idx: bytes, crc: int) -> Decoded:
+    """Parse and verify a batch index; ValueError with the reason when it is damaged."""
+    if _crc32(idx) != crc:
+        raise ValueError("batch index CRC32 mismatch")
+    if len(idx) != _HEADER.size + 28 * n:
+        raise ValueError(f"batch index is {len(idx)} bytes, expected {_HEADER.size + 28 * n} for {n} records")
+    version, hbase, hlast, hn = _HEADER.unpack_from(idx)
+    if version != FORMAT_VERSION:
+        raise ValueError(f"unknown batch format version {version}")
+    if (hbase, hlast, hn) != (base, last, n):
+        raise ValueError(f"batch row says base={base} last={last} n={n}, index says {hbase}/{hlast}/{hn}")
+    mv = memoryview(idx)
+    p = _HEADER.size
+    deltas = _from_le("I", mv[p : p + 4 * n])
+    p += 4 * n
+    ts = _from_le("q", mv[p : p + 8 * n])
+    p += 8 * n
+    klen = _from_le("i", mv[p : p + 4 * n])
+    p += 4 * n
+    vlen = _from_le("i", mv[p : p + 4 * n])
+    p += 4 * n
+    hlen = _from_le("i", mv[p : p + 4 * n])
+    p += 4 * n
+    crcs = _from_le("I", mv[p : p + 4 * n])
+    offsets = [base + d for d in deltas]
+    if n and offsets[-1] != last:
+        raise ValueError("batch offsets do not end at the batch's last offset")
+    return Decoded(offsets, ts, klen, vlen, hlen, crcs)
+
+
+def _cuts(lens: Sequence[int], start: int) -> list[int]:
+    """Start positions of pieces of `lens` (-1 = None, zero bytes) from `start`, plus the end."""
+    if min(lens, default=0) >= 0:
+        return list(accumulate(lens, initial=start))
+    return list(accumulate((ln if ln > 0 else 0 for ln in lens), initial=start))
+
+
+def _cut(data: bytes, lens: Sequence[int], cuts: list[int], lo: int, hi: int) -> list[bytes | None]:
+    if min(lens[lo:hi], default=0) >= 0:
+        return [data[a:b] for a, b in zip(cuts[lo:hi], cuts[lo + 1 : hi + 1], strict=True)]
+    return [None if ln < 0 else data[a:b]
+            for a, b, ln in zip(cuts[lo:hi], cuts[lo + 1 : hi + 1], lens[lo:hi], strict=True)]
+
+
+def decode_fields(
+    d: Decoded, data: bytes, lo: int = 0, hi: int | None = None, *, strict: bool = True
+) -> tuple[list[bytes | None], list[bytes | None], list[bytes]]:
+    """Keys, values and header blobs of records [lo, hi) of the batch (CRCs not checked).
+
+    With `strict`, ValueError when the data blob's size differs from what the index
+    accounts for (the blob was cut or grew).
+    """
+    hi = len(d.offsets) if hi is None else hi
+    kc = _cuts(d.klen, 0)
+    vc = _cuts(d.vlen, kc[-1])
+    hc = _cuts(d.hlen, vc[-1])
+    if strict and hc[-1] != len(data):
+        raise ValueError(f"batch data is {len(data)} bytes, index accounts for {hc[-1]}")
+    keys = _cut(data, d.klen, kc, lo, hi)
+    values = _cut(data, d.vlen, vc, lo, hi)
+    if any(d.hlen[lo:hi]):
+        heads: list[bytes] = [h or _E for h in _cut(data, d.hlen, hc, lo, hi)]
+    else:
+        heads = [_E] * (hi - lo)
+    return keys, values, heads
+
+
+def first_bad(d: Decoded, keys: Sequence[bytes | None], values: Sequence[bytes | None],
+              heads: Sequence[bytes], lo: int = 0) -> int | None:
+    """Batch index of the first record whose CRC32 does not match, or None.
+
+    `keys`/`values`/`heads` are the fields of records [lo, lo + len(keys)).
+    """
+    computed = [
+        _crc32(h, _crc32(v or _E, _crc32(k or _E))) for k, v, h in zip(keys, values, heads, strict=True)
+    ]
+    stored = d.crcs[lo : lo + len(keys)].tolist()
+    if computed == stored:
+        return None
+    for i, (a, b) in enumerate(zip(computed, stored, strict=True)):
+        if a != b:
+            return lo + i
+    return None  # pragma: no cover
+
+
+def decode(
+    topic: str, partition: int, row: tuple[int, int, int, bytes, bytes, int], start: int, limit: int
+) -> list[LogRecord]:
+    """Verified LogRecords of a batch row with offset >= start, at most `limit`.
+
+    Raises BatchDamaged carrying the verified records before the damage.
+    """
+    base, last, n, idx, data, crc = row
+    try:
+        d = decode_index(base, last, n, idx, crc)
+    except (ValueError, struct.error) as exc:
+        raise BatchDamaged(str(exc), max(base, start), []) from None
+    lo = bisect_left(d.offsets, start)
+    hi = min(n, lo + limit)
+    if lo >= hi:
+        return []
+    reason = "record CRC32 mismatch"
+    try:
+        keys, values, heads = decode_fields(d, data, lo, hi)
+    except ValueError as exc:
+        # Lengths are CRC-protected, so a size mismatch means the payload blob was cut or
+        # grew: trust the records whose bytes still verify, up to the first that does not.
+        reason = str(exc)
+        keys, values, heads = decode_fields(d, data, lo, hi, strict=False)
+        bad = first_bad(d, keys, values, heads, lo)
+    else:
+        bad = first_bad(d, keys, values, heads, lo)
+    if bad is None:
+        return _records(topic, partition, d, keys, values, heads, lo, hi)
+    good = _records(topic, partition, d, keys[: bad - lo], values[: bad - lo], heads[: bad - lo], lo, bad)
+    raise BatchDamaged(reason, d.offsets[bad], good)
+
+
+def _records(topic: str, partition: int, d: Decoded, keys: Sequence[bytes | None],
+             values: Sequence[bytes | None], heads: Sequence[bytes], lo: int, hi: int) -> list[LogRecord]:
+    """LogRecords for batch records [lo, hi); the field lists start at lo."""
+    if lo >= hi:
+        return []
+    hs: list[Headers] = [decode_headers(h) if h else () for h in heads] if any(d.hlen[lo:hi]) else [()] * (hi - lo)
+    return [
+        LogRecord(topic, partition, o, k, v, h, t)
+        for o, k, v, h, t in zip(d.offsets[lo:hi], keys, values, hs, d.timestamps[lo:hi], strict=True)
+    ]
+
+
+# --- partitioning ----------------------------------------------------------------------------
+_M = np.uint32(0x5BD1E995)
+_SEED = 0x9747B28C
+_VECTOR_MIN = 64  # below this many keys the cached scalar murmur2 is faster
+
+
+def _murmur2_rows(buf: np.ndarray, length: int) -> np.ndarray:
+    """Kafka's murmur2 over each row of a (m, length) uint8 array, as uint32 (vectorised)."""
+    m = buf.shape[0]
+    h = np.full(m, (_SEED ^ length) & 0xFFFFFFFF, dtype=np.uint32)
+    n4 = length // 4
+    if n4:
+        words = np.ascontiguousarray(buf[:, : n4 * 4]).view("<u4")
+        for i in range(n4):
+            k = words[:, i] * _M
+            k ^= k >> np.uint32(24)
+            k *= _M
+            h *= _M
+            h ^= k
+    rem = length & 3
+    tail = n4 * 4
+    if rem == 3:
+        h ^= buf[:, tail + 2].astype(np.uint32) << np.uint32(16)
+    if rem >= 2:
+        h ^= buf[:, tail + 1].astype(np.uint32) << np.uint32(8)
+    if rem >= 1:
+        h ^= buf[:, tail].astype(np.uint32)
+        h *= _M
+    h ^= h >> np.uint32(13)
+    h *= _M
+    h ^= h >> np.uint32(15)
+    return h
+
+
+def murmur2_many(keys: Sequence[bytes]) -> list[int]:
+    """murmur2 of every key, signed like Java's (vectorised by key length)."""
+    return _murmur2_u32(keys).view(np.int32).tolist()
+
+
+def _murmur2_u32(keys: Sequence[bytes]) -> np.ndarray:
+    if not keys:
+        return np.empty(0, dtype=np.uint32)
+    lens = np.fromiter(map(len, keys), dtype=np.int64, count=len(keys))
+    out = np.empty(len(keys), dtype=np.uint32)
+    first = int(lens[0])
+    if bool((lens == first).all()):
+        groups: list[tuple[int, np.ndarray | None]] = [(first, None)]
+    else:
+        groups = [(int(ln), np.flatnonzero(lens == ln)) for ln in np.unique(lens)]
+    for length, where in groups:
+        ks = keys if where is None else [keys[i] for i in where.tolist()]
+        if length == 0:
+            buf = np.zeros((len(ks), 0), dtype=np.uint8)
+        else:
+            buf = np.frombuffer(b"".join(ks), dtype=np.uint8).reshape(len(ks), length)
+        hashes = _murmur2_rows(buf, length)
+        if where is None:
+            out = hashes
+        else:
+            out[where] = hashes
+    return out
+
+
+def partitions_for(keys: Sequence[bytes | None], partitions: int) -> list[int]:
+    """`partition_for` of every key, vectorised for large batches."""
+    if partitions == 1:
+        return [0] * len(keys)
+    if len(keys) < _VECTOR_MIN:
+        return [partition_for(k, partitions) for k in keys]
+    if None in keys:
+        present = [k for k in keys if k is not None]
+        it = iter(partitions_for(present, partitions)) if present else iter(())
+        return [0 if k is None else next(it) for k in keys]
+    hashes = _murmur2_u32(keys) & np.uint32(0x7FFFFFFF)  # type: ignore[arg-type]
+    return (hashes % np.uint32(partitions)).tolist()
