@@ -52,6 +52,7 @@ def event_value(row: Mapping[str, Any]) -> dict[str, Any]:
             "data": orjson.loads(data) if isinstance(data, str | bytes) else data,
             "metadata": orjson.loads(meta) if isinstance(meta, str | bytes) else meta,
             "recorded_at": at.isoformat() if isinstance(at, dt.datetime) else str(at),
+            "idempotency_key": row.get("idempotency_key"),
             "hash": _hex(hash_),
         }
     except KeyError as exc:

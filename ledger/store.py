@@ -256,10 +256,26 @@ class Ledger:
             counts.append(len(evs))
         request_hash: bytes | None = None
         if key is not None:
+            # What is written, not the expected versions: a retry after an unknown outcome may
+            # re-read the stream and send a newer expected version; it is still the same request.
             request_hash = hashlib.sha256(orjson.dumps(
-                [stream_ids, stream_types, expected, ev_stream, ev_types, ev_schema, payloads, metas])).digest()
+                [stream_ids, stream_types, ev_stream, ev_types, ev_schema, payloads, metas])).digest()
         return (stream_ids, stream_types, expected, counts, ev_stream, ev_types, ev_schema, payloads, metas,
                 key, request_hash)
+
+    def idempotent_result(self, idempotency_key: str) -> AppendResult | None:
+        """The result of the committed append that used `idempotency_key`, or None."""
+        check_identifier(idempotency_key, field="idempotency_key")
+        t = self.tables
+        with self.connection() as conn:
+            row = conn.execute(sql.SQL(
+                "select k.first_position, k.last_position, array_agg(e.stream_id order by e.stream_id), "
+                "array_agg(e.v order by e.stream_id), min(e.at), true from {keys} k "
+                "join lateral (select stream_id, max(stream_version) as v, min(recorded_at) as at from {events} "
+                "where position between k.first_position and k.last_position group by stream_id) e on true "
+                "where k.key = %s group by k.first_position, k.last_position").format(
+                keys=t.idempotency_keys, events=t.events), (idempotency_key,)).fetchone()
+        return _result(row) if row is not None else None
 
     # --- read ---------------------------------------------------------------
     def read_stream(self, stream_id: str, *, from_version: int = 1, limit: int | None = None,

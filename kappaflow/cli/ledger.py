@@ -191,8 +191,6 @@ def stats_cmd(
 ) -> None:
     """Head position and hash (keep them as an external anchor), streams, events per type, sizes."""
     with _errors():
-        from rich.table import Table
-
         from kappaflow.ledger import Ledger
 
         url, sch = _target(ctx, dsn, schema)
@@ -201,16 +199,12 @@ def stats_cmd(
         if as_json:
             _print_json(st.to_dict())
             return
-        table = Table("stat", "value")
         d = st.to_dict()
-        for key in ("head_position", "head_hash", "streams", "events", "idempotency_keys",
-                    "first_recorded_at", "last_recorded_at"):
-            table.add_row(key, str(d[key]))
-        for t, n in st.events_by_stream_type.items():
-            table.add_row(f"events[{t}]", str(n))
-        for t, n in st.table_bytes.items():
-            table.add_row(f"bytes[{t}]", str(n))
-        console.print(table)
+        lines = [f"{key}: {d[key]}" for key in ("head_position", "head_hash", "streams", "events",
+                                                 "idempotency_keys", "first_recorded_at", "last_recorded_at")]
+        lines += [f"events[{t}]: {n}" for t, n in st.events_by_stream_type.items()]
+        lines += [f"bytes[{t}]: {n}" for t, n in st.table_bytes.items()]
+        sys.stdout.write("\n".join(lines) + "\n")
 
 
 def _json(text: str, what: str) -> Any:

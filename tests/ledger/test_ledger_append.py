@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+import orjson
 import psycopg
 import pytest
 from pydantic import BaseModel
@@ -204,3 +205,34 @@ def test_custom_schema_is_quoted(pg_dsn: str) -> None:
         assert led.verify().ok
     with psycopg.connect(pg_dsn) as conn:
         assert conn.execute("select count(*) from \"Ledger \"\"Q\"\" 1\".events").fetchone() == (1,)
+
+
+def test_retry_with_a_newer_expected_version_is_the_same_request(ledger: Ledger) -> None:
+    """After an unknown outcome a client re-reads and retries: the key still wins."""
+    first = ledger.append("acct-1", [ev(1)], 0, idempotency_key="op-1")
+    retry = ledger.append("acct-1", [ev(1)], 1, idempotency_key="op-1")
+    assert retry.duplicate and retry.position == first.position
+    looked_up = ledger.idempotent_result("op-1")
+    assert looked_up is not None and looked_up.position == first.position and looked_up.versions == {"acct-1": 1}
+    assert ledger.idempotent_result("op-404") is None
+
+
+def test_log_mapping_topic_key_value(ledger: Ledger) -> None:
+    from kappaflow.ledger.logmap import POSITION_HEADER, event_value, ledger_topic, to_log_record
+
+    ledger.append("bank account-1", [NewEvent("Opened", {"owner": "ann"})], stream_type="bank account")
+    rec = ledger.read_all()[0]
+    topic, record = to_log_record("bank", rec)
+    assert topic == "bank.bank_account" == ledger_topic("bank", "bank account")
+    assert record.key == b"bank account-1"
+    assert dict(record.headers)[POSITION_HEADER] == b"1"
+    value = orjson.loads(record.value or b"")
+    assert value["data"] == {"owner": "ann"} and value["stream_version"] == 1 and value["hash"] == rec.hash.hex()
+    assert record.timestamp_ms == int(rec.recorded_at.timestamp() * 1000)
+    # the same value from a row as the PostgreSQL connector decodes it (JSON as text, bytes as base64)
+    import base64
+
+    row = {"position": 1, "stream_id": rec.stream_id, "stream_type": rec.stream_type, "stream_version": 1,
+           "event_type": "Opened", "schema_version": 1, "payload": '{"owner": "ann"}', "metadata": "{}",
+           "recorded_at": rec.recorded_at, "hash": base64.b64encode(rec.hash).decode()}
+    assert event_value(row) == value
