@@ -76,7 +76,9 @@ def main() -> None:
     ap.add_argument("--n", type=int, default=100_000)
     args = ap.parse_args()
     events = make_events(args.n)
-    result: dict[str, float | int | str] = {"events": args.n, "row": "int8,text,numeric(12,2),timestamptz,bool,jsonb"}
+    result: dict[str, float | int | str] = {
+        "events": args.n, "row": "int8,text,numeric(12,2),timestamptz,bool,jsonb", "timer": "process_time",
+    }
     for label, codec in (
         ("", EventCodec()),
         ("precise_", EventCodec("precise")),

@@ -64,7 +64,12 @@ class _UnknownColumn(Exception):
 
 # -- row converters (built once per schema and mode) ---------------------------------------------
 def _row_encoder(schema: TableSchema, mode: str, native: bool) -> RowFn:
-    convs = tuple((c.name, enc) for c in schema.columns if (enc := make_encoder(c, mode, native)) is not None)
+    """A function converting a row dict to its JSON form, specialised to the schema.
+
+    Generated code (like ``dataclasses`` does): one straight-line get/convert per
+    column that needs converting, converters bound as locals, no loop or dispatch.
+    """
+    convs = [(c.name, enc) for c in schema.columns if (enc := make_encoder(c, mode, native)) is not None]
     issuperset = frozenset(c.name for c in schema.columns).issuperset
 
     if not convs:
@@ -76,17 +81,20 @@ def _row_encoder(schema: TableSchema, mode: str, native: bool) -> RowFn:
 
         return conv_plain
 
-    def conv(row: dict[str, Any]) -> dict[str, Any]:
-        if not issuperset(row):
-            raise _UnknownColumn
-        out = row.copy()
-        for name, fn in convs:
-            v = out.get(name)
-            if v is not None:
-                out[name] = fn(v)
-        return out
-
-    return conv
+    params = ", ".join(f"_f{i}=_f{i}" for i in range(len(convs)))
+    lines = [
+        f"def conv(row, _issuperset=_issuperset, {params}):",
+        "    if not _issuperset(row):",
+        "        raise _UnknownColumn",
+        "    out = row.copy()",
+    ]
+    ns: dict[str, Any] = {"_issuperset": issuperset, "_UnknownColumn": _UnknownColumn}
+    for i, (name, fn) in enumerate(convs):
+        ns[f"_f{i}"] = fn
+        lines += [f"    v = out.get({name!r})", "    if v is not None:", f"        out[{name!r}] = _f{i}(v)"]
+    lines.append("    return out")
+    exec("\n".join(lines), ns)
+    return ns["conv"]
 
 
 def _identity_checker(col: Column) -> Callable[[Any], bool] | None:
@@ -380,7 +388,10 @@ class EventCodec:
     UUIDs) when encoding; off by default because connectors produce typed values.
     """
 
-    __slots__ = ("_connect_cache", "_dec_key", "_enc_key", "decimal_mode", "include_schema", "validate", "version")
+    __slots__ = (
+        "_connect_cache", "_dec_key", "_enc_key", "_schema_bytes_cache", "decimal_mode", "include_schema", "validate",
+        "version",
+    )
 
     def __init__(
         self,
@@ -401,6 +412,8 @@ class EventCodec:
         self._enc_key = ("enc", decimal_mode, include_schema, validate)
         self._dec_key = ("dec", decimal_mode)
         self._connect_cache: dict[Any, tuple[Any, Any]] = {}
+        # schema-part bytes -> plan, so repeated schemas are neither parsed nor compared
+        self._schema_bytes_cache: dict[bytes, tuple[TableSchema, Callable[[Any, str], Any]]] = {}
 
     def __repr__(self) -> str:
         return f"EventCodec(decimal_mode={self.decimal_mode!r}, include_schema={self.include_schema!r})"
@@ -545,6 +558,48 @@ class EventCodec:
             return ValidationError(f"{path}: cannot be encoded as JSON: {type(exc).__name__}: {exc}")
         return None
 
+    _SCHEMA_HEAD = b'{"schema":'
+    _PAYLOAD_SEP = b',"payload":'
+
+    def _split_schema_part(self, data: Any) -> tuple[Any, dict[str, Any]] | None:
+        """For ``{"schema":S,"payload":P}`` bytes whose S is cached: (plan, parsed P).
+
+        JsonConverter writes the schema first and compactly. The first ``,"payload":``
+        after it ends S: a JSON string cannot contain that byte sequence (its quotes
+        would be escaped), and a cached S is known to be one complete JSON value.
+        """
+        if type(data) is not bytes or not data.startswith(self._SCHEMA_HEAD) or not self._schema_bytes_cache:
+            return None
+        i = data.find(self._PAYLOAD_SEP, 10)
+        if i < 0 or data[-1:] != b"}":
+            return None
+        plan = self._schema_bytes_cache.get(data[10:i])
+        if plan is None:
+            return None
+        try:
+            payload = orjson.loads(data[i + 11 : -1])
+        except orjson.JSONDecodeError:
+            return None  # the full parse reports the error
+        if type(payload) is not dict:
+            return None
+        return plan, payload
+
+    def _remember_schema_part(self, data: Any, wire_schema: Any, plan: tuple[TableSchema, Any]) -> None:
+        if type(data) is not bytes or not data.startswith(self._SCHEMA_HEAD):
+            return
+        i = data.find(self._PAYLOAD_SEP, 10)
+        if i < 0:
+            return
+        part = data[10:i]
+        try:
+            if orjson.loads(part) != wire_schema:
+                return
+        except orjson.JSONDecodeError:
+            return
+        if len(self._schema_bytes_cache) >= 256:
+            self._schema_bytes_cache.clear()
+        self._schema_bytes_cache[part] = plan
+
     def decode_value(self, data: bytes | str | None, schema: TableSchema | None = None) -> ChangeEvent:
         """Parse value bytes into a ChangeEvent.
 
@@ -555,27 +610,36 @@ class EventCodec:
         """
         if data is None:
             raise ValidationError("value: null (a tombstone) is not a change event")
-        try:
-            obj = orjson.loads(data)
-        except orjson.JSONDecodeError as e:
-            raise ValidationError(f"value: malformed JSON ({e})") from None
-        if type(obj) is not dict:
-            raise ValidationError(f"value: expected a JSON object (Debezium envelope), got {short_repr(obj)}")
         table: TableSchema | None = schema
-        if "payload" in obj and "schema" in obj and len(obj) == 2:
-            payload = obj["payload"]
-            wire_schema = obj["schema"]
-            if wire_schema is not None:
-                table, rows = self._plan_from_connect(wire_schema)
-                if schema is not None and not table.key and schema.key:
-                    table = schema
-            else:
-                rows = self._dec_plan(schema) if schema is not None else _raw_rows
-            if type(payload) is not dict:
-                raise ValidationError(f"payload: expected a JSON object (Debezium envelope), got {short_repr(payload)}")
+        fast = self._split_schema_part(data)
+        if fast is not None:  # a schema seen before: parse only the payload
+            (table, rows), payload = fast
+            if schema is not None and not table.key and schema.key:
+                table = schema
         else:
-            payload = obj
-            rows = self._dec_plan(schema) if schema is not None else _raw_rows
+            try:
+                obj = orjson.loads(data)
+            except orjson.JSONDecodeError as e:
+                raise ValidationError(f"value: malformed JSON ({e})") from None
+            if type(obj) is not dict:
+                raise ValidationError(f"value: expected a JSON object (Debezium envelope), got {short_repr(obj)}")
+            if "payload" in obj and "schema" in obj and len(obj) == 2:
+                payload = obj["payload"]
+                wire_schema = obj["schema"]
+                if wire_schema is not None:
+                    table, rows = self._plan_from_connect(wire_schema)
+                    self._remember_schema_part(data, wire_schema, (table, rows))
+                    if schema is not None and not table.key and schema.key:
+                        table = schema
+                else:
+                    rows = self._dec_plan(schema) if schema is not None else _raw_rows
+                if type(payload) is not dict:
+                    raise ValidationError(
+                        f"payload: expected a JSON object (Debezium envelope), got {short_repr(payload)}"
+                    )
+            else:
+                payload = obj
+                rows = self._dec_plan(schema) if schema is not None else _raw_rows
 
         op_code = payload.get("op")
         op = _OPS.get(op_code) if type(op_code) is str else None

@@ -566,3 +566,34 @@ def test_decoding_without_schema_returns_raw_json_values() -> None:
     ev = EventCodec().decode_value(raw)
     assert ev.after == {"id": 1, "amount": "2.50", "at": "2024-01-01T00:00:00Z"} and ev.key is None
 
+
+
+def test_odd_column_names_and_a_column_called_payload() -> None:
+    names = ['payload', 'schema', 'a "quoted" name', "back\\slash", "new\nline", "日本", "x'); import os; ('"]
+    schema = TableSchema("s.public.odd", tuple(Column(n, FT.DECIMAL, scale=1) for n in names), key=("payload",))
+    row = {n: Decimal(i) for i, n in enumerate(names)}
+    for mode in DECIMAL_MODES:
+        codec = EventCodec(mode, include_schema=True)
+        raw = codec.encode_value(ChangeEvent(Op.CREATE, {"payload": row["payload"]}, None, row, src(), 1), schema)
+        for _ in range(2):  # the second decode takes the cached-schema fast path
+            back = codec.decode_value(raw)
+            assert back.after == row and back.key == {"payload": Decimal(0)}
+
+
+def test_cached_schema_fast_path_still_reports_bad_payloads() -> None:
+    codec = EventCodec("precise", include_schema=True)
+    raw = codec.encode_value(event_for(Op.CREATE, {"id": 1, "amount": Decimal("2.50")}, src()), SCHEMA)
+    assert codec.decode_value(raw).after == {"id": 1, "amount": Decimal("2.50")}
+    head, _, _ = raw.partition(b',"payload":')
+    with pytest.raises(ValidationError, match="value: malformed JSON"):
+        codec.decode_value(head + b',"payload":{"op":')
+    with pytest.raises(ValidationError, match=r"after.amount: expected decimal as base64"):
+        codec.decode_value(raw.replace(b'"amount":"APo="', b'"amount":12'))
+    with pytest.raises(ValidationError, match=r"payload: expected a JSON object"):
+        codec.decode_value(head + b',"payload":[1]}')
+    # a parameter named "payload" inside the schema does not confuse the split
+    doc = orjson.loads(raw)
+    doc["schema"]["fields"][1]["fields"][0]["parameters"] = {"payload": "x"}
+    tricky = orjson.dumps(doc)
+    for _ in range(2):
+        assert codec.decode_value(tricky).after == {"id": 1, "amount": Decimal("2.50")}
