@@ -1,0 +1,206 @@
+"""Shared by the document sinks (search, Redis): write batches as keyed JSON rows and back.
+
+A write batch (see ``base.py``) is an Arrow table: the view's columns, ``_kf_version``
+(the log offset that produced the row) and ``_kf_deleted``. Document stores want one
+JSON document per key, so this module turns a batch into ``(key, key string, row or
+None, version)`` tuples a slice at a time (a small working set: no million-dict lists
+for the garbage collector to walk) and turns stored JSON back into the Python types the
+view's Spark schema promises (``fetch``/``scan`` return the same values as the
+PostgreSQL sink).
+
+Versions: the version of a change is its log **offset**. Offsets are per partition and
+not comparable across partitions, but every change of one key lives in one partition
+(the log partitions by key), so per key the offset alone is strictly increasing, which
+is all a per-key version guard needs. Versions are 0..2^63-1 (Elasticsearch external
+versions are Java longs).
+"""
+
+from __future__ import annotations
+
+import base64
+import datetime as _dt
+import decimal
+import uuid
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import orjson
+import pyarrow as pa
+
+from kappaflow.errors import Retry, SinkError
+from kappaflow.projections.sinks.base import DELETED, VERSION, ViewSpec
+
+MAX_VERSION = (1 << 63) - 1
+
+# (key tuple, key string, row dict or None for a delete, version)
+Change = tuple[tuple[Any, ...], str, dict[str, Any] | None, int]
+
+
+class SinkStateLostError(SinkError):
+    """The store lost data the sink had written (index or namespace gone, server restarted empty).
+
+    Transient, but not "retry the same batch": the positions the runner holds describe
+    data that no longer exists. The runner must call ``ensure`` and ``read_positions``
+    again (they now report an empty view) and replay the log from there.
+    """
+
+    retry = Retry.TRANSIENT
+
+
+def version_of(partition: int, offset: int) -> int:
+    """The version a change carries: its log offset (see the module docstring)."""
+    if not 0 <= offset <= MAX_VERSION:
+        raise SinkError(f"log offset {offset} (partition {partition}): expected 0..2^63-1 to use as a version")
+    return offset
+
+
+def json_default(obj: Any) -> Any:
+    if isinstance(obj, decimal.Decimal):
+        return str(obj)  # exact; search numeric fields accept numeric strings
+    if isinstance(obj, bytes | bytearray | memoryview):
+        return base64.b64encode(bytes(obj)).decode()
+    if isinstance(obj, _dt.timedelta):
+        return (obj.days * 86_400 + obj.seconds) * 1_000_000 + obj.microseconds
+    if isinstance(obj, set | frozenset):
+        return sorted(obj)
+    if hasattr(obj, "isoformat"):  # pandas.Timestamp and friends
+        return obj.isoformat()
+    if hasattr(obj, "tolist"):  # numpy arrays / scalars
+        return obj.tolist()
+    raise TypeError(f"cannot encode a {type(obj).__name__} as JSON")
+
+
+DUMPS_OPTS = orjson.OPT_SERIALIZE_NUMPY | orjson.OPT_NON_STR_KEYS
+
+
+def encode_json(row: Mapping[str, Any]) -> bytes:
+    return orjson.dumps(row, default=json_default, option=DUMPS_OPTS)
+
+
+def key_str(key: tuple[Any, ...] | Any) -> str:
+    """The canonical text of a view key (document id, Redis key suffix).
+
+    One column: the value's plain text (``42``, ``alice``, ``true``, ``2024-01-02``);
+    several: a compact JSON array (``["eu",42]``), unambiguous whatever the values hold.
+    """
+    if isinstance(key, tuple | list):
+        if len(key) == 1:
+            return key_str(key[0])
+        return orjson.dumps(list(key), default=json_default, option=DUMPS_OPTS).decode()
+    if isinstance(key, str):
+        return key
+    if isinstance(key, bool):
+        return "true" if key else "false"
+    if isinstance(key, int | decimal.Decimal | uuid.UUID):
+        return str(key)
+    if isinstance(key, _dt.datetime | _dt.date | _dt.time):
+        return key.isoformat()
+    if isinstance(key, bytes):
+        return base64.b64encode(key).decode()
+    if isinstance(key, float):
+        return repr(key)
+    raise SinkError(f"view key: expected scalar key values, got {type(key).__name__}")
+
+
+def check_batch(view: ViewSpec, batch: pa.Table, sink: str) -> None:
+    want = (*view.column_names, VERSION, DELETED)
+    missing = [c for c in want if c not in batch.column_names]
+    if missing:
+        raise SinkError(f"{sink}: the batch for view {view.name!r} lacks column(s) {missing}; expected "
+                        f"the view's columns plus {VERSION} and {DELETED}")
+
+
+def iter_changes(view: ViewSpec, batch: pa.Table, *, slice_rows: int = 4096) -> Iterator[Change]:
+    """The batch's rows as changes, converted a slice at a time."""
+    names = list(view.column_names)
+    key_idx = [names.index(k) for k in view.key]
+    single = len(key_idx) == 1
+    k0 = key_idx[0]
+    for rb in batch.select([*names, VERSION, DELETED]).to_batches(max_chunksize=slice_rows):
+        cols = [c.to_pylist() for c in rb.columns]
+        versions = cols[-2]
+        deleted = cols[-1]
+        values = cols[:-2]
+        for i, vals in enumerate(zip(*values, strict=True)):
+            if single:
+                k = vals[k0]
+                key: tuple[Any, ...] = (k,)
+                ks = k if type(k) is str else (str(k) if type(k) is int else key_str(k))
+            else:
+                key = tuple(vals[j] for j in key_idx)
+                ks = key_str(key)
+            row = None if deleted[i] else dict(zip(names, vals, strict=True))
+            yield key, ks, row, versions[i]
+
+
+# --- decoding stored JSON back to the view's types ----------------------------------------
+def _decoder(dt: Any) -> Any:
+    """A function JSON value -> Python value for Spark type `dt` (None for identity)."""
+    from pyspark.sql import types as st
+
+    if isinstance(dt, st.DecimalType):
+        return lambda v: decimal.Decimal(str(v))
+    if isinstance(dt, st.DateType):
+        return lambda v: _dt.date.fromisoformat(v) if isinstance(v, str) else v
+    if isinstance(dt, st.TimestampNTZType):
+        return lambda v: _dt.datetime.fromisoformat(v) if isinstance(v, str) else v
+    if isinstance(dt, st.TimestampType):
+        def ts(v: Any) -> Any:
+            if not isinstance(v, str):
+                return v
+            d = _dt.datetime.fromisoformat(v)
+            return d if d.tzinfo else d.replace(tzinfo=_dt.UTC)
+        return ts
+    if isinstance(dt, st.BinaryType):
+        return lambda v: base64.b64decode(v) if isinstance(v, str) else v
+    if isinstance(dt, st.DayTimeIntervalType):
+        return lambda v: _dt.timedelta(microseconds=v) if isinstance(v, int) else v
+    if isinstance(dt, st.FloatType | st.DoubleType):
+        return lambda v: float(v) if isinstance(v, int | str) else v
+    if isinstance(dt, st.ArrayType):
+        inner = _decoder(dt.elementType)
+        if inner is None:
+            return None
+        return lambda v: [None if x is None else inner(x) for x in v] if isinstance(v, list) else v
+    if isinstance(dt, st.StructType):
+        subs = [(f.name, _decoder(f.dataType)) for f in dt.fields]
+        if all(d is None for _, d in subs):
+            return None
+
+        def struct(v: Any) -> Any:
+            if not isinstance(v, dict):
+                return v
+            return {n: (v.get(n) if d is None or v.get(n) is None else d(v[n])) for n, d in subs}
+        return struct
+    if isinstance(dt, st.MapType):
+        vd = _decoder(dt.valueType)
+        if vd is None:
+            return None
+        return lambda v: {k: None if x is None else vd(x) for k, x in v.items()} if isinstance(v, dict) else v
+    return None
+
+
+class RowDecoder:
+    """Stored JSON documents -> rows typed like the view (plus ``_kf_version``)."""
+
+    def __init__(self, view: ViewSpec) -> None:
+        self.view = view
+        self.names = view.column_names
+        self.decoders = [(c.name, d) for c in view.columns if (d := _decoder(c.type)) is not None]
+
+    def row(self, doc: Mapping[str, Any], version: int | None) -> dict[str, Any]:
+        out = {n: doc.get(n) for n in self.names}
+        for name, dec in self.decoders:
+            v = out[name]
+            if v is not None:
+                out[name] = dec(v)
+        out[VERSION] = version
+        return out
+
+    def key(self, row: Mapping[str, Any]) -> tuple[Any, ...]:
+        return tuple(row[k] for k in self.view.key)
+
+
+def sort_key(key: tuple[Any, ...]) -> tuple[Any, ...]:
+    """Order keys like a database would (NULLs last) without comparing None to values."""
+    return tuple((v is None, v) for v in key)
