@@ -192,6 +192,11 @@ class TableSchema:
             if k not in seen:
                 raise ValidationError(f"table {self.name!r} key: column {k!r} is not a column of the table")
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Pickle (Spark ships schemas to executors) without the per-process caches,
+        # which hold generated functions and orjson fragments.
+        return (TableSchema, (self.name, self.columns, self.key))
+
     # -- lookup --------------------------------------------------------------------
     def column(self, name: str) -> Column:
         by_name = self._cache.get("by_name")

@@ -201,3 +201,15 @@ def test_connect_schema_is_a_fresh_copy() -> None:
         t.connect_schema(decimal_mode="fast")
     with pytest.raises(ValidationError, match="position_kind"):
         t.connect_schema(position_kind="oracle")
+
+
+def test_schemas_pickle_without_their_caches() -> None:
+    from kappaflow.events import EventCodec
+
+    t = TableSchema("s.p.t", (Column("a", FT.DECIMAL, scale=2), Column("j", FT.JSON, default={"x": 1})), ("a",))
+    codec = EventCodec(include_schema=True)
+    ev = ChangeEvent(Op.CREATE, {"a": Decimal(1)}, None, {"a": Decimal(1)}, SRC, 2)
+    raw = codec.encode_value(ev, t)  # fills the caches with generated code and orjson fragments
+    back = pickle.loads(pickle.dumps(t))
+    assert back == t and back.fingerprint() == t.fingerprint()
+    assert codec.encode_value(ev, back) == raw
