@@ -10,6 +10,7 @@ import abc
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import Self
 
 from kappaflow.errors import ConfigError, ValidationError
 
@@ -195,7 +196,7 @@ class Log(abc.ABC):
     def close(self) -> None:  # noqa: B027 - optional for backends without resources
         """Release connections and files."""
 
-    def __enter__(self) -> Log:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:

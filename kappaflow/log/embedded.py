@@ -513,6 +513,11 @@ class EmbeddedLog(Log):
                                   path=str(t.path), topic=t.name)
         conn = self._connect(t.path, create=False, writer=writer)
         try:
+            if not writer:
+                # A query_only connection cannot write the schema; the pragma only makes SQLite
+                # read a file shorter than its header says (truncated) up to the missing pages,
+                # so the records before the damage stay readable.
+                conn.execute("PRAGMA writable_schema=ON")
             version = conn.execute("PRAGMA user_version").fetchone()[0]
         except sqlite3.Error as exc:
             conn.close()
