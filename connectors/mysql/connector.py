@@ -71,7 +71,7 @@ from kappaflow.connectors.mysql.streaming import (
     TickItem,
 )
 from kappaflow.connectors.mysql.types import snapshot_select_expr
-from kappaflow.connectors.mysql.writer import ChangeBatcher, key_of, make_source, now_ms, rows_to_events
+from kappaflow.connectors.mysql.writer import ChangeBatcher, key_of, make_source, now_ms
 from kappaflow.connectors.offsets import OffsetStore
 from kappaflow.connectors.writer import FaultHook
 from kappaflow.errors import ConfigError, Retry, SourceError
@@ -222,23 +222,14 @@ class CaptureEngine:
         if not state.key:
             raise SourceError(f"table {state.qualified} has no primary key: add one or set key_columns "
                               f"(kappaflow source add ... --key-columns {state.qualified}=col,...)")
-        writer = self.writer
-        name = self.name
-        sid = self.server.server_id
-        file, tpos, gtid, ts = item.file, item.pos, item.gtid, item.ts_ms
+        file, tpos = item.file, item.pos
+        if self._txn != (file, tpos):
+            self._txn = (file, tpos)
+            self._txn_index = 0
         touched = self.touched.get((state.db, state.table)) if self.touched is not None else None
-        keycols = state.key
-        now = now_ms()
-        for op, before, after in rows_to_events(state, item.op, item.rows):
-            row = after if after is not None else before
-            assert row is not None
-            key = {k: row[k] for k in keycols}
-            pos = BinlogPosition(file, tpos, self._index(file, tpos), gtid, sid)
-            ev = ChangeEvent(op, key, before, after, make_source(state, name, pos, ts, gtid), now)
-            writer.add_event(state, ev, pos)
-            if touched is not None:
-                touched.add(tuple(key.values()))
-        if writer.buffered >= self.batch_records:
+        self._txn_index = self.writer.add_rows(state, item.op, item.rows, file, tpos, self._txn_index, item.gtid,
+                                               self.server.server_id, item.ts_ms, now_ms(), touched)
+        if self.writer.buffered >= self.batch_records:
             self.checkpoint()
 
     def _schema(self, item: SchemaItem) -> None:
@@ -405,10 +396,16 @@ class MySQLSnapshotSource(SnapshotSource):
         now = now_ms()
         last_done = len(rows) < self.chunk_rows and prog.index == len(prog.tables) - 1
         written = 0
+        jrow = eng.codec.encode_row_values
+        schema = state.schema
         for i, row in enumerate(rows):
             key = {c: row[c] for c in keycols}
-            if truncated or tuple(key.values()) in touched:
-                continue  # the stream already wrote a newer state of this row
+            if truncated:
+                continue
+            if touched:
+                js = jrow(schema, row)
+                if tuple(js[c] for c in keycols) in touched:
+                    continue  # the stream already wrote a newer state of this row
             pos = BinlogPosition(hfile, hpos, prog.rows, None, sid, snapshot=True)
             prog.rows += 1
             snap = Snapshot.LAST if (last_done and i == len(rows) - 1) else Snapshot.TRUE

@@ -27,6 +27,7 @@ from kappaflow.connectors.mysql.types import (
     ColumnSpec,
     Converter,
     binlog_converters,
+    binlog_json_converters,
     binlog_zero_defaults,
     snapshot_converters,
     spec_from_information_schema,
@@ -58,6 +59,7 @@ class TableState:
     snapshot_conv: tuple[tuple[str, Converter], ...] = field(init=False)
     zero_defaults: dict[str, Any] = field(init=False)
     nullable: frozenset[str] = field(init=False)
+    _json_plans: dict[str, Any] = field(init=False, default_factory=dict)
 
     def __post_init__(self) -> None:
         self.schema = table_schema(self.topic, self.specs, self.key)
@@ -83,6 +85,36 @@ class TableState:
                     if src == "empty set" or (src != "null" and name not in self.nullable):
                         values[name] = dflt
         return values
+
+    def json_converter(self, mode: str) -> Any:
+        """A function turning a mysql-replication row (values, none_sources) into its JSON form, in place."""
+        fn = self._json_plans.get(mode)
+        if fn is not None:
+            return fn
+        from kappaflow.events.values import make_encoder
+
+        convs = binlog_json_converters(self.specs, self.schema.columns, mode)
+        zero: dict[str, Any] = {}
+        for name, dflt in self.zero_defaults.items():
+            enc = make_encoder(self.schema.column(name), mode)
+            zero[name] = enc(dflt) if enc is not None else dflt
+        nullable = self.nullable
+
+        def to_json(values: dict[str, Any], none_sources: Mapping[str, str]) -> dict[str, Any]:
+            for name, conv in convs:
+                v = values.get(name)
+                if v is not None:
+                    values[name] = conv(v)
+            if zero:
+                for name, dflt in zero.items():
+                    if values.get(name) is None and name in values:
+                        src = none_sources.get(name)
+                        if src == "empty set" or (src != "null" and name not in nullable):
+                            values[name] = dflt
+            return values
+
+        self._json_plans[mode] = to_json
+        return to_json
 
     def convert_snapshot_row(self, values: dict[str, Any]) -> dict[str, Any]:
         for name, conv in self.snapshot_conv:

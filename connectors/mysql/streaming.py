@@ -2,8 +2,8 @@
 
 The reader turns binlog events into a flat stream of items the connector writes to the log:
 
-- ``RowsItem``: the row changes of one rows event of a captured table, already converted to
-  model values, with the position of the first one;
+- ``RowsItem``: the row changes of one rows event of a captured table (as mysql-replication
+  decodes them; the writer converts them), with the transaction's position;
 - ``DdlItem``: a DDL statement (ALTER/CREATE/DROP/RENAME/TRUNCATE TABLE) on a captured table;
 - ``SchemaItem``: a captured table whose columns changed (seen in a TableMapEvent);
 - ``CommitItem``: the end of a transaction: the resume point after it (file, next position,
@@ -62,9 +62,11 @@ class StreamStart:
 
 @dataclass(slots=True)
 class RowsItem:
+    """mysql-replication's rows (dicts with ``values``/``none_sources``, or ``before_*``/``after_*``)."""
+
     state: TableState
     op: Op
-    rows: Sequence[tuple[dict[str, Any] | None, dict[str, Any] | None]]  # (before, after)
+    rows: Sequence[dict[str, Any]]
     file: str
     pos: int  # transaction start
     first_row: int  # row index (within the transaction) of rows[0]
@@ -200,18 +202,9 @@ class BinlogReader:
                         continue  # not a captured table
                     if txn_pos is None:  # rows without BEGIN/GTID seen (started mid-way): use the event's own start
                         txn_pos = end - ev.event_size
-                    conv = state.convert_binlog_row
-                    if cls is WriteRowsEvent:
-                        rows = [(None, conv(r["values"], r["none_sources"])) for r in ev.rows]
-                        op = op_insert
-                    elif cls is UpdateRowsEvent:
-                        rows = [(conv(r["before_values"], r["before_none_sources"]),
-                                 conv(r["after_values"], r["after_none_sources"])) for r in ev.rows]
-                        op = op_update
-                    else:
-                        rows = [(conv(r["values"], r["none_sources"]), None) for r in ev.rows]
-                        op = op_delete
+                    rows = ev.rows
                     if rows:
+                        op = op_insert if cls is WriteRowsEvent else op_update if cls is UpdateRowsEvent else op_delete
                         yield RowsItem(state, op, rows, file, txn_pos, row, txn_gtid, ev.timestamp * 1000)
                         row += len(rows)
                 elif cls is TableMapEvent:
