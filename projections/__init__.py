@@ -1,1 +1,44 @@
-"""Projections: fold the log into materialized views on Spark."""
+"""Projections: fold the log into materialized views on Spark.
+
+    from kappaflow.projections import Projection, Count, Sum
+    class CustomerTotals(Projection):
+        name = "customer_totals"
+        sources = ["shop.public.orders"]
+        key = ["customer_id"]
+        aggregates = {"orders": Count(), "total": Sum("amount")}
+
+Run with ``kappaflow replay module:CustomerTotals`` / ``kappaflow follow ...``, or from
+Python with ``replay(CustomerTotals, Runtime(...))`` / ``follow(...)``.
+"""
+
+from kappaflow.projections.api import (
+    Aggregate,
+    Avg,
+    CollectList,
+    CollectSet,
+    Count,
+    Event,
+    Max,
+    Min,
+    Projection,
+    ProjectionSpec,
+    Source,
+    Sum,
+    load_projection,
+)
+
+__all__ = [
+    "Aggregate",
+    "Avg",
+    "CollectList",
+    "CollectSet",
+    "Count",
+    "Event",
+    "Max",
+    "Min",
+    "Projection",
+    "ProjectionSpec",
+    "Source",
+    "Sum",
+    "load_projection",
+]

@@ -1,0 +1,432 @@
+"""The Projection API: a class declares a view and how the log folds into it.
+
+Three kinds of fold, chosen by what the class declares::
+
+    class Customers(Projection):               # latest row per key
+        name = "customers"
+        sources = ["shop.public.customers"]
+        key = ["id"]                           # must be the source table's primary key
+        columns = ["id", "name", "email"]      # optional: which source columns to keep
+        derive = {"email_domain": "split_part(email, '@', 2)"}   # Spark SQL over the row
+        where = "NOT deleted_flag"             # rows failing it are absent from the view
+
+    class CustomerTotals(Projection):          # group by any column(s), retraction-aware
+        name = "customer_totals"
+        sources = ["shop.public.orders"]
+        key = ["customer_id"]                  # the group columns
+        where = "status <> 'cancelled'"
+        aggregates = {"orders": Count(), "total": Sum("amount"), "last_order": Max("created_at"),
+                      "statuses": CollectSet("status")}
+
+    class Activity(Projection):                # custom fold: a Python method
+        name = "activity"
+        sources = [Source("shop.public.orders", key={"customer_id": "customer_id"})]
+        key = ["customer_id"]
+        schema = "customer_id bigint, events bigint, last_op string"
+        def apply(self, row, event):           # row: current view row (dict) or None
+            row = row or {"customer_id": event.row["customer_id"], "events": 0}
+            return {**row, "events": row["events"] + 1, "last_op": event.op}   # None deletes
+
+Declarative folds compile to native Spark expressions (``kappaflow.projections.plan``);
+custom folds run once per Spark partition over events sorted by (view key, source
+position) — never one Python call per key group. ``where`` / ``derive`` are Spark SQL
+expressions over the source row's columns (the ``after`` image).
+
+Retraction: grouped aggregates are computed over the CURRENT row of every source key
+(latest event per key; deletes, tombstones and rows leaving ``where`` contribute
+nothing), so an update that moves a row between groups moves its contribution and a
+delete removes it, with or without before-images in the log. See ``plan.py``.
+
+Room to grow (DESIGN.md "Coming next"): a fold kind is a ``FoldSpec`` subclass compiled
+by a strategy in ``plan.py``. Event-time windows will add a ``window`` attribute
+(``Tumbling``/``Sliding``/``Session`` over an event-time column, with a watermark and a
+late-data policy) that turns into extra group columns of a ``GroupFold``; joins will add
+``Source`` roles (``Source(..., role="table")`` for enrichment by current row, streams
+joined within a time bound) compiled by a ``JoinFold``. The class attributes below are
+read only through ``ProjectionSpec.from_class``, so new attributes do not disturb old ones.
+"""
+
+from __future__ import annotations
+
+import inspect
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+from kappaflow.errors import ConfigError
+
+NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,62}$")
+
+
+# --- aggregates -----------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Aggregate:
+    """One aggregate column of a grouped projection. ``column`` is a source column or
+    ``derive`` name (None for ``Count()``)."""
+
+    column: str | None = None
+    func: ClassVar[str] = ""
+
+    def describe(self) -> str:
+        return f"{type(self).__name__}({self.column or ''})"
+
+
+@dataclass(frozen=True)
+class Count(Aggregate):
+    """Rows in the group (``Count()``), or rows where ``column`` is not NULL."""
+
+    func: ClassVar[str] = "count"
+
+
+@dataclass(frozen=True)
+class Sum(Aggregate):
+    func: ClassVar[str] = "sum"
+
+
+@dataclass(frozen=True)
+class Min(Aggregate):
+    """Smallest value; strings compare by code point (like Spark, ``COLLATE "C"`` in PostgreSQL)."""
+
+    func: ClassVar[str] = "min"
+
+
+@dataclass(frozen=True)
+class Max(Aggregate):
+    func: ClassVar[str] = "max"
+
+
+@dataclass(frozen=True)
+class Avg(Aggregate):
+    """Exact sum / count as double (equal in replay and follow for integer and decimal input)."""
+
+    func: ClassVar[str] = "avg"
+
+
+@dataclass(frozen=True)
+class CollectList(Aggregate):
+    """All non-NULL values, sorted (so the result is deterministic)."""
+
+    func: ClassVar[str] = "collect_list"
+
+
+@dataclass(frozen=True)
+class CollectSet(Aggregate):
+    """Distinct non-NULL values, sorted."""
+
+    func: ClassVar[str] = "collect_set"
+
+
+# --- sources --------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Source:
+    """A source topic, and for custom folds how its rows map to the view key.
+
+    ``key``: view key column -> source column (default: same names). The view key of
+    an event is read from the record key when every mapped column is a key column of the
+    source (so tombstones and key-only delete images route too), else from the row
+    (``after``, or ``before`` for deletes).
+    ``schema``: the topic's ``TableSchema`` when it is not on ``<source>.__schema``.
+    """
+
+    topic: str
+    key: Mapping[str, str] | None = None
+    schema: Any = None  # kappaflow.events.TableSchema
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.topic, str) or not self.topic:
+            raise ConfigError(f"Source.topic: expected a topic name, got {self.topic!r}")
+
+
+# --- events for custom folds ----------------------------------------------------------------------
+@dataclass(slots=True)
+class Event:
+    """One change event as a custom fold sees it (values decoded to Python types).
+
+    ``op``: "c" create, "u" update, "d" delete, "r" snapshot read. ``row`` is ``after``
+    (or ``before`` for a delete). ``position`` is the source position dict
+    (``source.kf_pos``); (``topic``, ``partition``, ``offset``) is the log position.
+    Tombstones and truncates are not delivered to custom folds.
+    """
+
+    topic: str
+    partition: int
+    offset: int
+    op: str
+    key: dict[str, Any] | None
+    before: dict[str, Any] | None
+    after: dict[str, Any] | None
+    ts_ms: int | None
+    position: dict[str, Any] | None = None
+    source: dict[str, Any] | None = None
+
+    @property
+    def row(self) -> dict[str, Any] | None:
+        return self.after if self.after is not None else self.before
+
+
+# --- the user-facing base class -------------------------------------------------------------------
+class Projection:
+    """Subclass and declare class attributes (see the module docstring).
+
+    Required: ``name`` (view name, ``[A-Za-z_][A-Za-z0-9_]*``), ``sources`` (topic names
+    or ``Source``), ``key`` (view key columns). Optional: ``columns``, ``derive``,
+    ``where``, ``aggregates``, ``schema`` (Spark DDL of the output, required for custom
+    folds), ``view`` (table name, default ``name``), ``namespace`` (PostgreSQL schema),
+    ``apply`` (custom fold).
+    """
+
+    name: ClassVar[str]
+    sources: ClassVar[Sequence[str | Source]]
+    key: ClassVar[Sequence[str]]
+    columns: ClassVar[Sequence[str] | None] = None
+    derive: ClassVar[Mapping[str, str]] = {}
+    where: ClassVar[str | None] = None
+    aggregates: ClassVar[Mapping[str, Aggregate]] = {}
+    schema: ClassVar[str | None] = None
+    view: ClassVar[str | None] = None
+    namespace: ClassVar[str | None] = None
+
+    def apply(self, row: dict[str, Any] | None, event: Event) -> dict[str, Any] | None:
+        """Custom fold: the view row after `event` (None removes it). Override to use."""
+        raise NotImplementedError
+
+
+# --- the compiled, validated description ------------------------------------------------------------
+@dataclass(frozen=True)
+class FoldSpec:
+    """Base of fold kinds; strategies in ``plan.py`` compile each kind."""
+
+    kind: ClassVar[str] = ""
+
+
+@dataclass(frozen=True)
+class LatestFold(FoldSpec):
+    columns: tuple[str, ...] | None = None
+    kind: ClassVar[str] = "latest"
+
+
+@dataclass(frozen=True)
+class GroupFold(FoldSpec):
+    aggregates: tuple[tuple[str, Aggregate], ...] = ()
+    kind: ClassVar[str] = "grouped"
+
+
+@dataclass(frozen=True)
+class CustomFold(FoldSpec):
+    kind: ClassVar[str] = "custom"
+
+
+@dataclass(frozen=True)
+class ProjectionSpec:
+    """A projection class, validated once (``from_class``); everything else reads this."""
+
+    name: str
+    view: str
+    namespace: str | None
+    sources: tuple[Source, ...]
+    key: tuple[str, ...]
+    fold: FoldSpec
+    derive: tuple[tuple[str, str], ...] = ()
+    where: str | None = None
+    schema: str | None = None
+    cls: type[Projection] | None = field(default=None, compare=False)
+    class_path: str | None = None
+
+    @property
+    def topics(self) -> list[str]:
+        return [s.topic for s in self.sources]
+
+    @property
+    def kind(self) -> str:
+        return self.fold.kind
+
+    def instance(self) -> Projection:
+        if self.cls is None:
+            raise ConfigError(f"projection {self.name!r}: no class to instantiate")
+        return self.cls()
+
+    def fingerprint(self) -> str:
+        """Stable hash of the definition (sources, key, fold, expressions, schema, apply's code)."""
+        import hashlib
+
+        parts: list[str] = [self.name, self.view, str(self.namespace), repr(self.topics), repr(self.key),
+                            self.kind, repr(self.derive), repr(self.where), repr(self.schema)]
+        for s in self.sources:
+            parts.append(repr(sorted((s.key or {}).items())))
+        if isinstance(self.fold, LatestFold):
+            parts.append(repr(self.fold.columns))
+        if isinstance(self.fold, GroupFold):
+            parts.append(repr([(n, a.func, a.column) for n, a in self.fold.aggregates]))
+        if isinstance(self.fold, CustomFold) and self.cls is not None:
+            try:
+                parts.append(inspect.getsource(self.cls.apply))
+            except (OSError, TypeError):
+                parts.append(self.cls.__qualname__)
+        return hashlib.sha256("\x1f".join(parts).encode()).hexdigest()[:32]
+
+    @classmethod
+    def from_class(cls, proj: type[Projection] | Projection) -> ProjectionSpec:
+        """Validate a projection class; errors name the class and the attribute."""
+        klass = proj if isinstance(proj, type) else type(proj)
+        where = f"projection class {klass.__module__}.{klass.__qualname__}"
+        if not (isinstance(klass, type) and issubclass(klass, Projection)):
+            raise ConfigError(f"{where}: expected a subclass of kappaflow.projections.Projection")
+
+        def attr(name: str) -> Any:
+            return getattr(klass, name, None)
+
+        name = attr("name")
+        if not isinstance(name, str) or not NAME_RE.match(name):
+            raise ConfigError(f"{where}: 'name': expected an identifier like 'customer_totals', got {name!r}")
+        view = attr("view") or name
+        if not isinstance(view, str) or not NAME_RE.match(view):
+            raise ConfigError(f"{where}: 'view': expected a table name like 'customer_totals', got {view!r}")
+        namespace = attr("namespace")
+        if namespace is not None and (not isinstance(namespace, str) or not NAME_RE.match(namespace)):
+            raise ConfigError(f"{where}: 'namespace': expected a schema name, got {namespace!r}")
+
+        raw_sources = attr("sources")
+        if isinstance(raw_sources, (str, Source)):
+            raw_sources = [raw_sources]
+        if not raw_sources or not isinstance(raw_sources, (list, tuple)):
+            raise ConfigError(f"{where}: 'sources': expected a list of topic names, got {raw_sources!r}")
+        sources = []
+        for s in raw_sources:
+            if isinstance(s, str):
+                sources.append(Source(s))
+            elif isinstance(s, Source):
+                sources.append(s)
+            else:
+                raise ConfigError(f"{where}: 'sources': expected topic names or Source(...), got {s!r}")
+        topics = [s.topic for s in sources]
+        if len(set(topics)) != len(topics):
+            raise ConfigError(f"{where}: 'sources': topic listed twice in {topics}")
+
+        key = attr("key")
+        if isinstance(key, str):
+            key = [key]
+        if not key or not isinstance(key, (list, tuple)) or not all(isinstance(k, str) and k for k in key):
+            raise ConfigError(
+                f"{where}: 'key': expected a non-empty list of view key column names (e.g. key = ['id']), got {key!r}"
+            )
+        key = tuple(key)
+        if len(set(key)) != len(key):
+            raise ConfigError(f"{where}: 'key': column listed twice in {list(key)}")
+
+        derive = attr("derive") or {}
+        if not isinstance(derive, Mapping) or not all(
+            isinstance(k, str) and isinstance(v, str) and v.strip() for k, v in derive.items()
+        ):
+            raise ConfigError(f"{where}: 'derive': expected a dict of column name -> Spark SQL expression, got {derive!r}")
+        cond = attr("where")
+        if cond is not None and (not isinstance(cond, str) or not cond.strip()):
+            raise ConfigError(f"{where}: 'where': expected a Spark SQL boolean expression, got {cond!r}")
+        schema = attr("schema")
+        if schema is not None and (not isinstance(schema, str) or not schema.strip()):
+            raise ConfigError(f"{where}: 'schema': expected Spark DDL like 'id bigint, total decimal(18,2)', got {schema!r}")
+
+        aggregates = attr("aggregates") or {}
+        if not isinstance(aggregates, Mapping):
+            raise ConfigError(f"{where}: 'aggregates': expected a dict of column name -> Count()/Sum(col)/..., got {aggregates!r}")
+        custom = klass.apply is not Projection.apply
+        columns = attr("columns")
+
+        fold: FoldSpec
+        if custom:
+            if aggregates:
+                raise ConfigError(f"{where}: declare either 'aggregates' or an 'apply' method, not both")
+            if schema is None:
+                raise ConfigError(f"{where}: 'schema': a custom fold (apply) must declare its output schema, "
+                                  "e.g. schema = 'customer_id bigint, total decimal(18,2)'")
+            if derive or cond:
+                raise ConfigError(f"{where}: 'derive'/'where' apply to declarative folds; filter inside apply()")
+            params = list(inspect.signature(klass.apply).parameters)
+            if len(params) != 3:
+                raise ConfigError(f"{where}: 'apply': expected apply(self, row, event), got apply({', '.join(params)})")
+            fold = CustomFold()
+        elif aggregates:
+            aggs = []
+            for out, agg in aggregates.items():
+                if not isinstance(out, str) or not NAME_RE.match(out):
+                    raise ConfigError(f"{where}: 'aggregates': column name {out!r} is not an identifier")
+                if not isinstance(agg, Aggregate) or type(agg) is Aggregate:
+                    raise ConfigError(
+                        f"{where}: 'aggregates'[{out!r}]: expected Count(), Sum('col'), Min, Max, Avg, CollectList "
+                        f"or CollectSet, got {agg!r}"
+                    )
+                if agg.column is None and not isinstance(agg, Count):
+                    raise ConfigError(f"{where}: 'aggregates'[{out!r}]: {type(agg).__name__} needs a column")
+                if out in key:
+                    raise ConfigError(f"{where}: 'aggregates'[{out!r}]: the name is also a key column")
+                aggs.append((out, agg))
+            if columns is not None:
+                raise ConfigError(f"{where}: 'columns' selects the columns of a latest-row view; "
+                                  "a grouped view's columns are its key and aggregates")
+            fold = GroupFold(tuple(aggs))
+        else:
+            if columns is not None:
+                if isinstance(columns, str) or not all(isinstance(c, str) for c in columns):
+                    raise ConfigError(f"{where}: 'columns': expected a list of column names, got {columns!r}")
+                missing = [k for k in key if k not in columns and k not in derive]
+                if missing:
+                    raise ConfigError(f"{where}: 'columns': must include the key column(s) {missing}")
+                columns = tuple(columns)
+            fold = LatestFold(columns)
+
+        module = getattr(klass, "__module__", None)
+        return cls(
+            name=name,
+            view=view,
+            namespace=namespace,
+            sources=tuple(sources),
+            key=key,
+            fold=fold,
+            derive=tuple(derive.items()),
+            where=cond,
+            schema=schema,
+            cls=klass,
+            class_path=f"{module}:{klass.__qualname__}" if module else None,
+        )
+
+
+def load_projection(path: str) -> ProjectionSpec:
+    """Import ``module:Class`` (the project folder is on sys.path) and validate it."""
+    import importlib
+
+    if ":" not in path:
+        raise ConfigError(f"projection {path!r}: expected module:Class, e.g. examples.shop:CustomerTotals")
+    module_name, _, cls_name = path.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ConfigError(f"projection {path!r}: cannot import module {module_name!r}: {exc}") from None
+    obj: Any = module
+    for part in cls_name.split("."):
+        obj = getattr(obj, part, None)
+        if obj is None:
+            raise ConfigError(f"projection {path!r}: module {module_name!r} has no {cls_name!r}")
+    from dataclasses import replace
+
+    return replace(ProjectionSpec.from_class(obj), class_path=path)
+
+
+__all__ = [
+    "Aggregate",
+    "Avg",
+    "CollectList",
+    "CollectSet",
+    "Count",
+    "CustomFold",
+    "Event",
+    "FoldSpec",
+    "GroupFold",
+    "LatestFold",
+    "Max",
+    "Min",
+    "Projection",
+    "ProjectionSpec",
+    "Source",
+    "Sum",
+    "load_projection",
+]

@@ -1,0 +1,432 @@
+"""Spark Python Data Source ``kappaflow``: log topics as a (streaming) DataFrame.
+
+Usable from any PySpark code::
+
+    from kappaflow.projections.datasource import register
+    register(spark)
+    df = (spark.read.format("kappaflow")
+          .option("log", ".kappaflow/log")            # or kafka://host:port
+          .option("topics", "shop.public.orders")
+          .load())
+
+Columns: ``topic string, partition int, offset bigint, key binary, value binary,
+timestamp timestamp, op string`` (``op`` from the record's ``kf.op`` header, NULL
+when absent; ``value`` is NULL for a tombstone).
+
+Options
+- ``log`` (required): the log URL (``open_log`` syntax); ``kafka.<name>`` options are
+  passed to the Kafka client (e.g. ``kafka.security_protocol``).
+- ``topics`` (required): comma-separated topic names.
+- ``startingOffsets`` / ``endingOffsets``: ``earliest``, ``latest`` or JSON
+  ``{"topic": {"0": 42, "1": 7}}`` (next offset to read / offset to stop before;
+  partitions not named start at 0 / end at the end). Streams ignore ``endingOffsets``.
+- ``maxRecordsPerPartition``: split a log partition into Spark partitions of at most
+  this many offsets (default: one Spark partition per log partition).
+- ``maxRecordsPerTrigger`` (streams): admission control, records per micro-batch.
+
+Why a Python data source: both log backends (embedded SQLite and Kafka) are read by
+kappaflow's own ``Log`` contract, so the same code path feeds Spark on a laptop and on
+a cluster, and records arrive in the JVM as Arrow batches (no per-row pickling).
+The stream offset is ``{topic: {partition: next_offset}}``.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import pyarrow as pa
+from pyspark.sql.datasource import (
+    DataSource,
+    DataSourceReader,
+    DataSourceStreamReader,
+    InputPartition,
+)
+from pyspark.sql.types import StructType
+
+from kappaflow.errors import ConfigError, LogError
+
+FORMAT = "kappaflow"
+SCHEMA_DDL = (
+    "topic string, partition int, offset bigint, key binary, value binary, timestamp timestamp, op string"
+)
+ARROW_SCHEMA = pa.schema(
+    [
+        ("topic", pa.string()),
+        ("partition", pa.int32()),
+        ("offset", pa.int64()),
+        ("key", pa.binary()),
+        ("value", pa.binary()),
+        ("timestamp", pa.timestamp("us", tz="UTC")),
+        ("op", pa.string()),
+    ]
+)
+READ_CHUNK = 20_000
+
+Offsets = dict[str, dict[int, int]]  # topic -> partition -> offset
+
+
+# ---------------------------------------------------------------------------------------------
+# Log handles: one per (url, options) per process. Spark reuses Python workers, and opening a
+# Kafka client costs a metadata round trip, so handles are cached for the worker's lifetime.
+_LOGS: dict[tuple[str, tuple[tuple[str, str], ...]], Any] = {}
+_LOGS_LOCK = threading.Lock()
+
+
+def _client_options(options: Mapping[str, str]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in options.items():
+        if k.lower().startswith("kafka."):
+            name = k[len("kafka."):]
+            out[name] = int(v) if isinstance(v, str) and v.isdigit() else v
+    return out
+
+
+def open_reader(url: str, client_options: Mapping[str, Any] | None = None) -> Any:
+    """A Log opened for reading: embedded logs read-only (the capture process is the one
+    writer), Kafka with the given client options."""
+    from kappaflow.log import open_log
+
+    if url.startswith("kafka://"):
+        return open_log(url, **(client_options or {}))
+    return open_log(url, read_only=True)
+
+
+def open_cached_log(url: str, client_options: Mapping[str, Any] | None = None) -> Any:
+    """The process-wide reader Log for `url` (opened on first use)."""
+    opts = tuple(sorted((k, str(v)) for k, v in (client_options or {}).items()))
+    key = (url, opts)
+    with _LOGS_LOCK:
+        log = _LOGS.get(key)
+        if log is None:
+            log = _LOGS[key] = open_reader(url, client_options)
+        return log
+
+
+def forget_cached_log(url: str) -> None:
+    """Close and drop cached handles for `url` (after an error, so the next use reconnects)."""
+    with _LOGS_LOCK:
+        for key in [k for k in _LOGS if k[0] == url]:
+            log = _LOGS.pop(key)
+            try:
+                log.close()
+            except Exception:
+                pass
+
+
+# ---------------------------------------------------------------------------------------------
+def parse_topics(value: str | None) -> list[str]:
+    topics = [t.strip() for t in (value or "").split(",") if t.strip()]
+    if not topics:
+        raise ConfigError("kappaflow data source option 'topics': expected a comma-separated list of topic names")
+    if len(set(topics)) != len(topics):
+        raise ConfigError(f"kappaflow data source option 'topics': duplicate topic in {value!r}")
+    return topics
+
+
+def parse_offsets(option: str, value: str | None, default: str) -> str | Offsets:
+    """'earliest' / 'latest' or a JSON object {topic: {partition: offset}}."""
+    text = (value or default).strip()
+    if text in ("earliest", "latest"):
+        return text
+    try:
+        raw = json.loads(text)
+    except ValueError:
+        raise ConfigError(
+            f"kappaflow data source option {option!r}: expected 'earliest', 'latest' or JSON like "
+            f'{{"topic": {{"0": 42}}}}, got {text[:200]!r}'
+        ) from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"kappaflow data source option {option!r}: expected a JSON object, got {text[:200]!r}")
+    out: Offsets = {}
+    for topic, parts in raw.items():
+        if not isinstance(parts, dict):
+            raise ConfigError(f"kappaflow data source option {option!r}.{topic}: expected an object of partition -> offset")
+        out[topic] = {}
+        for p, off in parts.items():
+            try:
+                pi = int(p)
+            except ValueError:
+                raise ConfigError(f"kappaflow data source option {option!r}.{topic}: partition {p!r} is not an integer") from None
+            if not isinstance(off, int) or isinstance(off, bool) or off < -2:
+                raise ConfigError(
+                    f"kappaflow data source option {option!r}.{topic}.{p}: expected an offset >= 0 "
+                    f"(or -2 earliest / -1 latest), got {off!r}"
+                )
+            out[topic][pi] = off
+    return out
+
+
+def offsets_to_json(offsets: Mapping[str, Mapping[int, int]]) -> str:
+    return json.dumps({t: {str(p): o for p, o in sorted(parts.items())} for t, parts in sorted(offsets.items())})
+
+
+def _resolve(log: Any, topics: list[str], spec: str | Offsets, *, end: bool) -> Offsets:
+    """Concrete offsets per partition for 'earliest'/'latest'/JSON (missing partitions: start/end)."""
+    out: Offsets = {}
+    for topic in topics:
+        n = log.partitions(topic)
+        given = spec.get(topic, {}) if isinstance(spec, dict) else {}
+        ends: dict[int, int] | None = None
+        out[topic] = {}
+        for p in range(n):
+            off = given.get(p)
+            want_latest = spec == "latest" or off == -1 or (off is None and end)
+            if want_latest:
+                if ends is None:
+                    ends = log.end_offsets(topic)
+                out[topic][p] = ends[p]
+            elif off is None or off == -2:
+                out[topic][p] = 0
+            else:
+                out[topic][p] = off
+        unknown = set(given) - set(range(n))
+        if unknown:
+            raise ConfigError(f"kappaflow data source: topic {topic!r} has {n} partitions, no partition {sorted(unknown)}")
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+class LogRange(InputPartition):  # type: ignore[misc]
+    """One Spark partition: offsets [start, end) of one log partition."""
+
+    def __init__(self, topic: str, partition: int, start: int, end: int) -> None:
+        super().__init__((topic, partition, start, end))
+        self.topic = topic
+        self.partition = partition
+        self.start = start
+        self.end = end
+
+    def __repr__(self) -> str:
+        return f"LogRange({self.topic!r}, {self.partition}, {self.start}, {self.end})"
+
+
+def plan_ranges(start: Offsets, end: Offsets, max_per_split: int | None) -> list[LogRange]:
+    out: list[LogRange] = []
+    for topic in sorted(end):
+        for p in sorted(end[topic]):
+            s, e = start.get(topic, {}).get(p, 0), end[topic][p]
+            if e <= s:
+                continue
+            step = max_per_split or (e - s)
+            for a in range(s, e, step):
+                out.append(LogRange(topic, p, a, min(e, a + step)))
+    return out
+
+
+def read_range(log: Any, rng: LogRange, chunk: int = READ_CHUNK) -> Iterator[pa.RecordBatch]:
+    """Arrow batches of the records in `rng` (compaction gaps are simply absent)."""
+    offset = rng.start
+    topic = rng.topic
+    while offset < rng.end:
+        try:
+            recs = log.read(topic, rng.partition, offset, min(chunk, rng.end - offset))
+        except LogError as exc:
+            raise LogError(
+                f"reading {topic}[{rng.partition}] at offset {offset}: {exc}", retry=exc.retry
+            ) from exc
+        if not recs:
+            break
+        if recs[-1].offset >= rng.end:
+            recs = [r for r in recs if r.offset < rng.end]
+            if not recs:
+                break
+        n = len(recs)
+        ops = []
+        for r in recs:
+            op = None
+            for hk, hv in r.headers:
+                if hk == "kf.op":
+                    op = hv.decode("ascii", "replace")
+                    break
+            ops.append(op)
+        yield pa.RecordBatch.from_arrays(
+            [
+                pa.array([topic] * n, pa.string()),
+                pa.array([rng.partition] * n, pa.int32()),
+                pa.array([r.offset for r in recs], pa.int64()),
+                pa.array([r.key for r in recs], pa.binary()),
+                pa.array([r.value for r in recs], pa.binary()),
+                pa.array([r.timestamp_ms * 1000 for r in recs], pa.timestamp("us", tz="UTC")),
+                pa.array(ops, pa.string()),
+            ],
+            schema=ARROW_SCHEMA,
+        )
+        offset = recs[-1].offset + 1
+
+
+# ---------------------------------------------------------------------------------------------
+class _Options:
+    def __init__(self, options: Mapping[str, str]) -> None:
+        opts = {k.lower(): v for k, v in options.items()}
+        url = opts.get("log")
+        if not url:
+            raise ConfigError("kappaflow data source option 'log': expected the log URL (a path or kafka://host:port)")
+        self.url: str = url
+        self.client = _client_options(options)
+        self.topics = parse_topics(opts.get("topics"))
+        self.starting = parse_offsets("startingOffsets", opts.get("startingoffsets"), "earliest")
+        self.ending = parse_offsets("endingOffsets", opts.get("endingoffsets"), "latest")
+        self.max_per_split = _positive(opts, "maxRecordsPerPartition")
+        self.max_per_trigger = _positive(opts, "maxRecordsPerTrigger")
+
+    def log(self) -> Any:
+        return open_cached_log(self.url, self.client)
+
+
+def _positive(opts: Mapping[str, str], name: str) -> int | None:
+    v = opts.get(name.lower())
+    if v is None:
+        return None
+    try:
+        n = int(v)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise ConfigError(f"kappaflow data source option {name!r}: expected an integer >= 1, got {v!r}")
+    return n
+
+
+class KappaflowDataSource(DataSource):  # type: ignore[misc]
+    """``spark.read.format("kappaflow")`` and ``spark.readStream.format("kappaflow")``."""
+
+    @classmethod
+    def name(cls) -> str:
+        return FORMAT
+
+    def schema(self) -> str:
+        return SCHEMA_DDL
+
+    def reader(self, schema: StructType) -> DataSourceReader:
+        return _BatchReader(_Options(self.options))
+
+    def streamReader(self, schema: StructType) -> DataSourceStreamReader:
+        return _StreamReader(_Options(self.options))
+
+
+class _BatchReader(DataSourceReader):  # type: ignore[misc]
+    def __init__(self, opts: _Options) -> None:
+        self.opts = opts
+
+    def partitions(self) -> list[LogRange]:
+        log = self.opts.log()
+        start = _resolve(log, self.opts.topics, self.opts.starting, end=False)
+        end = _resolve(log, self.opts.topics, self.opts.ending, end=True)
+        return plan_ranges(start, end, self.opts.max_per_split)
+
+    def read(self, partition: LogRange) -> Iterator[pa.RecordBatch]:
+        return _read_with_reconnect(self.opts, partition)
+
+
+def _read_with_reconnect(opts: _Options, partition: LogRange) -> Iterator[pa.RecordBatch]:
+    try:
+        log = opts.log()
+    except Exception:
+        forget_cached_log(opts.url)
+        raise
+    try:
+        yield from read_range(log, partition)
+    except Exception:
+        forget_cached_log(opts.url)
+        raise
+
+
+class _StreamReader(DataSourceStreamReader):  # type: ignore[misc]
+    """Offsets are JSON-safe dicts ``{topic: {"partition": next_offset}}``."""
+
+    def __init__(self, opts: _Options) -> None:
+        self.opts = opts
+
+    @staticmethod
+    def _to_json_safe(off: Offsets) -> dict[str, dict[str, int]]:
+        return {t: {str(p): o for p, o in parts.items()} for t, parts in off.items()}
+
+    @staticmethod
+    def _from_json_safe(d: Mapping[str, Mapping[str, int]]) -> Offsets:
+        return {t: {int(p): int(o) for p, o in parts.items()} for t, parts in d.items()}
+
+    def initialOffset(self) -> dict[str, dict[str, int]]:
+        log = self.opts.log()
+        return self._to_json_safe(_resolve(log, self.opts.topics, self.opts.starting, end=False))
+
+    def getDefaultReadLimit(self) -> Any:
+        from pyspark.sql.streaming.datasource import ReadAllAvailable, ReadMaxRows
+
+        if self.opts.max_per_trigger:
+            return ReadMaxRows(self.opts.max_per_trigger)
+        return ReadAllAvailable()
+
+    def latestOffset(self, start: dict[str, Any] | None = None, limit: Any = None) -> dict[str, dict[str, int]]:
+        log = self.opts.log()
+        begin = self._from_json_safe(start) if start else _resolve(log, self.opts.topics, "earliest", end=False)
+        ends: Offsets = {}
+        for topic in self.opts.topics:
+            try:
+                ends[topic] = dict(log.end_offsets(topic))
+            except Exception:
+                forget_cached_log(self.opts.url)
+                raise
+            for p, e in ends[topic].items():
+                s = begin.get(topic, {}).get(p, 0)
+                if e < s:
+                    raise LogError(
+                        f"log end offset {e} of {topic}[{p}] is behind the stream position {s}: the topic was "
+                        "recreated or truncated; delete the checkpoint and replay the projection"
+                    )
+        max_rows = getattr(limit, "max_rows", None)
+        if max_rows:
+            ends = _admit(begin, ends, int(max_rows))
+        return self._to_json_safe(ends)
+
+    def reportLatestOffset(self) -> dict[str, dict[str, int]] | None:
+        log = self.opts.log()
+        return self._to_json_safe({t: dict(log.end_offsets(t)) for t in self.opts.topics})
+
+    def partitions(self, start: dict[str, Any], end: dict[str, Any]) -> list[LogRange]:
+        return plan_ranges(self._from_json_safe(start), self._from_json_safe(end), self.opts.max_per_split)
+
+    def read(self, partition: LogRange) -> Iterator[pa.RecordBatch]:
+        return _read_with_reconnect(self.opts, partition)
+
+    def commit(self, end: dict[str, Any]) -> None:
+        """Nothing to do: kappaflow stores consumed positions with the view, not in the log."""
+
+    def stop(self) -> None:
+        forget_cached_log(self.opts.url)
+
+
+def _admit(begin: Offsets, ends: Offsets, budget: int) -> Offsets:
+    """At most `budget` records in total, shared among partitions in proportion to their backlog."""
+    avail = {(t, p): max(0, e - begin.get(t, {}).get(p, 0)) for t, parts in ends.items() for p, e in parts.items()}
+    total = sum(avail.values())
+    if total <= budget:
+        return ends
+    out: Offsets = {t: {} for t in ends}
+    for (t, p), a in avail.items():
+        share = (a * budget) // total
+        if a and share == 0:
+            share = 1
+        out[t][p] = begin.get(t, {}).get(p, 0) + min(a, share)
+    return out
+
+
+def register(spark: Any) -> None:
+    """Register the ``kappaflow`` format with `spark` (idempotent)."""
+    spark.dataSource.register(KappaflowDataSource)
+
+
+__all__ = [
+    "ARROW_SCHEMA",
+    "FORMAT",
+    "SCHEMA_DDL",
+    "KappaflowDataSource",
+    "LogRange",
+    "offsets_to_json",
+    "open_cached_log",
+    "parse_offsets",
+    "plan_ranges",
+    "read_range",
+    "register",
+]

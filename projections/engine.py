@@ -1,0 +1,303 @@
+"""The two operations everything is made of: build a target from scratch, apply a batch.
+
+- ``build``: a full fold of the log up to given end offsets into an empty target (a
+  shadow), written by the Spark executors themselves (``mapInArrow`` + COPY).
+- ``apply_batch``: fold a bounded slice of the log (a follow micro-batch, or a replay's
+  catch-up) into a live target: the changes are collected to the driver and written with
+  the consumed positions in ONE sink transaction. Records below the stored positions are
+  filtered out first, so re-running a batch (Spark checkpoint behind the sink after a
+  crash) changes nothing: exactly-once in effect.
+
+Versions: a latest-row view's row carries the log offset of its event. Grouped and
+custom views carry the *watermark* of the write: the sum of the next offsets of all
+input partitions, which grows with every batch that consumed anything, so a version
+guard (``excluded._kf_version > view._kf_version``) orders writes of any kind.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.compute as pc
+from pyspark import StorageLevel
+from pyspark.sql import DataFrame, Observation
+from pyspark.sql import functions as F
+
+from kappaflow.errors import KappaflowError, SinkError
+from kappaflow.projections.api import CustomFold, GroupFold, LatestFold, ProjectionSpec
+from kappaflow.projections.deadletter import write_dead_letters
+from kappaflow.projections.executor import LOAD_RESULT_DDL, FoldJob, fold_arrow_schema, make_folder, make_loader
+from kappaflow.projections.plan import Plan, fold_output_type
+from kappaflow.projections.runtime import Offsets, Runtime
+from kappaflow.projections.schemas import load_table_schemas
+from kappaflow.projections.sinks.base import DELETED, VERSION, Positions, Target, TopicPartition
+
+log = logging.getLogger("kappaflow.projections")
+
+BAD_REASON = "value is not a change event (unparseable JSON, or 'op' missing or unknown)"
+
+
+def prepare(spec: ProjectionSpec, rt: Runtime) -> Plan:
+    """Load the source schemas and compile the projection."""
+    given = {s.topic: s.schema for s in spec.sources if s.schema is not None}
+    schemas = load_table_schemas(rt.reader(), spec.topics, given)
+    return Plan.build(rt.spark, spec, schemas)
+
+
+def flatten(offsets: Mapping[str, Mapping[int, int]]) -> dict[TopicPartition, int]:
+    return {(t, p): o for t, parts in offsets.items() for p, o in parts.items()}
+
+
+def nest(positions: Positions, topics: list[str], partitions: Mapping[str, int]) -> Offsets:
+    return {t: {p: positions.get((t, p), 0) for p in range(partitions[t])} for t in topics}
+
+
+def watermark(positions: Positions) -> int:
+    return int(sum(positions.values()))
+
+
+def _with_retry(what: str, fn: Callable[[], Any], attempts: int = 5) -> Any:
+    delay = 0.2
+    for i in range(attempts):
+        try:
+            return fn()
+        except KappaflowError as exc:
+            if not exc.transient or i == attempts - 1:
+                raise
+            log.warning("%s failed (transient, attempt %d/%d): %s", what, i + 1, attempts, exc)
+            time.sleep(delay)
+            delay = min(delay * 2, 5.0)
+    raise AssertionError("unreachable")
+
+
+@dataclass
+class BuildResult:
+    events: int = 0
+    rows: int = 0
+    dead_letters: int = 0
+    seconds: float = 0.0
+
+
+@dataclass
+class BatchResult:
+    events: int = 0
+    upserted: int = 0
+    deleted: int = 0
+    dead_letters: int = 0
+    positions: dict[TopicPartition, int] = field(default_factory=dict)
+
+
+def _partition_counts(rt: Runtime, topics: list[str]) -> dict[str, int]:
+    log_ = rt.reader()
+    return {t: log_.partitions(t) for t in topics}
+
+
+def _dead_rows(rows: list[Any]) -> list[dict[str, Any]]:
+    out = []
+    for r in rows:
+        d = r.asDict() if hasattr(r, "asDict") else dict(r)
+        if d.get("_kf_dl_reason") is not None:
+            out.append({"topic": d["_kf_dl_topic"], "partition": d["_kf_dl_partition"],
+                        "offset": d["_kf_dl_offset"], "key": d.get("_kf_dl_key"), "reason": d["_kf_dl_reason"]})
+    return out
+
+
+def _collect_bad(plan: Plan, raws: dict[str, DataFrame]) -> list[dict[str, Any]]:
+    ev = plan.all_events(raws).where("_kf_bad").select("_kf_topic", "_kf_partition", "_kf_offset", "_kf_key")
+    return [{"topic": r[0], "partition": r[1], "offset": r[2], "key": r[3], "reason": BAD_REASON}
+            for r in ev.collect()]
+
+
+def _dead_letter(rt: Runtime, plan: Plan, rows: list[dict[str, Any]]) -> int:
+    if not rows:
+        return 0
+    for r in rows[:5]:
+        log.warning("dead letter for %s: %s[%s]@%s: %s", plan.spec.name, r["topic"], r["partition"], r["offset"],
+                    r["reason"])
+    return write_dead_letters(rt.log_url, rt.log_options, plan.spec.name, rows)
+
+
+def _fold_job(plan: Plan, version: int, rt: Runtime | None = None, target: Target | None = None) -> FoldJob:
+    spec = plan.spec
+    assert spec.cls is not None
+    _pickle_by_value(spec.cls)
+    return FoldJob(
+        projection=spec.cls,
+        key=spec.key,
+        schemas={t: s.to_dict() for t, s in plan.schemas.items()},
+        out_schema=fold_arrow_schema(plan.view.arrow_schema()),
+        view_columns=plan.view.column_names,
+        version=version,
+        sink=rt.sink.config() if (rt is not None and target is not None) else None,
+        target=target,
+    )
+
+
+def _pickle_by_value(cls: type) -> None:
+    """Ship the projection's module by value when workers may not import it (tests, scripts)."""
+    import sys
+
+    from pyspark import cloudpickle
+
+    mod = sys.modules.get(cls.__module__)
+    if mod is None or cls.__module__.startswith(("kappaflow.", "examples.")) or cls.__module__ == "__main__":
+        return
+    try:
+        cloudpickle.register_pickle_by_value(mod)
+    except ValueError:
+        pass
+
+
+# --- build (replay into an empty shadow) -------------------------------------------------------------
+def build(plan: Plan, rt: Runtime, target: Target, end: Offsets,
+          progress: Callable[[str], None] | None = None) -> BuildResult:
+    t0 = time.monotonic()
+    spec = plan.spec
+    total = sum(sum(parts.values()) for parts in end.values())
+    parallel = max(1, rt.spark.sparkContext.defaultParallelism)
+    split = max(20_000, -(-total // (parallel * 2))) if total else None
+    raws = {t: rt.raw(t, "earliest", end, split) for t in spec.topics}
+    version = watermark(flatten(end))
+    cfg = rt.sink.config()
+    res = BuildResult()
+    obs = Observation(f"kf_build_{spec.name}_{time.monotonic_ns()}")
+    dead: list[dict[str, Any]] = []
+    if isinstance(spec.fold, CustomFold):
+        ev = plan.custom_events(raws).observe(obs, F.count(F.lit(1)).alias("events"))
+        parts = int(rt.spark.conf.get("spark.sql.shuffle.partitions") or 4)
+        folded = plan.sorted_for_fold(ev, parts).mapInArrow(make_folder(_fold_job(plan, version)),
+                                                            fold_output_type(plan))
+        out = folded.mapInArrow(make_loader(cfg, target), LOAD_RESULT_DDL).collect()
+        res.rows = sum(r["_kf_loaded"] or 0 for r in out)
+        dead = _dead_rows(out)
+        metrics = obs.get
+        res.events = int(metrics.get("events") or 0)
+    else:
+        ev = plan.all_events(raws).observe(
+            obs, F.count(F.lit(1)).alias("events"), F.count(F.when(F.col("_kf_bad"), 1)).alias("bad"))
+        rows = plan.rows(plan.latest(ev))
+        if isinstance(spec.fold, LatestFold):
+            out = plan.latest_view_rows(rows).mapInArrow(make_loader(cfg, target), LOAD_RESULT_DDL).collect()
+            res.rows = sum(r["_kf_loaded"] or 0 for r in out)
+        else:
+            assert isinstance(spec.fold, GroupFold)
+            state = plan.state_rows(rows).persist(StorageLevel.MEMORY_AND_DISK)
+            try:
+                state.mapInArrow(make_loader(cfg, target, state=True), LOAD_RESULT_DDL).collect()
+                out = plan.group_view_rows(state, version).mapInArrow(
+                    make_loader(cfg, target), LOAD_RESULT_DDL).collect()
+                res.rows = sum(r["_kf_loaded"] or 0 for r in out)
+            finally:
+                state.unpersist()
+        metrics = obs.get
+        res.events = int(metrics.get("events") or 0)
+        if metrics.get("bad"):
+            dead = _collect_bad(plan, raws)
+    res.dead_letters = _dead_letter(rt, plan, dead)
+    res.seconds = time.monotonic() - t0
+    return res
+
+
+# --- apply a bounded slice (follow micro-batch, replay catch-up) --------------------------------------------
+def _offset_filter(before: Positions) -> Any:
+    if not before:
+        return None
+    pairs: list[Any] = []
+    for (t, p), o in before.items():
+        pairs += [F.lit(f"{t}\x00{p}"), F.lit(int(o))]
+    m = F.create_map(*pairs)
+    start = F.coalesce(F.element_at(m, F.concat_ws("\x00", F.col("topic"), F.col("partition").cast("string"))),
+                       F.lit(0).cast("bigint"))
+    return F.col("offset") >= start
+
+
+def apply_batch(plan: Plan, rt: Runtime, target: Target, raws: dict[str, DataFrame], before: Positions,
+                known_end: Offsets | None = None) -> BatchResult:
+    """Fold `raws` (already bounded) into `target` in one sink transaction with the positions."""
+    spec = plan.spec
+    partitions = _partition_counts(rt, spec.topics)
+    cond = _offset_filter(before)
+    observations: list[Observation] = []
+    observed: dict[str, DataFrame] = {}
+    for t, df in raws.items():
+        if cond is not None:
+            df = df.where(cond)
+        obs = Observation(f"kf_batch_{spec.name}_{t}_{time.monotonic_ns()}")
+        metrics = [F.count(F.lit(1)).alias("events")]
+        metrics += [F.max(F.when(F.col("partition") == p, F.col("offset"))).alias(f"p{p}") for p in range(partitions[t])]
+        observed[t] = df.observe(obs, *metrics)
+        observations.append(obs)
+    res = BatchResult()
+    dead: list[dict[str, Any]] = []
+    bad_obs: Observation | None = None
+    tbl: pa.Table
+    if isinstance(spec.fold, CustomFold):
+        ev = plan.custom_events(observed)
+        parts = int(rt.spark.conf.get("spark.sql.shuffle.partitions") or 4)
+        folded = plan.sorted_for_fold(ev, parts).mapInArrow(make_folder(_fold_job(plan, 0, rt, target)),
+                                                            fold_output_type(plan))
+        out = folded.toArrow()
+        reasons = out.column("_kf_dl_reason")
+        dl_mask = pc.is_valid(reasons)
+        if pc.any(dl_mask).as_py():
+            d = out.filter(dl_mask)
+            dead = [{"topic": r["_kf_dl_topic"], "partition": r["_kf_dl_partition"], "offset": r["_kf_dl_offset"],
+                     "key": r["_kf_dl_key"], "reason": r["_kf_dl_reason"]} for r in d.to_pylist()]
+            out = out.filter(pc.invert(dl_mask))
+        tbl = out.select([*plan.view.column_names, VERSION, DELETED])
+    else:
+        bad_obs = Observation(f"kf_bad_{spec.name}_{time.monotonic_ns()}")
+        ev = plan.all_events(observed).observe(bad_obs, F.count(F.when(F.col("_kf_bad"), 1)).alias("bad"))
+        rows = plan.rows(plan.latest(ev))
+        if isinstance(spec.fold, LatestFold):
+            tbl = plan.latest_changes(rows).toArrow()
+        else:
+            tbl = plan.state_changes(rows).toArrow()
+    # positions after the batch: max offset seen + 1 per partition, at least the known end
+    after: dict[TopicPartition, int] = dict(before)
+    for t, obs in zip(raws, observations, strict=True):
+        m = obs.get
+        res.events += int(m.get("events") or 0)
+        for p in range(partitions[t]):
+            v = m.get(f"p{p}")
+            if v is not None:
+                after[(t, p)] = max(after.get((t, p), 0), int(v) + 1)
+    if known_end:
+        for (t, p), o in flatten(known_end).items():
+            after[(t, p)] = max(after.get((t, p), 0), o)
+    for t in spec.topics:
+        for p in range(partitions[t]):
+            after.setdefault((t, p), 0)
+    if bad_obs is not None and bad_obs.get.get("bad"):
+        dead += _collect_bad(plan, {t: (df.where(cond) if cond is not None else df) for t, df in raws.items()})
+    res.dead_letters = _dead_letter(rt, plan, dead)
+    changed = {k: v for k, v in after.items() if before.get(k) != v}
+    wm = watermark(after)
+    if isinstance(spec.fold, GroupFold):
+        w = _with_retry("applying the batch", lambda: rt.sink.apply_grouped(target, tbl, wm, changed))  # type: ignore[attr-defined]
+    else:
+        if isinstance(spec.fold, CustomFold) and tbl.num_rows:
+            tbl = tbl.set_column(tbl.schema.get_field_index(VERSION), VERSION,
+                                 pa.array([wm] * tbl.num_rows, pa.int64()))
+        w = _with_retry("applying the batch", lambda: rt.sink.write(target, tbl, changed))
+    res.upserted, res.deleted = w.upserted, w.deleted
+    res.positions = after
+    return res
+
+
+def apply_range(plan: Plan, rt: Runtime, target: Target, start: Offsets, end: Offsets) -> BatchResult:
+    raws = {t: rt.raw(t, start, end) for t in plan.spec.topics}
+    return apply_batch(plan, rt, target, raws, flatten(start), known_end=end)
+
+
+class ProjectionBusy(SinkError):
+    """Another replay or follow holds the projection's lock."""
+
+
+__all__ = ["BatchResult", "BuildResult", "ProjectionBusy", "apply_batch", "apply_range", "build", "flatten",
+           "prepare", "watermark"]

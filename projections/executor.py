@@ -1,0 +1,304 @@
+"""Code that runs inside Spark's Python workers: custom folds and bulk loads.
+
+Both are ``mapInArrow`` functions, so Python runs once per Spark partition over Arrow
+batches. They are built by factories whose arguments (the projection class, schemas as
+dicts, a picklable ``SinkConfig``) travel to the workers with the function.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, replace
+from typing import Any
+
+import orjson
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from kappaflow.projections.sinks.base import DELETED, VERSION, SinkConfig, Target
+
+DL_COLUMNS = ("_kf_dl_topic", "_kf_dl_partition", "_kf_dl_offset", "_kf_dl_key", "_kf_dl_reason")
+EMIT_CHUNK = 4096
+
+
+def _no_migrate(cfg: SinkConfig) -> SinkConfig:
+    """Workers never run migrations (the driver did)."""
+    if hasattr(cfg, "migrate"):
+        return replace(cfg, migrate=False)  # type: ignore[type-var]
+    return cfg
+
+
+# --- bulk load of replay output -------------------------------------------------------------------
+def make_loader(cfg: SinkConfig, target: Target, *, state: bool = False) -> Callable[[Iterator[pa.RecordBatch]], Iterator[pa.RecordBatch]]:
+    """mapInArrow function: COPY one partition's rows into `target`, output one count row.
+
+    Rows carrying a dead-letter reason are passed through instead (as output rows), so one
+    Spark job both loads the view and returns the dead letters to the driver.
+    """
+    cfg = _no_migrate(cfg)
+
+    def load(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
+        dead: list[pa.RecordBatch] = []
+
+        def rows() -> Iterator[pa.RecordBatch]:
+            for b in batches:
+                if "_kf_dl_reason" in b.schema.names:
+                    mask = pc.is_null(b.column("_kf_dl_reason"))
+                    if not pc.all(mask).as_py():
+                        dead.append(b.filter(pc.invert(mask)))
+                        b = b.filter(mask)
+                if b.num_rows:
+                    yield b
+
+        sink = cfg.open()
+        try:
+            if state:
+                n = sink.load_state(target, rows())  # type: ignore[attr-defined]
+            else:
+                n = sink.load(target, rows())
+        finally:
+            sink.close()
+        yield _count_batch(n, dead)
+
+    return load
+
+
+LOAD_RESULT_DDL = ("_kf_loaded bigint, _kf_dl_topic string, _kf_dl_partition int, _kf_dl_offset bigint, "
+                   "_kf_dl_key binary, _kf_dl_reason string")
+_LOAD_RESULT = pa.schema([
+    ("_kf_loaded", pa.int64()), ("_kf_dl_topic", pa.string()), ("_kf_dl_partition", pa.int32()),
+    ("_kf_dl_offset", pa.int64()), ("_kf_dl_key", pa.binary()), ("_kf_dl_reason", pa.string()),
+])
+
+
+def _count_batch(n: int, dead: list[pa.RecordBatch]) -> pa.RecordBatch:
+    cols: dict[str, list[Any]] = {f.name: [] for f in _LOAD_RESULT}
+    cols["_kf_loaded"].append(n)
+    for c in DL_COLUMNS:
+        cols[c].append(None)
+    for b in dead:
+        for c in DL_COLUMNS:
+            cols[c].extend(b.column(c).to_pylist())
+        cols["_kf_loaded"].extend([0] * b.num_rows)
+    return pa.RecordBatch.from_pydict(cols, schema=_LOAD_RESULT)
+
+
+# --- custom folds ---------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class FoldJob:
+    """Everything a worker needs to run a custom fold (picklable)."""
+
+    projection: type
+    key: tuple[str, ...]
+    schemas: dict[str, dict[str, Any]]  # topic -> TableSchema.to_dict()
+    out_schema: pa.Schema  # view columns + version + deleted + dead-letter columns
+    view_columns: tuple[str, ...]
+    version: int
+    sink: SinkConfig | None = None  # follow: current rows come from the live view
+    target: Target | None = None
+
+
+_MISSING = object()
+
+
+def make_folder(job: FoldJob) -> Callable[[Iterator[pa.RecordBatch]], Iterator[pa.RecordBatch]]:
+    def run(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
+        return _Folder(job).run(batches)
+
+    return run
+
+
+class _Folder:
+    def __init__(self, job: FoldJob) -> None:
+        from kappaflow.events import EventCodec, TableSchema
+
+        self.job = job
+        self.proj = job.projection()
+        self.codec = EventCodec()
+        self.schemas = {t: TableSchema.from_dict(d) for t, d in job.schemas.items()}
+        self.key_schemas = {t: s.key_schema() for t, s in self.schemas.items() if s.key}
+        self.out: list[dict[str, Any]] = []
+        self.view_cols = job.view_columns
+        self.follow = job.sink is not None
+
+    # -- decoding --------------------------------------------------------------------------
+    def _event(self, topic: str, partition: int, offset: int, key: bytes | None, value: bytes) -> Any:
+        from kappaflow.projections.api import Event
+
+        obj = orjson.loads(value)
+        if type(obj) is not dict:
+            raise ValueError(f"expected a JSON object (Debezium envelope), got {type(obj).__name__}")
+        if "payload" in obj and "schema" in obj:
+            obj = obj["payload"]
+        op = obj.get("op")
+        if op not in ("c", "u", "d", "r"):
+            raise ValueError(f"op: expected one of c, u, d, r, got {op!r}")
+        schema = self.schemas[topic]
+        before = obj.get("before")
+        after = obj.get("after")
+        dec = self.codec.decode_row_values
+        before = dec(schema, before) if before is not None else None
+        after = dec(schema, after) if after is not None else None
+        k = None
+        if key is not None:
+            kobj = orjson.loads(key)
+            if type(kobj) is dict and "payload" in kobj and "schema" in kobj:
+                kobj = kobj["payload"]
+            ks = self.key_schemas.get(topic)
+            k = dec(ks, kobj) if (ks is not None and type(kobj) is dict) else kobj
+        src = obj.get("source") or {}
+        return Event(topic, partition, offset, op, k, before, after, obj.get("ts_ms"), src.get("kf_pos"), src)
+
+    # -- output ----------------------------------------------------------------------------
+    def _emit_row(self, row: dict[str, Any], deleted: bool, last: tuple[Any, ...]) -> None:
+        out = {c: row.get(c) for c in self.view_cols}
+        out[VERSION] = self.job.version
+        out[DELETED] = deleted
+        out["_kf_last"] = last
+        self.out.append(out)
+
+    def _dead(self, topic: str, partition: int, offset: int, key: bytes | None, reason: str) -> None:
+        self.out.append({"_kf_dl_topic": topic, "_kf_dl_partition": partition, "_kf_dl_offset": offset,
+                         "_kf_dl_key": key, "_kf_dl_reason": reason[:2000]})
+
+    def _flush_out(self) -> Iterator[pa.RecordBatch]:
+        if not self.out:
+            return
+        rows, self.out = self.out, []
+        schema = self.job.out_schema
+        try:
+            yield pa.RecordBatch.from_pylist(rows, schema=schema)
+            return
+        except (pa.ArrowException, TypeError, ValueError, OverflowError):
+            pass
+        good = []
+        for r in rows:  # find the rows that do not fit the declared schema
+            try:
+                pa.RecordBatch.from_pylist([r], schema=schema)
+                good.append(r)
+            except (pa.ArrowException, TypeError, ValueError, OverflowError) as exc:
+                bad_col = _bad_column(r, schema)
+                t, p, o, k = r.get("_kf_last") or (None, None, None, None)
+                good.append({"_kf_dl_topic": t, "_kf_dl_partition": p, "_kf_dl_offset": o, "_kf_dl_key": k,
+                             "_kf_dl_reason": f"apply() returned a row that does not fit the view schema: column "
+                                              f"{bad_col!r}: {exc}"[:2000]})
+        yield pa.RecordBatch.from_pylist(good, schema=schema)
+
+    # -- the fold loop ---------------------------------------------------------------------
+    def _finish_key(self, initial: Any, row: Any, last: tuple[Any, ...] | None) -> None:
+        if last is None:
+            return  # no event applied (all dead-lettered): nothing changes
+        if not self.follow:
+            if row is not None:
+                self._emit_row(row, False, last)
+            return
+        if row is None:
+            if initial is not None:
+                self._emit_row(initial, True, last)
+        elif initial is None or row != initial:
+            self._emit_row(row, False, last)
+
+    def run(self, batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
+        key_names = self.job.key
+        nkey = len(key_names)
+        current: dict[tuple[Any, ...], dict[str, Any]] = {}
+        source: Iterable[pa.RecordBatch] = batches
+        if self.follow:
+            source = list(batches)
+            current = self._fetch_current(source)
+        apply = self.proj.apply
+        cur_key: Any = _MISSING
+        initial: Any = None
+        row: Any = None
+        last: tuple[Any, ...] | None = None
+        for b in source:
+            topics = b.column("_kf_topic").to_pylist()
+            parts = b.column("_kf_partition").to_pylist()
+            offs = b.column("_kf_offset").to_pylist()
+            keys = b.column("_kf_key").to_pylist()
+            values = b.column("_kf_value").to_pylist()
+            vks = [b.column(k).to_pylist() for k in key_names]
+            for i in range(b.num_rows):
+                k = tuple(vk[i] for vk in vks) if nkey > 1 else (vks[0][i],)
+                if k != cur_key:
+                    if cur_key is not _MISSING:
+                        self._finish_key(initial, row, last)
+                    cur_key = k
+                    initial = current.get(k)
+                    row = dict(initial) if initial is not None else None
+                    last = None
+                    if len(self.out) >= EMIT_CHUNK:
+                        yield from self._flush_out()
+                t, p, o, rk = topics[i], parts[i], offs[i], keys[i]
+                if any(v is None for v in k):
+                    self._dead(t, p, o, rk, f"cannot determine the view key {list(key_names)} of this event "
+                                            "(column missing or NULL in the record key / row)")
+                    continue
+                try:
+                    ev = self._event(t, p, o, rk, values[i])
+                except Exception as exc:  # noqa: BLE001 - any decoding problem is this record's
+                    self._dead(t, p, o, rk, f"malformed change event: {type(exc).__name__}: {exc}")
+                    continue
+                try:
+                    new = apply(row, ev)
+                except Exception as exc:  # noqa: BLE001 - the user's fold failed on this event
+                    self._dead(t, p, o, rk, f"apply() raised {type(exc).__name__}: {exc}")
+                    continue
+                if new is not None:
+                    if not isinstance(new, dict):
+                        self._dead(t, p, o, rk, f"apply() returned {type(new).__name__}, expected a dict or None")
+                        continue
+                    wrong = [kn for kn, kv in zip(key_names, k, strict=True) if kn in new and new[kn] != kv]
+                    if wrong:
+                        self._dead(t, p, o, rk, f"apply() changed the view key column(s) {wrong} of key {list(k)}")
+                        continue
+                    for kn, kv in zip(key_names, k, strict=True):
+                        new.setdefault(kn, kv)
+                row = new
+                last = (t, p, o, rk)
+        if cur_key is not _MISSING:
+            self._finish_key(initial, row, last)
+        yield from self._flush_out()
+
+    def _fetch_current(self, batches: list[pa.RecordBatch]) -> dict[tuple[Any, ...], dict[str, Any]]:
+        assert self.job.sink is not None and self.job.target is not None
+        keys: set[tuple[Any, ...]] = set()
+        for b in batches:
+            cols = [b.column(k).to_pylist() for k in self.job.key]
+            keys.update(zip(*cols, strict=True))
+        keys = {k for k in keys if not any(v is None for v in k)}
+        if not keys:
+            return {}
+        sink = _no_migrate(self.job.sink).open()
+        try:
+            out: dict[tuple[Any, ...], dict[str, Any]] = {}
+            ordered = sorted(keys, key=repr)
+            for i in range(0, len(ordered), 5000):
+                for k, r in sink.fetch(self.job.target, ordered[i:i + 5000]).items():
+                    r.pop(VERSION, None)
+                    out[k] = r
+            return out
+        finally:
+            sink.close()
+
+
+def _bad_column(row: dict[str, Any], schema: pa.Schema) -> str:
+    for f in schema:
+        try:
+            pa.array([row.get(f.name)], type=f.type)
+        except (pa.ArrowException, TypeError, ValueError, OverflowError):
+            return f.name
+    return "?"
+
+
+def fold_arrow_schema(view_schema: pa.Schema) -> pa.Schema:
+    """The worker-side Arrow schema matching ``plan.fold_output_type``."""
+    fields = [f for f in view_schema if f.name not in (VERSION, DELETED)]
+    fields += [pa.field(VERSION, pa.int64()), pa.field(DELETED, pa.bool_()),
+               pa.field("_kf_dl_topic", pa.string()), pa.field("_kf_dl_partition", pa.int32()),
+               pa.field("_kf_dl_offset", pa.int64()), pa.field("_kf_dl_key", pa.binary()),
+               pa.field("_kf_dl_reason", pa.string())]
+    return pa.schema(fields)
+
+
+__all__ = ["LOAD_RESULT_DDL", "FoldJob", "fold_arrow_schema", "make_folder", "make_loader"]

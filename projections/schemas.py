@@ -1,0 +1,257 @@
+"""Source table schemas, and how their JSON values become Spark values (in the JVM).
+
+Change events carry values in Debezium's JSON encodings (EVENTS_API.md): DATE as days,
+TIMESTAMP as micros, TIMESTAMPTZ as ISO text, DECIMAL as text, BYTES as base64... A
+projection parses the envelope with ``from_json`` and an explicit schema derived from the
+topic's ``TableSchema`` (found on ``<source>.__schema``), then converts each column with
+native expressions, so no per-row Python runs for declarative folds.
+
+Type mapping (source -> Spark): INT8/INT16 -> smallint, INT32/YEAR -> int, INT64 -> bigint,
+FLOAT32 -> float, FLOAT64 -> double, DECIMAL(p,s) -> decimal(p or 38, s), VARIABLE_DECIMAL
+-> decimal(38,18), DATE -> date, TIMESTAMP -> timestamp_ntz, TIMESTAMPTZ -> timestamp,
+TIME and INTERVAL -> bigint micros, BYTES/BITS -> binary, UUID/JSON/ENUM/SET/STRING ->
+string (JSON as its text), ARRAY -> array of the element type. Conversions never depend on
+the Spark session time zone.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import orjson
+from pyspark.sql import Column as SparkColumn
+from pyspark.sql import functions as F
+from pyspark.sql.types import (
+    ArrayType,
+    BinaryType,
+    BooleanType,
+    DataType,
+    DateType,
+    DecimalType,
+    DoubleType,
+    FloatType,
+    IntegerType,
+    LongType,
+    ShortType,
+    StringType,
+    StructField,
+    StructType,
+    TimestampNTZType,
+    TimestampType,
+)
+
+from kappaflow.errors import ConfigError, ValidationError
+from kappaflow.events import Column, FieldType, TableSchema
+
+SCHEMA_TOPIC_SUFFIX = ".__schema"
+VARIABLE_DECIMAL = DecimalType(38, 18)
+
+POS_TYPE = StructType(
+    [
+        StructField("kind", StringType()),
+        StructField("lsn", LongType()),
+        StructField("index", LongType()),
+        StructField("snapshot", BooleanType()),
+        StructField("file", StringType()),
+        StructField("pos", LongType()),
+        StructField("row", LongType()),
+        StructField("position", LongType()),
+    ]
+)
+
+
+def spark_type(col: Column) -> DataType:
+    t = col.type
+    if t in (FieldType.INT8, FieldType.INT16):
+        return ShortType()
+    if t in (FieldType.INT32, FieldType.YEAR):
+        return IntegerType()
+    if t in (FieldType.INT64, FieldType.TIME, FieldType.INTERVAL):
+        return LongType()
+    if t is FieldType.FLOAT32:
+        return FloatType()
+    if t is FieldType.FLOAT64:
+        return DoubleType()
+    if t is FieldType.BOOLEAN:
+        return BooleanType()
+    if t is FieldType.DECIMAL:
+        precision = col.precision if col.precision and col.precision <= 38 else 38
+        scale = col.scale or 0
+        if scale > precision:
+            precision = 38
+        return DecimalType(precision, scale)
+    if t is FieldType.VARIABLE_DECIMAL:
+        return VARIABLE_DECIMAL
+    if t is FieldType.DATE:
+        return DateType()
+    if t is FieldType.TIMESTAMP:
+        return TimestampNTZType()
+    if t is FieldType.TIMESTAMPTZ:
+        return TimestampType()
+    if t in (FieldType.BYTES, FieldType.BITS):
+        return BinaryType()
+    if t is FieldType.ARRAY:
+        assert col.items is not None
+        return ArrayType(spark_type(col.items), True)
+    return StringType()  # STRING, UUID, JSON, ENUM, SET
+
+
+def wire_type(col: Column) -> DataType:
+    """The type ``from_json`` reads the column's JSON value as."""
+    t = col.type
+    if t in (FieldType.DECIMAL, FieldType.VARIABLE_DECIMAL, FieldType.TIMESTAMPTZ, FieldType.BYTES, FieldType.BITS):
+        return StringType()
+    if t is FieldType.DATE:
+        return IntegerType()
+    if t is FieldType.TIMESTAMP:
+        return LongType()
+    if t is FieldType.ARRAY:
+        assert col.items is not None
+        return ArrayType(wire_type(col.items), True)
+    return spark_type(col)
+
+
+def _needs_conversion(col: Column) -> bool:
+    if col.type is FieldType.ARRAY:
+        assert col.items is not None
+        return _needs_conversion(col.items)
+    return wire_type(col) != spark_type(col)
+
+
+def convert(expr: SparkColumn, col: Column) -> SparkColumn:
+    """Native expression turning the wire value into the Spark value (NULL stays NULL)."""
+    t = col.type
+    if t in (FieldType.DECIMAL, FieldType.VARIABLE_DECIMAL):
+        return expr.try_cast(spark_type(col))
+    if t is FieldType.DATE:
+        return F.date_from_unix_date(expr)
+    if t is FieldType.TIMESTAMP:
+        # timestamp_ntz epoch + micros: exact and independent of the session time zone.
+        return F.try_add(F.expr("timestamp_ntz'1970-01-01 00:00:00'"), expr * F.expr("interval '0.000001' second"))
+    if t is FieldType.TIMESTAMPTZ:
+        return F.try_to_timestamp(expr)
+    if t in (FieldType.BYTES, FieldType.BITS):
+        return F.try_to_binary(expr, F.lit("base64"))
+    if t is FieldType.ARRAY and col.items is not None and _needs_conversion(col.items):
+        items = col.items
+        return F.transform(expr, lambda x: convert(x, items))
+    return expr
+
+
+def row_wire_struct(schema: TableSchema) -> StructType:
+    return StructType([StructField(c.name, wire_type(c), True) for c in schema.columns])
+
+
+def row_struct(schema: TableSchema, names: Iterable[str] | None = None) -> StructType:
+    cols = schema.columns if names is None else [schema.column(n) for n in names]
+    return StructType([StructField(c.name, spark_type(c), True) for c in cols])
+
+
+def envelope_struct(schema: TableSchema, *, with_before: bool = False) -> StructType:
+    """Debezium envelope (also inside ``payload`` for messages that carry their schema)."""
+    row = row_wire_struct(schema)
+    fields = [
+        StructField("after", row, True),
+        StructField("op", StringType(), True),
+        StructField("ts_ms", LongType(), True),
+        StructField("source", StructType([StructField("ts_ms", LongType()), StructField("kf_pos", POS_TYPE)]), True),
+    ]
+    if with_before:
+        fields.insert(0, StructField("before", row, True))
+    env = StructType(fields)
+    return StructType([*env.fields, StructField("payload", env, True)])
+
+
+def key_struct(schema: TableSchema) -> StructType:
+    ks = schema.key_schema()
+    row = row_wire_struct(ks)
+    return StructType([*row.fields, StructField("payload", row, True)])
+
+
+def converted_row(parsed_row: SparkColumn, schema: TableSchema, names: Iterable[str] | None = None) -> SparkColumn:
+    """A struct of converted column values from a parsed wire row (NULL row stays NULL)."""
+    cols = schema.columns if names is None else [schema.column(n) for n in names]
+    fields = [convert(parsed_row[c.name], c).alias(c.name) for c in cols]
+    return F.when(parsed_row.isNotNull(), F.struct(*fields))
+
+
+def pos_order(pos: SparkColumn) -> SparkColumn:
+    """A struct that orders source positions like ``Position.sort_key`` within one kind."""
+    file_seq = F.regexp_extract(pos["file"], r"(\d+)$", 1).try_cast("bigint")
+    file_base = F.regexp_extract(pos["file"], r"^(.*?)\.?(\d+)$", 1)
+    snap = F.when(pos["snapshot"], F.lit(0)).otherwise(F.lit(1))
+    kind = pos["kind"]
+    return F.struct(
+        F.when(kind == "pg", pos["lsn"]).when(kind == "binlog", file_seq).otherwise(pos["position"]).alias("a"),
+        F.when(kind == "binlog", file_base).otherwise(F.lit("")).alias("b"),
+        F.when(kind == "binlog", pos["pos"]).otherwise(F.lit(0).cast("bigint")).alias("c"),
+        F.when(kind.isin("pg", "binlog"), snap).otherwise(F.lit(1)).alias("d"),
+        F.when(kind == "pg", pos["index"]).when(kind == "binlog", pos["row"]).otherwise(F.lit(0).cast("bigint")).alias("e"),
+    )
+
+
+# --- schema topics --------------------------------------------------------------------------------
+def schema_topic(topic: str) -> str:
+    """``<source>.__schema`` for a topic named ``<source>.<schema>.<table>``."""
+    return topic.split(".", 1)[0] + SCHEMA_TOPIC_SUFFIX
+
+
+def load_table_schemas(log: Any, topics: Iterable[str], given: dict[str, TableSchema] | None = None) -> dict[str, TableSchema]:
+    """The latest ``TableSchema`` of each topic from its source's schema topic."""
+    from kappaflow.errors import UnknownTopicError
+
+    out: dict[str, TableSchema] = dict(given or {})
+    wanted = [t for t in topics if t not in out]
+    by_schema_topic: dict[str, list[str]] = {}
+    for t in wanted:
+        by_schema_topic.setdefault(schema_topic(t), []).append(t)
+    for st, ts in by_schema_topic.items():
+        try:
+            partitions = log.partitions(st)
+        except UnknownTopicError:
+            partitions = 0
+        found: dict[str, tuple[int, TableSchema]] = {}
+        for p in range(partitions):
+            for rec in log.iter_partition(st, p):
+                if rec.value is None:
+                    continue
+                try:
+                    data = orjson.loads(rec.value)
+                except orjson.JSONDecodeError:
+                    continue
+                if isinstance(data, dict) and isinstance(data.get("schema"), dict) and "columns" in data["schema"]:
+                    data = data["schema"]
+                if not isinstance(data, dict) or data.get("name") not in ts:
+                    continue
+                try:
+                    schema = TableSchema.from_dict(data)
+                except ValidationError as exc:
+                    raise ValidationError(f"{st}[{p}] offset {rec.offset}: bad table schema: {exc}") from None
+                prev = found.get(schema.name)
+                if prev is None or rec.timestamp_ms >= prev[0]:
+                    found[schema.name] = (rec.timestamp_ms, schema)
+        for t in ts:
+            if t not in found:
+                raise ConfigError(
+                    f"no schema for topic {t!r}: expected a table schema on {st!r} (written by `kappaflow capture`), "
+                    "or give it explicitly: Source(topic, schema=TableSchema(...))"
+                )
+            out[t] = found[t][1]
+    return out
+
+
+__all__ = [
+    "POS_TYPE",
+    "convert",
+    "converted_row",
+    "envelope_struct",
+    "key_struct",
+    "load_table_schemas",
+    "pos_order",
+    "row_struct",
+    "row_wire_struct",
+    "schema_topic",
+    "spark_type",
+    "wire_type",
+]

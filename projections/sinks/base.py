@@ -1,0 +1,288 @@
+"""The sink contract: where a projection's view lives (PostgreSQL table, search index, Redis keys).
+
+Every sink keeps the same guarantees (DESIGN.md, "Log to view"):
+
+1. **Versioned writes.** A batch is an Arrow table with the view's columns plus
+   ``_kf_version`` (int64: the log position that produced the row) and ``_kf_deleted``
+   (bool: the key must be removed). A row whose version is not greater than the stored
+   version of that key has no effect, so retries, replays and duplicate delivery are
+   exactly-once in effect.
+2. **Positions.** ``write(..., positions=...)`` also stores the consumed log positions
+   (next offset to read per topic/partition). Transactional sinks store them atomically
+   with the rows; the others store them after the rows (the version guard makes the
+   replayed tail harmless).
+3. **Zero-downtime rebuilds.** ``begin_shadow`` creates an empty target beside the live
+   one; a replay fills it, ``swap`` makes it live atomically (rename / alias / pointer)
+   and drops the old one. Readers see the old view until the switch, the new one after,
+   never an empty or partial one.
+4. **Schema from the projection.** ``ensure`` creates the live target from the
+   projection's ``ViewSpec`` or checks that an existing one matches it, raising
+   ``ViewSchemaMismatch`` (naming the columns) otherwise.
+
+Sinks are opened on the driver and, for replays and custom folds, inside Spark
+executors: ``Sink.config()`` returns a small picklable object whose ``open()`` makes
+an equivalent sink in another process. ``kappaflow.projections.sinks.testing`` holds
+the contract test suite every sink runs.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import pyarrow as pa
+from pyspark.sql.types import DataType
+
+from kappaflow.errors import ConfigError, SinkError
+
+VERSION = "_kf_version"
+DELETED = "_kf_deleted"
+
+TopicPartition = tuple[str, int]
+Positions = Mapping[TopicPartition, int]
+
+
+class ViewSchemaMismatch(SinkError):
+    """An existing view does not have the shape the projection produces."""
+
+
+@dataclass(frozen=True)
+class ViewColumn:
+    """One column of a view, typed with a Spark ``DataType`` (JVM-free to build and pickle)."""
+
+    name: str
+    type: DataType
+    nullable: bool = True
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "type": self.type.jsonValue(), "nullable": self.nullable}
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> ViewColumn:
+        import json
+
+        from pyspark.sql.types import _parse_datatype_json_string
+
+        return cls(d["name"], _parse_datatype_json_string(json.dumps(d["type"])), bool(d.get("nullable", True)))
+
+
+@dataclass(frozen=True)
+class ViewSpec:
+    """What a sink needs to know about a view: its public name, key and columns.
+
+    ``columns`` holds every column in order, key columns included; ``_kf_version`` is
+    added by the sink. ``namespace`` is sink-specific (PostgreSQL: the schema).
+    """
+
+    name: str
+    projection: str
+    key: tuple[str, ...]
+    columns: tuple[ViewColumn, ...]
+    namespace: str | None = None
+    options: Mapping[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        names = [c.name for c in self.columns]
+        if not self.key:
+            raise ConfigError(f"view {self.name!r}: 'key': expected at least one key column")
+        missing = [k for k in self.key if k not in names]
+        if missing:
+            raise ConfigError(f"view {self.name!r}: key column(s) {missing} are not among the columns {names}")
+        dup = {n for n in names if names.count(n) > 1}
+        if dup:
+            raise ConfigError(f"view {self.name!r}: duplicate column(s) {sorted(dup)}")
+        reserved = [n for n in names if n in (VERSION, DELETED)]
+        if reserved:
+            raise ConfigError(f"view {self.name!r}: column names {reserved} are reserved by kappaflow")
+
+    @property
+    def column_names(self) -> tuple[str, ...]:
+        return tuple(c.name for c in self.columns)
+
+    @property
+    def value_columns(self) -> tuple[ViewColumn, ...]:
+        return tuple(c for c in self.columns if c.name not in self.key)
+
+    def column(self, name: str) -> ViewColumn:
+        for c in self.columns:
+            if c.name == name:
+                return c
+        raise KeyError(name)
+
+    def arrow_schema(self, *, with_meta: bool = True) -> pa.Schema:
+        """The batch schema ``write`` takes: the columns, then version and deleted flag."""
+        from pyspark.sql.pandas.types import to_arrow_type
+
+        fields = [pa.field(c.name, to_arrow_type(c.type, timezone="UTC"), nullable=True) for c in self.columns]
+        if with_meta:
+            fields += [pa.field(VERSION, pa.int64(), nullable=False), pa.field(DELETED, pa.bool_(), nullable=False)]
+        return pa.schema(fields)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "projection": self.projection,
+            "key": list(self.key),
+            "columns": [c.to_dict() for c in self.columns],
+            "namespace": self.namespace,
+        }
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> ViewSpec:
+        return cls(
+            name=d["name"],
+            projection=d["projection"],
+            key=tuple(d["key"]),
+            columns=tuple(ViewColumn.from_dict(c) for c in d["columns"]),
+            namespace=d.get("namespace"),
+        )
+
+
+@dataclass(frozen=True)
+class Target:
+    """One physical copy of a view: the live one or a shadow being built.
+
+    ``name`` is the sink's physical name (table / index / key prefix); ``label`` is how
+    positions are filed (``"live"`` or the shadow's name).
+    """
+
+    view: ViewSpec
+    name: str
+    shadow: bool = False
+
+    @property
+    def label(self) -> str:
+        return self.name if self.shadow else "live"
+
+
+@dataclass
+class WriteResult:
+    """What a write did. ``rejected``: (key, reason) pairs a sink refused (go to dead letters)."""
+
+    upserted: int = 0
+    deleted: int = 0
+    skipped: int = 0  # stale versions
+    rejected: list[tuple[tuple[Any, ...], str]] = field(default_factory=list)
+
+
+class SinkConfig(abc.ABC):
+    """Picklable recipe for opening a sink in another process (Spark executors)."""
+
+    @abc.abstractmethod
+    def open(self) -> Sink: ...
+
+
+class Sink(abc.ABC):
+    """One store of views. See the module docstring for the guarantees."""
+
+    kind: ClassVar[str] = ""
+
+    # --- configuration ------------------------------------------------------------------
+    @abc.abstractmethod
+    def config(self) -> SinkConfig:
+        """A picklable config that opens an equivalent sink elsewhere."""
+
+    # --- targets ------------------------------------------------------------------------
+    @abc.abstractmethod
+    def live(self, view: ViewSpec) -> Target | None:
+        """The live target if it exists (no schema check)."""
+
+    @abc.abstractmethod
+    def ensure(self, view: ViewSpec) -> Target:
+        """Create the live target if missing; if present, check it matches (ViewSchemaMismatch)."""
+
+    @abc.abstractmethod
+    def begin_shadow(self, view: ViewSpec, label: str = "shadow") -> Target:
+        """A new, empty target beside the live one (a leftover one of the same label is dropped)."""
+
+    @abc.abstractmethod
+    def swap(self, shadow: Target) -> Target:
+        """Make `shadow` (with its positions) the live target atomically; drop the old one."""
+
+    @abc.abstractmethod
+    def drop(self, target: Target) -> None:
+        """Remove a target and its positions (no error if it does not exist)."""
+
+    # --- data ---------------------------------------------------------------------------
+    @abc.abstractmethod
+    def write(self, target: Target, batch: pa.Table, positions: Positions | None = None) -> WriteResult:
+        """Apply versioned upserts/deletes (see module docstring) and store `positions`."""
+
+    def load(self, target: Target, batches: Iterable[pa.Table | pa.RecordBatch]) -> int:
+        """Bulk-load rows into a fresh shadow (unique keys, no deletes), e.g. one Spark
+        partition of a replay. Sinks may skip the version guard here; the default writes
+        batch by batch. Returns rows loaded."""
+        n = 0
+        for b in batches:
+            t = b if isinstance(b, pa.Table) else pa.Table.from_batches([b])
+            n += self.write(target, t).upserted
+        return n
+
+    @abc.abstractmethod
+    def fetch(self, target: Target, keys: Sequence[tuple[Any, ...]]) -> dict[tuple[Any, ...], dict[str, Any]]:
+        """Current rows (columns + ``_kf_version``) for the given keys; absent keys are left out."""
+
+    @abc.abstractmethod
+    def scan(self, target: Target) -> Iterator[dict[str, Any]]:
+        """Every row (columns + ``_kf_version``), in key order."""
+
+    @abc.abstractmethod
+    def count(self, target: Target) -> int:
+        """Number of rows."""
+
+    # --- positions ----------------------------------------------------------------------
+    @abc.abstractmethod
+    def read_positions(self, target: Target) -> dict[TopicPartition, int]:
+        """Stored next offsets ({} when none)."""
+
+    @abc.abstractmethod
+    def store_positions(self, target: Target, positions: Positions) -> None:
+        """Store next offsets (never moving one backwards)."""
+
+    def close(self) -> None:  # noqa: B027 - optional
+        """Release connections."""
+
+    def __enter__(self) -> Sink:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def empty_batch(view: ViewSpec) -> pa.Table:
+    return view.arrow_schema().empty_table()
+
+
+def batch_from_rows(view: ViewSpec, rows: Sequence[Mapping[str, Any]]) -> pa.Table:
+    """Build a write batch from dicts (tests and small writes): missing columns are NULL,
+    ``_kf_deleted`` defaults to False."""
+    schema = view.arrow_schema()
+    cols: dict[str, list[Any]] = {f.name: [] for f in schema}
+    for r in rows:
+        if VERSION not in r:
+            raise ConfigError(f"batch row for view {view.name!r}: '{VERSION}' is required, got {dict(r)!r}")
+        for f in schema:
+            v = r.get(f.name)
+            if f.name == DELETED and v is None:
+                v = False
+            cols[f.name].append(v)
+    return pa.Table.from_pydict(cols, schema=schema)
+
+
+__all__ = [
+    "DELETED",
+    "VERSION",
+    "Positions",
+    "Sink",
+    "SinkConfig",
+    "Target",
+    "TopicPartition",
+    "ViewColumn",
+    "ViewSchemaMismatch",
+    "ViewSpec",
+    "WriteResult",
+    "batch_from_rows",
+    "empty_batch",
+]
