@@ -577,6 +577,7 @@ class MySQLConnector(Connector):
                                offsets=offsets, threaded=self.threaded_writer, fault=self.fault)
         for db, t in tables:
             engine.writer.ensure_topic(tracker.topic(db, t))
+            engine.refresh_hints(db, t)  # what the binlog cannot tell (MariaDB JSON columns)
         self.engine = engine
         try:
             if offset.phase == "snapshot":

@@ -91,6 +91,7 @@ UTC = _dt.UTC
 _EPOCH_NAIVE = _dt.datetime(1970, 1, 1)
 _EPOCH_UTC = _dt.datetime(1970, 1, 1, tzinfo=UTC)
 _EPOCH_DATE = _dt.date(1970, 1, 1)
+_US = _dt.timedelta(microseconds=1)
 
 # binlog column type codes (mysql-replication's FIELD_TYPE)
 _T_TINY, _T_SHORT, _T_LONG, _T_FLOAT, _T_DOUBLE = 1, 2, 3, 4, 5
@@ -366,6 +367,21 @@ def _year(v: int) -> int:
     return 0 if v == 1900 else v
 
 
+def _time_neg_fraction(v: _dt.timedelta) -> _dt.timedelta:
+    """Fix mysql-replication's negative TIME(fsp) with a fraction: it returns -(I + 1 - f) for -(I + f).
+
+    (Checked against SELECT for fsp 1..6, e.g. -01:00:00.25 comes back as -3600.75 s.)
+    """
+    us = v // _US
+    if us >= 0:
+        return v
+    mag = -us
+    frac = mag % 1_000_000
+    if not frac:
+        return v
+    return _dt.timedelta(microseconds=-(mag - frac + 1_000_000 - frac))
+
+
 def _bit1_str(v: str) -> bool:
     return v == "1"
 
@@ -392,6 +408,8 @@ def binlog_converters(specs: Iterable[ColumnSpec]) -> tuple[tuple[str, Converter
             conv = _utc_or_zero if s.nullable else _utc
         elif k == "year":
             conv = _year
+        elif k == "time" and s.fsp:
+            conv = _time_neg_fraction
         elif k == "bit":
             conv = _bit1_str if s.bits == 1 else _bits_from_str(((s.bits or 1) + 7) // 8)
         elif k == "set":
@@ -468,7 +486,6 @@ def snapshot_converters(specs: Iterable[ColumnSpec]) -> tuple[tuple[str, Convert
 
 
 # -- binlog value -> JSON form in one step (the streaming hot path) ------------------------------
-_US = _dt.timedelta(microseconds=1)
 
 
 def _js_datetime(v: _dt.datetime) -> int:
