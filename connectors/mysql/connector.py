@@ -514,7 +514,9 @@ class MySQLConnector(Connector):
                    decimal_mode=cfg.decimal_mode, **options)
 
     # -- setup -------------------------------------------------------------------------
-    def _resolve_tables(self, conn: Any) -> list[tuple[str, str]]:
+    def _resolve_tables(self, conn: Any, strict: bool = True) -> list[tuple[str, str]]:
+        """The configured tables as (db, table); ``strict``: each must exist (first start only:
+        later a table may have been dropped, and streaming must still pass its DROP)."""
         names = self.table_names
         with conn.cursor() as cur:
             if not names:
@@ -533,7 +535,7 @@ class MySQLConnector(Connector):
                     db, table = self.args.database, t
                 cur.execute("SELECT 1 FROM information_schema.TABLES WHERE TABLE_SCHEMA=%s AND TABLE_NAME=%s",
                             (db, table))
-                if cur.fetchone() is None:
+                if cur.fetchone() is None and strict:
                     raise ConfigError(f"sources.{self.name}.tables: table {db}.{table} does not exist on "
                                       f"{self.args.where()} (or the user cannot see it)")
                 out.append((db, table))
@@ -543,15 +545,15 @@ class MySQLConnector(Connector):
         stop = stop or StopSignal()
         summary = self.summary
         started = time.monotonic()
+        offsets = OffsetStore(self.log)
+        stored = offsets.load(self.name)
         conn = connect(self.args, what="connect", autocommit=True)
         try:
             server = check_server(conn, self.args.where())
-            tables = self._resolve_tables(conn)
+            tables = self._resolve_tables(conn, strict=stored is None)
         finally:
             conn.close()
         tracker = SchemaTracker(self.name, tables, self.key_columns)
-        offsets = OffsetStore(self.log)
-        stored = offsets.load(self.name)
         offset = MySQLOffset.from_dict(stored) if stored is not None else None
         if offset is not None and offset.flavor != server.flavor:
             raise SourceError(f"source {self.name!r}: the stored offset is for a {offset.flavor} server, this is "

@@ -50,7 +50,7 @@ class ConnectArgs:
 
     def replication_settings(self) -> dict[str, Any]:
         """Connection settings for mysql-replication's BinLogStreamReader."""
-        d: dict[str, Any] = {"host": self.host, "port": self.port, "user": self.user, "passwd": self.password,
+        d: dict[str, Any] = {"host": self.host, "port": self.port, "user": self.user, "password": self.password,
                              "charset": "utf8mb4", "connect_timeout": 10}
         if self.unix_socket:
             d["unix_socket"] = self.unix_socket

@@ -1,0 +1,99 @@
+"""Bad configuration and bad servers give clear, terminal errors naming the problem and the fix."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from kappaflow.errors import ConfigError, SourceError
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(scope="module")
+def statement_server() -> Iterator[Any]:
+    """A second tiny MariaDB whose binlog is statement-based (and row image MINIMAL)."""
+    from kappaflow.testing.servers.mariadb import PrivateMariaDB
+
+    server = PrivateMariaDB(binlog_format="STATEMENT", row_image="MINIMAL").start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+def test_statement_binlog_is_refused(statement_server: Any, embedded_log: Any, mh: Any) -> None:
+    statement_server.execute("CREATE DATABASE d", "CREATE TABLE d.t (id INT PRIMARY KEY)")
+    conn = mh.connector(statement_server, "d", embedded_log, ["d.t"])
+    with pytest.raises(SourceError) as err:
+        conn.run(until_caught_up=True)
+    msg = str(err.value)
+    assert "binlog_format is 'STATEMENT', expected 'ROW'" in msg
+    assert "binlog_row_image is 'MINIMAL', expected 'FULL'" in msg
+    assert not err.value.transient
+    assert embedded_log.list_topics().get("src.d.t") is None  # nothing was created
+
+
+def test_user_without_replication_privileges(mariadb_server: Any, mariadb_db: str, embedded_log: Any,
+                                             mh: Any) -> None:
+    db = mariadb_db
+    user = f"ro_{db[-6:]}"
+    mariadb_server.execute("CREATE TABLE t (id INT PRIMARY KEY)", f"CREATE USER '{user}'@'%' IDENTIFIED BY 'pw'",
+                           f"GRANT SELECT ON `{db}`.* TO '{user}'@'%'", db=db)
+    try:
+        from kappaflow.connectors.mysql.connector import MySQLConnector
+
+        conn = MySQLConnector(name="src", log=embedded_log, dsn=mh.dsn(mariadb_server, db, user), password="pw",
+                              tables=[f"{db}.t"])
+        with pytest.raises(SourceError) as err:
+            conn.run(until_caught_up=True)
+        msg = str(err.value)
+        assert "missing privilege(s) REPLICATION SLAVE, REPLICATION CLIENT" in msg
+        assert f"GRANT REPLICATION SLAVE, REPLICATION CLIENT ON *.* TO '{user}'" in msg
+        assert "pw" not in msg
+        # with the grants it works
+        mariadb_server.execute(f"GRANT REPLICATION SLAVE, REPLICATION CLIENT ON *.* TO '{user}'@'%'")
+        summary = conn.run(until_caught_up=True)
+        assert summary.phase == "stopped"
+    finally:
+        mariadb_server.execute(f"DROP USER IF EXISTS '{user}'@'%'")
+
+
+def test_wrong_password_is_terminal_and_secret_free(mariadb_server: Any, mariadb_db: str, embedded_log: Any,
+                                                    mh: Any) -> None:
+    from kappaflow.connectors.mysql.connector import MySQLConnector
+
+    conn = MySQLConnector(name="src", log=embedded_log, dsn=mh.dsn(mariadb_server, mariadb_db),
+                          password="s3cret-Value", tables=[f"{mariadb_db}.t"])
+    with pytest.raises(SourceError) as err:
+        conn.run(until_caught_up=True)
+    assert "authentication failed for root@" in str(err.value) and "s3cret" not in str(err.value)
+    assert not err.value.transient
+
+
+def test_unreachable_server_is_transient(embedded_log: Any) -> None:
+    from kappaflow.connectors.mysql.connector import MySQLConnector
+    from kappaflow.testing.servers._process import free_port
+
+    conn = MySQLConnector(name="src", log=embedded_log, dsn=f"mysql://root@127.0.0.1:{free_port()}/d", tables=["d.t"])
+    with pytest.raises(SourceError) as err:
+        conn.run(until_caught_up=True)
+    assert err.value.transient and "cannot reach" in str(err.value)
+
+
+def test_missing_table_and_missing_key(mariadb_server: Any, mariadb_db: str, embedded_log: Any, mh: Any) -> None:
+    db = mariadb_db
+    with pytest.raises(ConfigError, match=rf"table {db}.nope does not exist"):
+        mh.connector(mariadb_server, db, embedded_log, [f"{db}.nope"]).run(until_caught_up=True)
+    mariadb_server.execute("CREATE TABLE k (a INT, b INT)", "INSERT INTO k VALUES (1, 2)", db=db)
+    with pytest.raises(SourceError, match="has no primary key"):
+        mh.connector(mariadb_server, db, embedded_log, [f"{db}.k"]).run(until_caught_up=True)
+    with pytest.raises(SourceError, match=r"key_columns\[.*\]: column\(s\) \['zz'\] not in the table"):
+        mh.connector(mariadb_server, db, embedded_log, [f"{db}.k"], key_columns={f"{db}.k": ["zz"]},
+                     name="src2").run(until_caught_up=True)
+    # with key_columns a keyless table is captured
+    s = mh.connector(mariadb_server, db, embedded_log, [f"{db}.k"], key_columns={f"{db}.k": ["a"]},
+                     name="src3").run(until_caught_up=True)
+    assert s.snapshot_rows == 1
