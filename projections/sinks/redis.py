@@ -292,7 +292,8 @@ class RedisSink(Sink):
         else:
             self._url = None
             self.client = url_or_client
-        self.options = options if isinstance(options, RedisSinkOptions) else RedisSinkOptions(**(options or {}))
+        self.options = (options if isinstance(options, RedisSinkOptions)
+                        else _parse_options(options or {}, "redis sink options"))
         if not _PREFIX_RE.match(self.options.prefix):
             raise ConfigError(f"redis sink option 'prefix': expected letters, digits, '_', '.', '-', got "
                               f"{self.options.prefix!r}")
@@ -323,10 +324,7 @@ class RedisSink(Sink):
             return self.options
         if not isinstance(extra, Mapping):
             raise ConfigError(f"view {view.name!r}: options['redis']: expected a table of Redis sink options")
-        try:
-            return RedisSinkOptions(**{**self.options.model_dump(), **extra})
-        except Exception as exc:  # pydantic names the field
-            raise ConfigError(f"view {view.name!r}: options['redis']: {exc}") from None
+        return _parse_options({**self.options.model_dump(), **extra}, f"view {view.name!r}: options['redis']")
 
     def base(self, view: ViewSpec) -> str:
         if not _NAME_RE.match(view.name):
@@ -900,3 +898,15 @@ def get_many(client: Any, view: str, keys: Sequence[Any], *, prefix: str = "kf")
     if not keys:
         return []
     return [_plain(e) for e in _read(client, f"{prefix}:{view}", keys)]
+
+
+def _parse_options(data: Mapping[str, Any], where: str) -> RedisSinkOptions:
+    """Options from a mapping; a bad value is a ConfigError naming the field and what was given."""
+    import pydantic
+
+    from kappaflow.config import format_validation_error
+
+    try:
+        return RedisSinkOptions(**data)
+    except pydantic.ValidationError as exc:
+        raise ConfigError(format_validation_error(exc, where)) from None

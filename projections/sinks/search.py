@@ -584,7 +584,8 @@ class SearchSink(Sink):
             self._url = None
             self.client = wrap_client(url_or_client)
         self.flavor: Flavor = self.client.flavor
-        self.options = options if isinstance(options, SearchSinkOptions) else SearchSinkOptions(**(options or {}))
+        self.options = (options if isinstance(options, SearchSinkOptions)
+                        else _parse_options(options or {}, "search sink options"))
         self._client_options = dict(client_options or {})
         self._sleep: Callable[[float], None] = time.sleep
         self._positions_ready = False
@@ -614,10 +615,7 @@ class SearchSink(Sink):
             return self.options
         if not isinstance(extra, Mapping):
             raise ConfigError(f"view {view.name!r}: options['search']: expected a table of search sink options")
-        try:
-            return SearchSinkOptions(**{**self.options.model_dump(), **extra})
-        except Exception as exc:  # pydantic names the field
-            raise ConfigError(f"view {view.name!r}: options['search']: {exc}") from None
+        return _parse_options({**self.options.model_dump(), **extra}, f"view {view.name!r}: options['search']")
 
     def alias(self, view: ViewSpec) -> str:
         name = self.view_options(view).index or view.name.lower()
@@ -770,6 +768,8 @@ class SearchSink(Sink):
         """Create the alias and a first index if missing; else check the live index fits the view."""
         alias = self.alias(view)
         mapping = self.mapping(view)  # validates overrides before touching the server
+        self._positions_ready = False  # check it again: the server may have lost it
+        self._drop_strays(view)
         index = self._live_index(view)
         if index is None:
             if self._call("check index", lambda: self.client.index_exists(alias)):
@@ -806,9 +806,20 @@ class SearchSink(Sink):
                 f"{view.projection!r}: " + "; ".join(problems)
                 + ". Rebuild it with `kappaflow replay` (a new index is built and the alias swapped).")
 
+    def _drop_strays(self, view: ViewSpec) -> None:
+        """Delete indexes named like a write alias: a bulk delete sent after the server lost the build
+        auto-creates one (deletes cannot carry require_alias). They hold nothing of value."""
+        pattern = f"{self._index_prefix(view)}*"
+        for index in self._call("list indexes", lambda: self.client.get_alias(index=pattern)):
+            if index.endswith("__w"):
+                log.warning("search sink: deleting stray index %s (auto-created by a write after data loss)", index)
+                self._call("delete stray index", lambda i=index: self.client.delete_index(i))  # type: ignore[misc]
+
     def begin_shadow(self, view: ViewSpec, label: str = "shadow") -> Target:
         if not _LABEL_RE.match(label):
             raise ConfigError(f"search sink: shadow label {label!r}: expected 1-20 lowercase letters or digits")
+        self._positions_ready = False
+        self._drop_strays(view)
         live = self._live_index(view)
         for index in self._indexes(view, label):
             if index != live:
@@ -867,7 +878,13 @@ class SearchSink(Sink):
         view = target.view
         check_batch(view, batch, "search sink")
         opts = self.view_options(view)
-        dest = self._write_alias(target.name) if target.shadow else self.alias(view)
+        index = self.physical_index(target)
+        if index is None:
+            raise SinkStateLostError(f"search sink: view {view.name!r} has no live index (lost, or ensure() was "
+                                     f"never called); re-read positions and replay")
+        # Always the build's private write alias, never the public name: bulk deletes cannot carry
+        # require_alias, and a delete into a missing index auto-creates it on the server.
+        dest = self._write_alias(index)
         result = WriteResult()
         bulks = self._encode(iter_changes(view, batch), dest, opts, result)
         if opts.concurrency > 1:
@@ -983,6 +1000,7 @@ class SearchSink(Sink):
                         reason = f"{reason} (caused by {cause.get('type')}: {cause.get('reason')})"
                     result.rejected.append((ch[0], f"HTTP {status} {kind}: {reason} (version {ch[3]})"))
             if lost:
+                self._positions_ready = False
                 raise SinkStateLostError(
                     f"search sink: {target.name!r} is gone from the server (its index or alias is missing: the "
                     f"server lost its data?); re-read positions and replay")
@@ -1073,3 +1091,15 @@ def _merge(into: WriteResult, part: WriteResult) -> None:
     into.deleted += part.deleted
     into.skipped += part.skipped
     into.rejected.extend(part.rejected)
+
+
+def _parse_options(data: Mapping[str, Any], where: str) -> SearchSinkOptions:
+    """Options from a mapping; a bad value is a ConfigError naming the field and what was given."""
+    import pydantic
+
+    from kappaflow.config import format_validation_error
+
+    try:
+        return SearchSinkOptions(**data)
+    except pydantic.ValidationError as exc:
+        raise ConfigError(format_validation_error(exc, where)) from None
