@@ -1,0 +1,734 @@
+"""The Kafka log backend (kafka-python): the same contract as the embedded log, on a Kafka cluster.
+
+How each part of the contract maps onto Kafka:
+
+* **append**: one idempotent producer (`enable_idempotence`, `acks=all`), partition chosen
+  by kappaflow's `partition_for` (murmur2, like Java clients) and passed explicitly. The
+  call returns after `flush()` and after every record's future resolved, so each returned
+  (partition, offset) is acknowledged by all in-sync replicas. Size and key rules are
+  checked for the whole batch before anything is sent (a rejected append writes nothing).
+  Kafka has no cross-batch atomicity without transactions: if the broker fails *during*
+  an append, some records may be durable and the error says how many.
+* **read**: one reused consumer (no group) assigned to the partition being read and moved
+  with `seek()` only when the caller jumps; sequential reads reuse its prefetched data.
+* **end_offset**: ListOffsets(latest) is not trusted alone. Some brokers (tansu, the test
+  broker) answer it with the base offset of the last batch + 1, which would hide the tail.
+  The answer is max(ListOffsets, the high watermark of a fetch at that offset); any high
+  watermark >= the ListOffsets answer is provably current (see `_end_offsets`). On a
+  correct broker the fetch is skipped when the known high watermark already covers it.
+* **commit / committed**: OffsetCommit / OffsetFetch to the group coordinator through the
+  admin client, without joining the group (like Java's `AdminClient.alterConsumerGroupOffsets`).
+  Kafka rejects commits for a group that has active members; that is reported.
+* **compact**: Kafka's log cleaner compacts on its own schedule (`min.cleanable.dirty.ratio`,
+  `segment.ms`); there is no on-demand call. `compact()` is a no-op returning empty stats and
+  `supports_on_demand_compaction` is False so callers (and the contract suite) can tell.
+* **topic configs**: `cleanup.policy`, `delete.retention.ms` and `max.message.bytes` are set
+  at creation and read back with DescribeConfigs. `TopicConfig.max_record_bytes` limits one
+  record's payload (key + value + header keys and values), the same rule as the embedded
+  log, while Kafka's `max.message.bytes` limits a record *batch*. The topic therefore gets
+  `max.message.bytes = max_record_bytes + 97` (the v2 framing of a batch holding one record:
+  61-byte batch header, at most 21 bytes of record fields, 3 varints of at most 5 bytes) and
+  reading the config back subtracts it again. Every record is checked before anything is
+  sent, by the payload rule and (with headers) by Kafka's exact batch size, so an append
+  the broker would reject for size writes nothing.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from operator import attrgetter
+from typing import Any, ClassVar
+
+from kafka import KafkaAdminClient, KafkaConsumer, KafkaProducer, TopicPartition
+from kafka import errors as kerr
+from kafka.admin import ConfigResource, ConfigResourceType
+from kafka.record.default_records import DefaultRecordBatchBuilder
+from kafka.structs import OffsetAndMetadata
+
+from kappaflow.errors import (
+    ConfigError,
+    LogError,
+    LogUnavailableError,
+    RecordTooLargeError,
+    UnknownTopicError,
+    ValidationError,
+)
+from kappaflow.log.base import (
+    Appended,
+    CleanupPolicy,
+    CompactionStats,
+    Log,
+    LogRecord,
+    Record,
+    TopicConfig,
+)
+from kappaflow.log.base import (
+    TopicPartition as TP,
+)
+from kappaflow.log.kafka_clients import (
+    connect,
+    is_too_large,
+    is_unknown_topic,
+    map_error,
+    parse_bootstrap,
+    split_options,
+)
+from kappaflow.log.partitioner import partition_for
+
+__all__ = ["KafkaLog"]
+
+_TOPIC_NAME = re.compile(r"[a-zA-Z0-9._-]{1,249}")
+# Upper bound of the v2 framing of a batch holding one record without headers: the 61-byte
+# batch header, at most 21 bytes of record fields, and the key length, value length and
+# header count varints (at most 5 bytes each). max.message.bytes = max_record_bytes + this.
+BATCH_FRAMING = DefaultRecordBatchBuilder.HEADER_STRUCT.size + DefaultRecordBatchBuilder.MAX_RECORD_OVERHEAD + 15
+_exact_batch_size = DefaultRecordBatchBuilder.estimate_size_in_bytes
+_key_of = attrgetter("key")
+_value_of = attrgetter("value")
+_headers_of = attrgetter("headers")
+
+
+def _validate_topic_name(name: object) -> str:
+    """Kafka's rules (legal characters, length), the same as the embedded backend's."""
+    if not isinstance(name, str) or not _TOPIC_NAME.fullmatch(name) or name in {".", ".."}:
+        raise ConfigError(
+            f"topic name: expected 1-249 characters of [a-zA-Z0-9._-] (not '.' or '..'), got {name!r}"
+        )
+    return name
+
+
+def _positive(name: str, value: object, *, minimum: float = 0, integer: bool = False) -> Any:
+    ok_type = (type(value) is int) if integer else isinstance(value, int | float) and not isinstance(value, bool)
+    if not ok_type or value < minimum:  # type: ignore[operator]
+        kind = "an integer" if integer else "a number"
+        raise ConfigError(f"kafka log {name!r}: expected {kind} >= {minimum}, got {value!r}")
+    return value
+
+
+class KafkaLog(Log):
+    """The log on a Kafka cluster: `KafkaLog("host:9092")` or `open_log("kafka://host:9092")`.
+
+    Options:
+      linger_ms, batch_bytes, compression: producer batching (defaults favour throughput:
+        20 ms, 512 KiB, none).
+      replication_factor: for new topics; -1 = the broker's default.
+      request_timeout_s: bound on every broker round trip and on waiting for acks.
+      connect_attempts, connect_backoff_s, connect_timeout_s: a broker that is down is
+        reported as LogUnavailableError after `connect_attempts` tries of
+        `connect_timeout_s` each, sleeping `connect_backoff_s` (doubling) in between.
+      client_options: extra kafka-python options (SASL/SSL, client_rack, ...), routed to
+        the producer, consumers and admin client that accept each one.
+    """
+
+    supports_on_demand_compaction: ClassVar[bool] = False
+
+    def __init__(
+        self,
+        bootstrap: str,
+        *,
+        client_id: str = "kappaflow",
+        linger_ms: int = 20,
+        batch_bytes: int = 512 * 1024,
+        compression: str | None = None,
+        replication_factor: int = -1,
+        request_timeout_s: float = 30.0,
+        connect_attempts: int = 3,
+        connect_backoff_s: float = 0.25,
+        connect_timeout_s: float = 1.0,
+        client_options: Mapping[str, Any] | None = None,
+    ) -> None:
+        self._bootstrap = parse_bootstrap(bootstrap)
+        if not isinstance(client_id, str) or not client_id:
+            raise ConfigError(f"kafka log 'client_id': expected a non-empty string, got {client_id!r}")
+        self._client_id = client_id
+        self._linger_ms = _positive("linger_ms", linger_ms, integer=True)
+        self._batch_bytes = _positive("batch_bytes", batch_bytes, minimum=1024, integer=True)
+        if compression not in (None, "gzip", "snappy", "lz4", "zstd"):
+            raise ConfigError(
+                f"kafka log 'compression': expected None, 'gzip', 'snappy', 'lz4' or 'zstd', got {compression!r}"
+            )
+        self._compression = compression
+        if type(replication_factor) is not int or not (replication_factor == -1 or replication_factor >= 1):
+            raise ConfigError(
+                f"kafka log 'replication_factor': expected -1 (broker default) or an integer >= 1, "
+                f"got {replication_factor!r}"
+            )
+        self._replication_factor = replication_factor
+        self._timeout_s = float(_positive("request_timeout_s", request_timeout_s, minimum=0.1))
+        self._connect_attempts = _positive("connect_attempts", connect_attempts, minimum=1, integer=True)
+        self._connect_backoff_s = float(_positive("connect_backoff_s", connect_backoff_s))
+        self._connect_timeout_s = float(_positive("connect_timeout_s", connect_timeout_s, minimum=0.1))
+        self._options = split_options(
+            client_options, {"producer": KafkaProducer, "consumer": KafkaConsumer, "admin": KafkaAdminClient}
+        )
+        self._lock = threading.Lock()  # client creation, topic cache
+        self._read_lock = threading.Lock()
+        self._probe_lock = threading.Lock()
+        self._admin: KafkaAdminClient | None = None
+        self._producer: KafkaProducer | None = None
+        self._reader: KafkaConsumer | None = None
+        self._probe: KafkaConsumer | None = None
+        self._topics: dict[str, TopicConfig] = {}
+        # Highest high watermark seen per partition, from any fetch (see _end_offsets).
+        self._highwater: dict[TopicPartition, int] = {}
+        self._reader_tp: TopicPartition | None = None
+        self._reader_next = -1  # the reader's position when it is known to be valid, else -1
+        self._closed = False
+
+    def __repr__(self) -> str:
+        return f"KafkaLog({self._bootstrap!r})"
+
+    @property
+    def bootstrap(self) -> str:
+        return self._bootstrap
+
+    # --- clients --------------------------------------------------------------------------
+    def _common(self, role: str) -> dict[str, Any]:
+        return {
+            "bootstrap_servers": self._bootstrap.split(","),
+            "client_id": f"{self._client_id}-{role}",
+            "request_timeout_ms": int(self._timeout_s * 1000),
+            "bootstrap_timeout_ms": int(self._connect_timeout_s * 1000),
+            "reconnect_backoff_max_ms": 1000,
+        }
+
+    def _connect(self, what: str, make: Any) -> Any:
+        if self._closed:
+            raise LogError(f"{self!r} is closed")
+        return connect(make, bootstrap=self._bootstrap, what=what,
+                       attempts=self._connect_attempts, backoff_s=self._connect_backoff_s)
+
+    def _admin_client(self) -> KafkaAdminClient:
+        admin = self._admin
+        if admin is None:
+            with self._lock:
+                if self._admin is None:
+                    opts = {**self._common("admin"), **self._options["admin"]}
+                    self._admin = self._connect("connecting the admin client", lambda: KafkaAdminClient(**opts))
+                admin = self._admin
+        return admin
+
+    def _producer_client(self) -> KafkaProducer:
+        producer = self._producer
+        if producer is None:
+            with self._lock:
+                if self._producer is None:
+                    opts = {
+                        **self._common("producer"),
+                        "enable_idempotence": True,
+                        "acks": "all",
+                        "linger_ms": self._linger_ms,
+                        "batch_size": self._batch_bytes,
+                        "compression_type": self._compression,
+                        "max_request_size": max(8 * 1024 * 1024, 2 * self._batch_bytes),
+                        "allow_auto_create_topics": False,
+                        "max_block_ms": int(self._timeout_s * 1000),
+                        "delivery_timeout_ms": int(self._timeout_s * 1000) + self._linger_ms,
+                        **self._options["producer"],
+                    }
+                    self._producer = self._connect("connecting the producer", lambda: KafkaProducer(**opts))
+                producer = self._producer
+        return producer
+
+    def _consumer(self, role: str, **overrides: Any) -> KafkaConsumer:
+        opts = {
+            **self._common(role),
+            "group_id": None,
+            "enable_auto_commit": False,
+            "auto_offset_reset": "none",
+            "allow_auto_create_topics": False,
+            **overrides,
+            **self._options["consumer"],
+        }
+        consumer: KafkaConsumer = self._connect(f"connecting the {role} consumer", lambda: KafkaConsumer(**opts))
+        return consumer
+
+    def _reader_client(self) -> KafkaConsumer:
+        if self._reader is None:
+            self._reader = self._consumer(
+                "reader", fetch_max_wait_ms=50, max_partition_fetch_bytes=8 * 1024 * 1024, max_poll_records=10_000
+            )
+        return self._reader
+
+    def _probe_client(self) -> KafkaConsumer:
+        # Only reads high watermarks: one tiny fetch per partition, no CRC work, 1 ms broker wait
+        # (0 makes tansu answer with no partitions at all).
+        if self._probe is None:
+            self._probe = self._consumer(
+                "probe", fetch_max_wait_ms=1, max_partition_fetch_bytes=1, fetch_max_bytes=1, check_crcs=False
+            )
+        return self._probe
+
+    def _fail(self, exc: BaseException, what: str, topic: str | None = None) -> LogError:
+        if topic is not None and is_unknown_topic(exc):
+            with self._lock:
+                self._topics.pop(topic, None)
+        return map_error(exc, bootstrap=self._bootstrap, what=what, topic=topic)
+
+    # --- topics ---------------------------------------------------------------------------
+    def _describe(self, names: list[str] | None) -> dict[str, TopicConfig]:
+        """Configs of existing topics among `names` (all user topics for None), from the broker."""
+        admin = self._admin_client()
+        try:
+            metadata = admin.describe_topics(names)
+            found = {
+                t["name"]: len(t["partitions"])
+                for t in metadata
+                if t.get("error_code", 0) == 0 and not t.get("is_internal") and not t["name"].startswith("__")
+                and t["partitions"]
+            }
+            described: dict[str, Any] = {}
+            if found:
+                # config_filter "all": brokers (tansu) may report explicitly set values as defaults.
+                resources = [ConfigResource(ConfigResourceType.TOPIC, name) for name in found]
+                described = admin.describe_configs(resources, config_filter="all").get("topic", {})
+        except kerr.KafkaError as exc:
+            raise self._fail(exc, "describing topics") from None
+        return {name: self._config_of(name, parts, described.get(name, {})) for name, parts in sorted(found.items())}
+
+    @staticmethod
+    def _config_of(name: str, partitions: int, entries: Mapping[str, Any]) -> TopicConfig:
+        def value(key: str) -> str | None:
+            entry = entries.get(key)
+            return None if entry is None else entry.get("value")
+
+        defaults = TopicConfig()
+        policy_raw = value("cleanup.policy")
+        # Kafka allows "compact,delete" (compaction plus retention): compaction is what matters here.
+        policy = CleanupPolicy.COMPACT if policy_raw and "compact" in policy_raw else CleanupPolicy.DELETE
+        numbers = {}
+        for key, default in (("delete.retention.ms", defaults.delete_retention_ms),
+                             ("max.message.bytes", defaults.max_record_bytes + BATCH_FRAMING)):
+            raw = value(key)
+            try:
+                numbers[key] = default if raw is None else int(raw)
+            except ValueError:
+                raise ValidationError(
+                    f"topic {name!r} config {key!r}: the broker reported {raw!r}, expected an integer"
+                ) from None
+        return TopicConfig(partitions=partitions, cleanup_policy=policy,
+                           delete_retention_ms=numbers["delete.retention.ms"],
+                           max_record_bytes=max(1, numbers["max.message.bytes"] - BATCH_FRAMING))
+
+    def _topic(self, name: str) -> TopicConfig:
+        """The topic's config, cached for the life of this object (topic configs are fixed)."""
+        config = self._topics.get(name)
+        if config is None:
+            _validate_topic_name(name)
+            config = self._describe([name]).get(name)
+            if config is None:
+                raise UnknownTopicError(name)
+            with self._lock:
+                self._topics[name] = config
+        return config
+
+    def create_topic(self, name: str, config: TopicConfig | None = None, *, exist_ok: bool = True) -> TopicConfig:
+        _validate_topic_name(name)
+        if config is not None and not isinstance(config, TopicConfig):
+            raise ConfigError(f"topic {name!r} config: expected a TopicConfig, got {type(config).__name__}")
+        existing = self._describe([name]).get(name)
+        if existing is None:
+            wanted = config or TopicConfig()
+            spec = {
+                "num_partitions": wanted.partitions,
+                "replication_factor": self._replication_factor,
+                "configs": {
+                    "cleanup.policy": wanted.cleanup_policy.value,
+                    "delete.retention.ms": str(wanted.delete_retention_ms),
+                    "max.message.bytes": str(wanted.max_record_bytes + BATCH_FRAMING),
+                },
+            }
+            admin = self._admin_client()
+            try:
+                admin.create_topics({name: spec}, timeout_ms=int(self._timeout_s * 1000))
+                admin.wait_for_topics([name], timeout_ms=int(self._timeout_s * 1000))
+            except kerr.TopicAlreadyExistsError:
+                existing = self._describe([name]).get(name)  # created concurrently: compare below
+                if existing is None:
+                    raise LogError(f"topic {name!r}: the broker says it exists but does not describe it "
+                                   "(being deleted?); retry", retry=None) from None
+            except (kerr.InvalidReplicationFactorError, kerr.InvalidConfigurationError,
+                    kerr.PolicyViolationError, kerr.InvalidPartitionsError, kerr.InvalidTopicError) as exc:
+                raise ConfigError(f"topic {name!r}: the broker rejected the topic config {wanted} "
+                                  f"(replication_factor={self._replication_factor}): {exc}") from None
+            except kerr.KafkaError as exc:
+                raise self._fail(exc, f"creating topic {name!r}") from None
+            else:
+                with self._lock:
+                    self._topics[name] = wanted
+                return wanted
+        if not exist_ok:
+            raise ConfigError(f"topic {name!r} already exists")
+        if config is not None and config != existing:
+            raise ConfigError(
+                f"topic {name!r} already exists with a different config: existing {existing}, requested {config}"
+            )
+        with self._lock:
+            self._topics[name] = existing
+        return existing
+
+    def delete_topic(self, name: str) -> None:
+        _validate_topic_name(name)
+        admin = self._admin_client()
+        try:
+            admin.delete_topics([name], timeout_ms=int(self._timeout_s * 1000))
+        except kerr.KafkaError as exc:
+            raise self._fail(exc, f"deleting topic {name!r}", topic=name) from None
+        with self._lock:
+            self._topics.pop(name, None)
+            for tp in [tp for tp in self._highwater if tp.topic == name]:
+                del self._highwater[tp]
+        # Stop our consumers from tracking the deleted topic (metadata errors otherwise).
+        with self._read_lock:
+            if self._reader_tp is not None and self._reader_tp.topic == name and self._reader is not None:
+                self._reader.unsubscribe()
+                self._reader_tp = None
+                self._reader_next = -1
+        with self._probe_lock:
+            if self._probe is not None and any(tp.topic == name for tp in self._probe.assignment()):
+                self._probe.unsubscribe()
+        # Deletion is asynchronous on Kafka: wait (bounded) until metadata no longer shows it.
+        deadline = time.monotonic() + self._timeout_s
+        while name in self._describe([name]):
+            if time.monotonic() > deadline:
+                raise LogUnavailableError(f"topic {name!r} still listed {self._timeout_s:.0f}s after deletion")
+            time.sleep(0.05)
+
+    def list_topics(self) -> dict[str, TopicConfig]:
+        topics = self._describe(None)
+        with self._lock:
+            self._topics.update(topics)
+        return topics
+
+    def topic_config(self, name: str) -> TopicConfig:
+        return self._topic(name)
+
+    def partitions(self, topic: str) -> int:
+        return self._topic(topic).partitions
+
+    # --- write ----------------------------------------------------------------------------
+    def append(self, topic: str, records: Sequence[Record], *, partition: int | None = None) -> list[Appended]:
+        config = self._topic(topic)
+        n = len(records)
+        if n == 0:
+            return []
+        nparts = config.partitions
+        if not all(type(r) is Record for r in records):
+            for i, r in enumerate(records):
+                if not isinstance(r, Record):
+                    raise ValidationError(
+                        f"topic {topic!r} record {i}: expected a kappaflow.log.Record, got {type(r).__name__}")
+        keys = list(map(_key_of, records))
+        values = list(map(_value_of, records))
+        if config.compacted and None in keys:
+            i = keys.index(None)
+            raise ValidationError(
+                f"topic {topic!r} record {i}: a compacted topic needs a key on every record, got key None")
+        self._check_sizes(topic, config, records, keys, values)
+        if partition is not None and (type(partition) is not int or not 0 <= partition < nparts):
+            raise ValidationError(
+                f"topic {topic!r} partition: expected an integer in [0, {nparts}), got {partition!r}")
+
+        producer = self._producer_client()
+        send = producer.send
+        futures: list[Any] = []
+        add = futures.append
+        try:
+            for i, rec in enumerate(records):
+                key = keys[i]
+                value = values[i]
+                if key is None and value is None:
+                    raise ValidationError(
+                        f"topic {topic!r} record {i}: a record needs a key or a value (Kafka has no empty record)")
+                p = partition if partition is not None else (
+                    0 if nparts == 1 or key is None else partition_for(key, nparts))
+                headers = rec.headers
+                add(send(topic, value=value, key=key, headers=list(headers) if headers else None,
+                         partition=p, timestamp_ms=rec.timestamp_ms))
+        except (TypeError, ValueError) as exc:
+            producer.flush(self._timeout_s)
+            raise ValidationError(
+                f"topic {topic!r} record {len(futures)}: {exc}; {len(futures)} earlier records of this append "
+                "were sent") from None
+        except kerr.KafkaError as exc:
+            raise self._append_failure(topic, exc, len(futures), n) from None
+        try:
+            producer.flush(self._timeout_s)
+        except kerr.KafkaError as exc:
+            raise self._append_failure(topic, exc, 0, n) from None
+        out: list[Appended] = []
+        push = out.append
+        for i, f in enumerate(futures):
+            if not f.succeeded():
+                error = f.exception if f.is_done else kerr.KafkaTimeoutError("record not acknowledged in time")
+                ok = sum(map(bool, (g.succeeded() for g in futures)))
+                if is_too_large(error):
+                    raise RecordTooLargeError(
+                        f"topic {topic!r} record {i}: the broker rejected it as too large for max.message.bytes "
+                        f"({error}); {ok} of {n} records of this append were acknowledged") from None
+                raise self._append_failure(topic, error, ok, n) from None
+            md = f.value
+            push(Appended(md.partition, md.offset))
+        return out
+
+    def _check_sizes(self, topic: str, config: TopicConfig, records: Sequence[Record],
+                     keys: list[bytes | None], values: list[bytes | None]) -> None:
+        """Reject the whole append up front if one record is over the topic's size limit."""
+        limit = config.max_record_bytes
+        with_headers = any(map(_headers_of, records))
+        if (not with_headers and None not in keys and None not in values
+                and max(map(len, keys)) + max(map(len, values)) <= limit):  # type: ignore[arg-type]
+            return
+        for i, rec in enumerate(records):
+            k, v, headers = keys[i], values[i], rec.headers
+            payload = (len(k) if k else 0) + (len(v) if v else 0)
+            if headers:
+                payload += sum(len(hk.encode()) + len(hv) for hk, hv in headers)
+            if payload > limit:
+                raise RecordTooLargeError(
+                    f"topic {topic!r} record {i}: {payload} bytes (key + value + headers) is over the topic's "
+                    f"limit of {limit} bytes; nothing of this append was written"
+                )
+            if headers:
+                size = _exact_batch_size(k, v, list(headers))
+                if size > limit + BATCH_FRAMING:
+                    raise RecordTooLargeError(
+                        f"topic {topic!r} record {i}: with the framing of its {len(headers)} headers a batch "
+                        f"holding it is {size} bytes, over the topic's max.message.bytes of "
+                        f"{limit + BATCH_FRAMING}; nothing of this append was written"
+                    )
+
+    def _append_failure(self, topic: str, exc: BaseException, acknowledged: int, total: int) -> LogError:
+        err = self._fail(exc, f"appending to topic {topic!r} ({acknowledged} of {total} records acknowledged)",
+                         topic=topic)
+        if isinstance(err, LogUnavailableError) or not is_unknown_topic(exc):
+            # A timeout on a topic deleted meanwhile looks like an unreachable broker: tell them apart.
+            try:
+                if topic not in self._describe([topic]):
+                    with self._lock:
+                        self._topics.pop(topic, None)
+                    return UnknownTopicError(topic)
+            except LogError:
+                pass
+        return err
+
+    # --- read -----------------------------------------------------------------------------
+    def read(self, topic: str, partition: int, offset: int, max_records: int = 10_000) -> list[LogRecord]:
+        config = self._topic(topic)
+        if type(partition) is not int or not 0 <= partition < config.partitions:
+            raise ValidationError(
+                f"topic {topic!r} partition: expected an integer in [0, {config.partitions}), got {partition!r}")
+        if type(offset) is not int or offset < 0:
+            raise ValidationError(f"topic {topic!r} partition {partition} offset: expected an int >= 0, got {offset!r}")
+        if type(max_records) is not int or max_records < 1:
+            raise ValidationError(f"read max_records: expected an int >= 1, got {max_records!r}")
+        tp = TopicPartition(topic, partition)
+        with self._read_lock:
+            try:
+                return self._read_locked(tp, offset, max_records)
+            except kerr.KafkaError as exc:
+                self._reader_next = -1
+                raise self._fail(exc, f"reading topic {topic!r} partition {partition} at offset {offset}",
+                                 topic=topic) from None
+
+    def _read_locked(self, tp: TopicPartition, offset: int, max_records: int) -> list[LogRecord]:
+        consumer = self._reader_client()
+        if self._reader_tp != tp:
+            consumer.assign([tp])
+            self._reader_tp = tp
+            self._reader_next = -1
+        if self._reader_next != offset:
+            consumer.seek(tp, offset)
+            self._reader_next = offset
+        end: int | None = None
+        hw = consumer.highwater(tp)
+        if hw is None or hw <= offset:
+            # Possibly at the end: ask the broker now rather than waiting out a fetch.
+            end = self._end_offsets(tp.topic, [tp.partition])[tp.partition]
+            if offset >= end:
+                return []
+        deadline = time.monotonic() + self._timeout_s
+        while True:
+            try:
+                batch = consumer.poll(timeout_ms=100, max_records=max_records).get(tp)
+            except kerr.OffsetOutOfRangeError:
+                batch = None
+                end = self._end_offsets(tp.topic, [tp.partition])[tp.partition]
+                if offset >= end:
+                    self._reader_next = -1
+                    return []
+                start = self._start_offset(tp)
+                consumer.seek(tp, start)  # below the log start: the first record >= offset is there
+            if batch:
+                hw = consumer.highwater(tp)
+                if hw is not None and hw > self._highwater.get(tp, -1):
+                    self._highwater[tp] = hw
+                topic, partition = tp
+                out = [
+                    LogRecord(topic, partition, r.offset, r.key, r.value,
+                              tuple(r.headers) if r.headers else (), r.timestamp)
+                    for r in batch
+                ]
+                self._reader_next = out[-1].offset + 1
+                if out[0].offset < offset:
+                    out = [r for r in out if r.offset >= offset]
+                if out:
+                    return out
+                continue
+            position = consumer.position(tp)
+            if end is None:
+                end = self._end_offsets(tp.topic, [tp.partition])[tp.partition]
+            if position is not None and position >= end:
+                # Only non-data batches (transaction markers, compacted gaps) lay between offset and end.
+                self._reader_next = position
+                return []
+            if time.monotonic() > deadline:
+                raise LogUnavailableError(
+                    f"reading topic {tp.topic!r} partition {tp.partition} at offset {offset}: no records from "
+                    f"the broker at {self._bootstrap} within {self._timeout_s:.0f}s although its end is {end}"
+                )
+
+    def _start_offset(self, tp: TopicPartition) -> int:
+        with self._probe_lock:
+            probe = self._probe_client()
+            return int(probe.beginning_offsets([tp], timeout_ms=int(self._timeout_s * 1000))[tp])
+
+    def end_offset(self, topic: str, partition: int) -> int:
+        config = self._topic(topic)
+        if type(partition) is not int or not 0 <= partition < config.partitions:
+            raise ValidationError(
+                f"topic {topic!r} partition: expected an integer in [0, {config.partitions}), got {partition!r}")
+        return self._end_offsets(topic, [partition])[partition]
+
+    def end_offsets(self, topic: str) -> dict[int, int]:
+        return self._end_offsets(topic, list(range(self._topic(topic).partitions)))
+
+    def _end_offsets(self, topic: str, partitions: list[int]) -> dict[int, int]:
+        """End offsets that neither miss the tail nor trust a lagging ListOffsets answer.
+
+        1. `lo` = ListOffsets(latest) per partition. Correct on Kafka; on tansu it is the base
+           offset of the last batch + 1, i.e. it can point *inside* the last batch.
+        2. If the highest high watermark seen by any fetch of this object is >= lo, it is the end (a high
+           watermark h >= lo was observed when the batch holding offset lo-1 already
+           existed, so no batch was written between that fetch and step 1, and h is the end
+           as of step 1). Otherwise fetch at lo (a valid offset on both brokers) and wait
+           until such a high watermark arrives.
+        3. end = max(lo, that high watermark).
+        """
+        tps = [TopicPartition(topic, p) for p in partitions]
+        timeout_ms = int(self._timeout_s * 1000)
+        seen = self._highwater
+        with self._probe_lock:
+            try:
+                probe = self._probe_client()
+                lo = probe.end_offsets(tps, timeout_ms=timeout_ms)
+                ends: dict[int, int] = {}
+                pending = []
+                for tp in tps:
+                    hw = seen.get(tp)
+                    if hw is not None and hw >= lo[tp]:
+                        ends[tp.partition] = hw
+                    else:
+                        pending.append(tp)
+                if pending:
+                    # Only the partitions being probed are assigned: no pause/resume (kafka-python
+                    # 3.0 can strand parked data of a resumed partition and never fetch it again).
+                    if probe.assignment() != set(pending):
+                        probe.assign(pending)
+                    for tp in pending:
+                        probe.seek(tp, lo[tp])
+                    deadline = time.monotonic() + self._timeout_s
+                    while pending:
+                        probe.poll(timeout_ms=5, max_records=1)
+                        for tp in list(pending):
+                            hw = probe.highwater(tp)
+                            if hw is not None and hw >= lo[tp]:
+                                ends[tp.partition] = seen[tp] = max(hw, seen.get(tp, 0))
+                                pending.remove(tp)
+                                probe.seek(tp, hw)  # drop its buffered records; fetches here are now empty
+                        if pending and time.monotonic() > deadline:
+                            raise LogUnavailableError(
+                                f"end offset of topic {topic!r} partitions {[tp.partition for tp in pending]}: "
+                                f"no fetch answer from the broker at {self._bootstrap} within {self._timeout_s:.0f}s"
+                            )
+            except kerr.KafkaError as exc:
+                raise self._fail(exc, f"end offsets of topic {topic!r}", topic=topic) from None
+        return {tp.partition: max(int(lo[tp]), ends[tp.partition]) for tp in tps}
+
+    # --- consumer groups ------------------------------------------------------------------
+    def commit(self, group: str, offsets: Mapping[TP, int]) -> None:
+        if not isinstance(group, str) or not group:
+            raise ValidationError(f"consumer group: expected a non-empty string, got {group!r}")
+        request: dict[TopicPartition, OffsetAndMetadata] = {}
+        for tp, nxt in offsets.items():
+            try:
+                topic, partition = tp
+            except (TypeError, ValueError):
+                raise ValidationError(f"commit offsets key: expected (topic, partition), got {tp!r}") from None
+            config = self._topic(topic)
+            if type(partition) is not int or not 0 <= partition < config.partitions:
+                raise ValidationError(
+                    f"topic {topic!r} partition: expected an integer in [0, {config.partitions}), got {partition!r}")
+            if type(nxt) is not int or nxt < 0:
+                raise ValidationError(
+                    f"commit offset for topic {topic!r} partition {partition}: expected an int >= 0, got {nxt!r}")
+            request[TopicPartition(topic, partition)] = OffsetAndMetadata(nxt, "", -1)
+        if not request:
+            return
+        try:
+            result = self._admin_client().alter_group_offsets(group, request)
+        except kerr.KafkaError as exc:
+            raise self._fail(exc, f"committing offsets of group {group!r}") from None
+        failed = {tp: err for tp, err in result.items() if err is not kerr.NoError}
+        if failed:
+            tp, err = next(iter(failed.items()))
+            if issubclass(err, kerr.UnknownTopicOrPartitionError):
+                raise UnknownTopicError(tp.topic)
+            if issubclass(err, kerr.UnknownMemberIdError | kerr.RebalanceInProgressError | kerr.IllegalGenerationError):
+                raise LogError(
+                    f"committing offsets of group {group!r}: the group has active members ({err.__name__}); "
+                    "Kafka accepts commits from outside only for an empty group"
+                )
+            raise map_error(err(), bootstrap=self._bootstrap,
+                            what=f"committing offsets of group {group!r} ({len(failed)} partitions failed)")
+
+    def committed(self, group: str, topic: str) -> dict[int, int]:
+        if not isinstance(group, str) or not group:
+            raise ValidationError(f"consumer group: expected a non-empty string, got {group!r}")
+        config = self._topic(topic)
+        tps = [TopicPartition(topic, p) for p in range(config.partitions)]
+        try:
+            result = self._admin_client().list_group_offsets({group: tps}).get(group, {})
+        except kerr.KafkaError as exc:
+            raise self._fail(exc, f"fetching committed offsets of group {group!r}", topic=topic) from None
+        return {tp.partition: int(om.offset) for tp, om in sorted(result.items())
+                if tp.topic == topic and om.offset is not None and om.offset >= 0}
+
+    # --- maintenance ----------------------------------------------------------------------
+    def compact(self, topic: str, *, now_ms: int | None = None) -> CompactionStats:
+        """No-op: Kafka's log cleaner compacts `cleanup.policy=compact` topics on its own schedule."""
+        self._topic(topic)
+        if now_ms is not None and type(now_ms) is not int:
+            raise ValidationError(f"compact now_ms: expected an int, got {now_ms!r}")
+        return CompactionStats(topic=topic)
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        with self._lock:
+            clients: list[Any] = [self._producer, self._reader, self._probe, self._admin]
+            self._producer = self._reader = self._probe = self._admin = None
+        for client in clients:
+            if client is None:
+                continue
+            try:
+                if isinstance(client, KafkaProducer):
+                    client.close(timeout=self._timeout_s)
+                else:
+                    client.close()
+            except Exception:  # closing is best effort; the process may be exiting
+                pass

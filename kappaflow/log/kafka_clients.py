@@ -1,0 +1,119 @@
+"""kafka-python client plumbing for the Kafka log backend: options, bounded connects, error mapping.
+
+Kept apart from `kafka.py` so the backend reads as the log contract and this file
+holds what only matters to talking to brokers: which client accepts which option,
+how a broker that is down is reported (bounded retries with backoff, the bootstrap
+address in the message, never a credential), and how kafka-python's errors map onto
+kappaflow's (`LogUnavailableError`, `UnknownTopicError`, `RecordTooLargeError`, ...).
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import Callable, Mapping
+from typing import Any, TypeVar
+
+from kafka import errors as kerr
+
+from kappaflow.errors import ConfigError, LogError, LogUnavailableError, RecordTooLargeError, Retry, UnknownTopicError
+
+T = TypeVar("T")
+
+_HOST_PORT = re.compile(r"^(\[[0-9a-fA-F:.]+\]|[A-Za-z0-9_.-]+):(\d{1,5})$")
+
+# Options kappaflow sets itself: a user value would break a guarantee of the backend.
+_RESERVED = {
+    "bootstrap_servers": "pass the address as KafkaLog(bootstrap=...)",
+    "enable_idempotence": "the producer is always idempotent (no duplicates on retry)",
+    "acks": "appends are acknowledged by all in-sync replicas ('all')",
+    "group_id": "commit()/committed() take the group as an argument",
+    "enable_auto_commit": "offsets are committed explicitly with commit()",
+    "auto_offset_reset": "read() positions explicitly",
+    "key_serializer": "keys are bytes", "value_serializer": "values are bytes",
+    "key_deserializer": "keys are bytes", "value_deserializer": "values are bytes",
+    "partitioner": "kappaflow's murmur2 partition_for() picks the partition",
+    "transactional_id": "the backend uses an idempotent, non-transactional producer",
+}
+
+
+def parse_bootstrap(bootstrap: object) -> str:
+    """Validate `host:port[,host:port...]`; returns it normalised (no spaces)."""
+    if not isinstance(bootstrap, str) or not bootstrap.strip():
+        raise ConfigError(f"kafka log 'bootstrap': expected 'host:port[,host:port]', got {bootstrap!r}")
+    parts = [p.strip() for p in bootstrap.split(",")]
+    for p in parts:
+        m = _HOST_PORT.match(p)
+        if m is None or not 0 < int(m.group(2)) < 65536:
+            raise ConfigError(
+                f"kafka log 'bootstrap': expected 'host:port[,host:port]' with a port in 1..65535, "
+                f"got {p!r} in {bootstrap!r}"
+            )
+    return ",".join(parts)
+
+
+def split_options(client_options: Mapping[str, Any] | None, clients: Mapping[str, type]) -> dict[str, dict[str, Any]]:
+    """Route each user option to the kafka-python clients that know it (SASL/SSL go to all).
+
+    An option no client knows, or one kappaflow must control, is a ConfigError naming it.
+    """
+    routed: dict[str, dict[str, Any]] = {name: {} for name in clients}
+    for key, value in (client_options or {}).items():
+        if key in _RESERVED:
+            raise ConfigError(f"kafka log client option {key!r} cannot be set: {_RESERVED[key]}")
+        known = [name for name, cls in clients.items() if key in cls.DEFAULT_CONFIG]  # type: ignore[attr-defined]
+        if not known:
+            raise ConfigError(
+                f"kafka log client option {key!r}: not a kafka-python producer, consumer or admin option"
+            )
+        for name in known:
+            routed[name][key] = value
+    return routed
+
+
+def connect(make: Callable[[], T], *, bootstrap: str, what: str, attempts: int, backoff_s: float) -> T:
+    """Create a client, retrying with exponential backoff; LogUnavailableError when all attempts fail."""
+    delay = backoff_s
+    last: BaseException | None = None
+    for attempt in range(1, attempts + 1):
+        try:
+            return make()
+        except (kerr.KafkaTimeoutError, kerr.KafkaConnectionError, kerr.NodeNotReadyError, OSError) as exc:
+            last = exc
+        if attempt < attempts:
+            time.sleep(delay)
+            delay *= 2
+    raise LogUnavailableError(
+        f"Kafka broker at {bootstrap} is unreachable: {what} failed after {attempts} attempts "
+        f"with backoff ({_brief(last)}); check that the broker runs and the address is right"
+    )
+
+
+def _brief(exc: BaseException | None) -> str:
+    if exc is None:
+        return "no error recorded"
+    return f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
+
+
+def is_too_large(exc: BaseException) -> bool:
+    return isinstance(exc, kerr.MessageSizeTooLargeError | kerr.RecordListTooLargeError)
+
+
+def is_unknown_topic(exc: BaseException) -> bool:
+    return isinstance(exc, kerr.UnknownTopicOrPartitionError | kerr.UnknownTopicIdError)
+
+
+def map_error(exc: BaseException, *, bootstrap: str, what: str, topic: str | None = None) -> LogError:
+    """One kafka-python error as a kappaflow LogError with a retry verdict and the operation named."""
+    if topic is not None and is_unknown_topic(exc):
+        return UnknownTopicError(topic)
+    if is_too_large(exc):
+        return RecordTooLargeError(f"{what}: the broker rejected a record as too large ({_brief(exc)})")
+    if isinstance(exc, kerr.KafkaTimeoutError | kerr.KafkaConnectionError | kerr.NodeNotReadyError
+                       | kerr.RequestTimedOutError | OSError):
+        return LogUnavailableError(f"{what}: Kafka broker at {bootstrap} did not answer ({_brief(exc)})")
+    if isinstance(exc, kerr.AuthorizationError | kerr.SaslAuthenticationFailedError):
+        return LogError(f"{what}: not authorised by the broker at {bootstrap} ({_brief(exc)})",
+                        retry=Retry.TERMINAL)
+    retriable = bool(getattr(exc, "retriable", False))
+    return LogError(f"{what}: {_brief(exc)}", retry=Retry.TRANSIENT if retriable else Retry.TERMINAL)
