@@ -1,0 +1,193 @@
+"""Benchmark: PostgreSQL capture throughput into the embedded log and into Kafka.
+
+Writes N row changes (N/2 inserts, then N/2 updates, in transactions of 1000 rows)
+to a six-column table of mixed types on a private PostgreSQL, with one replication
+slot per measurement created beforehand (so every measurement drains the same
+backlog), then measures:
+
+* ``raw_receive_per_s``: the same changes received over the replication protocol
+  (pgoutput, COPY_BOTH) without decoding — the ceiling for any client;
+* ``embedded_changes_per_s``: ``PostgresConnector`` into the embedded log;
+* ``kafka_changes_per_s``: ``PostgresConnector`` into Kafka (a private tansu broker);
+* ``kafka_raw_produce_per_s``: plain kafka-python producing N payloads of the same
+  key/value sizes (the ceiling for anything writing to that broker from Python).
+
+Usage: ``python bench/capture_postgres.py [--changes 1000000] [--skip-kafka]``.
+The last line printed is one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import psycopg
+
+from kappaflow.config import PostgresSourceConfig, SnapshotMode
+from kappaflow.connectors.postgres.connector import PostgresConnector
+from kappaflow.connectors.postgres.replication import XLOGDATA, ReplicationConnection
+from kappaflow.testing.servers.postgres import PrivatePostgres
+
+TABLE = """CREATE TABLE bench (
+    id bigint PRIMARY KEY,
+    name text NOT NULL,
+    amount numeric(12, 2),
+    created timestamptz NOT NULL,
+    active boolean,
+    doc jsonb
+)"""
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def write_changes(dsn: str, n: int) -> float:
+    half = n // 2
+    t0 = time.perf_counter()
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        for start in range(1, half + 1, 1000):
+            end = min(half, start + 999)
+            conn.execute(
+                "INSERT INTO bench SELECT i, 'customer ' || i, i * 1.25, now(), i %% 2 = 0, "
+                "jsonb_build_object('k', i, 'tag', 'abc') FROM generate_series(%s::bigint, %s::bigint) i",
+                (start, end))
+        for start in range(1, half + 1, 1000):
+            end = min(half, start + 999)
+            conn.execute("UPDATE bench SET amount = amount + 1, active = NOT active WHERE id BETWEEN %s AND %s",
+                         (start, end))
+    return time.perf_counter() - t0
+
+
+def raw_receive(dsn: str, slot: str, n: int) -> float:
+    """Receive the slot's changes without decoding; count Insert/Update messages."""
+    repl = ReplicationConnection(dsn)
+    repl.start(slot, 0, ["bench_pub"], messages=False)
+    seen = 0
+    t0 = time.perf_counter()
+    while seen < n:
+        for m in repl.read_many(5.0, 8192):
+            if m[0] == XLOGDATA and m[25] in (73, 85):
+                seen += 1
+    dt = time.perf_counter() - t0
+    repl.close()
+    return n / dt
+
+
+def capture(dsn: str, slot: str, log_obj: object, n: int, name: str) -> tuple[float, dict[str, object]]:
+    cfg = PostgresSourceConfig(name=name, dsn=dsn, tables=["public.bench"], slot=slot, publication="bench_pub",
+                               snapshot_mode=SnapshotMode.NEVER, heartbeat_interval_s=30)
+    conn = PostgresConnector(cfg, log_obj, partitions=4, progress=False)  # type: ignore[arg-type]
+    t0 = time.perf_counter()
+    summary = conn.run(until_caught_up=True)
+    dt = time.perf_counter() - t0
+    if summary.events != n:
+        raise SystemExit(f"{name}: captured {summary.events} events, expected {n}")
+    return n / dt, summary.to_dict()
+
+
+def sample_sizes(log_obj: object, topic: str) -> tuple[int, int]:
+    recs = log_obj.read(topic, 0, 0, 1000)  # type: ignore[attr-defined]
+    keys = sum(len(r.key or b"") for r in recs) // max(1, len(recs))
+    vals = sum(len(r.value or b"") for r in recs) // max(1, len(recs))
+    return keys, vals
+
+
+def kafka_raw_produce(bootstrap: str, n: int, key_size: int, value_size: int) -> float:
+    from kafka import KafkaAdminClient, KafkaProducer
+    from kafka.admin import NewTopic
+
+    topic = "raw-produce-bench"
+    admin = KafkaAdminClient(bootstrap_servers=bootstrap)
+    admin.create_topics([NewTopic(topic, num_partitions=4, replication_factor=1)])
+    admin.close()
+    producer = KafkaProducer(bootstrap_servers=bootstrap, acks="all", linger_ms=20, batch_size=512 * 1024,
+                             max_request_size=8 * 1024 * 1024, buffer_memory=256 * 1024 * 1024)
+    value = b"v" * value_size
+    keys = [(b"%0*d" % (key_size, i))[-key_size:] for i in range(n)]
+    t0 = time.perf_counter()
+    for k in keys:
+        producer.send(topic, key=k, value=value)
+    producer.flush()
+    dt = time.perf_counter() - t0
+    producer.close()
+    return n / dt
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--changes", type=int, default=1_000_000)
+    ap.add_argument("--skip-kafka", action="store_true")
+    ap.add_argument("--skip-embedded", action="store_true")
+    args = ap.parse_args()
+    n = args.changes
+    result: dict[str, object] = {"changes": n}
+    work = Path(tempfile.mkdtemp(prefix="kf-bench-pg-"))
+    pg = PrivatePostgres(settings={"max_wal_size": "8GB", "checkpoint_timeout": "30min"}).start()
+    broker = None
+    try:
+        dsn = pg.dsn()
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            conn.execute(TABLE)
+            conn.execute("CREATE PUBLICATION bench_pub FOR TABLE bench")
+            for slot in ("bench_raw", "bench_emb", "bench_kafka"):
+                conn.execute("SELECT pg_create_logical_replication_slot(%s, 'pgoutput')", (slot,))
+        log(f"writing {n} changes ...")
+        result["write_s"] = round(write_changes(dsn, n), 2)
+
+        log("raw receive ...")
+        result["raw_receive_per_s"] = round(raw_receive(dsn, "bench_raw", n))
+
+        if not args.skip_embedded:
+            from kappaflow.log.embedded import EmbeddedLog
+
+            log("capture into the embedded log ...")
+            elog = EmbeddedLog(work / "log")
+            try:
+                rate, summary = capture(dsn, "bench_emb", elog, n, "emb")
+                result["embedded_changes_per_s"] = round(rate)
+                result["embedded_summary"] = {k: summary[k] for k in ("events", "records", "elapsed_s")}
+                key_size, value_size = sample_sizes(elog, "emb.public.bench")
+                result["record_key_bytes"] = key_size
+                result["record_value_bytes"] = value_size
+            finally:
+                elog.close()
+        else:
+            key_size, value_size = 12, 560
+
+        if not args.skip_kafka:
+            from kappaflow.log.kafka import KafkaLog
+            from kappaflow.testing.servers.tansu import TansuBroker
+
+            broker = TansuBroker().start()
+            log("capture into Kafka (tansu) ...")
+            klog = KafkaLog(broker.bootstrap)
+            try:
+                rate, _summary = capture(dsn, "bench_kafka", klog, n, "kfk")
+                result["kafka_changes_per_s"] = round(rate)
+            finally:
+                klog.close()
+            log("raw kafka-python produce ...")
+            result["kafka_raw_produce_per_s"] = round(kafka_raw_produce(broker.bootstrap, n, key_size, value_size))
+
+        raw = result["raw_receive_per_s"]
+        if "embedded_changes_per_s" in result:
+            result["embedded_vs_raw"] = round(result["embedded_changes_per_s"] / raw, 3)  # type: ignore[operator]
+        if "kafka_changes_per_s" in result:
+            result["kafka_vs_raw_produce"] = round(
+                result["kafka_changes_per_s"] / result["kafka_raw_produce_per_s"], 3)  # type: ignore[operator]
+    finally:
+        if broker is not None:
+            broker.stop()
+        pg.stop()
+        shutil.rmtree(work, ignore_errors=True)
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,548 @@
+"""Per-table codecs: schema, value converters and the fast Debezium JSON encoding.
+
+A :class:`TableCodec` is built once per table (and again when a Relation message
+changes the table's shape). It holds tuples of converters indexed like the
+pgoutput tuple, so a row is converted with one pass over parallel tuples and no
+type dispatch per value:
+
+* ``py``: text -> the Python value of the event model (``ChangeEvent`` rows);
+* ``js``: text -> the value's Debezium JSON form, i.e. exactly what
+  ``EventCodec.encode_row_values`` makes of the Python value, computed directly
+  from the text where that is cheaper (ints, strings, UUIDs, decimals in string
+  mode need no intermediate object).
+
+:meth:`TableCodec.encode_value` assembles the envelope bytes by formatting
+pre-serialised pieces around one ``orjson.dumps`` of the row; the result is
+byte-identical to ``EventCodec.encode_value`` of the equivalent ``ChangeEvent``
+(``tests/connectors/postgres/test_rows.py`` checks that for every type).
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import struct
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+
+from kappaflow.connectors.postgres import types as t
+from kappaflow.connectors.postgres.decoder import UNCHANGED, RelColumn
+from kappaflow.connectors.postgres.slots import ColumnInfo, TableInfo
+from kappaflow.connectors.postgres.types import Converter, TypeLookup
+from kappaflow.errors import ValidationError
+from kappaflow.events import Column, EventCodec, FieldType, TableSchema
+from kappaflow.events.json import SOURCE_VERSION
+from kappaflow.events.values import _enc_json, make_encoder
+
+__all__ = ["ColumnCodec", "TableCodec", "column_codec"]
+
+_u32 = struct.Struct(">I").unpack_from
+_EPOCH = _dt.datetime(1970, 1, 1)
+_US = _dt.timedelta(microseconds=1)
+_EPOCH_ORDINAL = 719163
+
+# Smallest text length a value must exceed before PostgreSQL could store it out of line
+# (TOAST pointers are 18 bytes; values <= 24 stored bytes are never externalised). Values
+# not longer than this never arrive as "unchanged TOAST", so they need no keyed state.
+_TEXTLIKE_MIN = 24
+
+
+# -- fast text -> JSON converters (identical output to codec(py(text))) -------------------------
+
+def _js_float(b: bytes) -> Any:
+    f = float(b)
+    if f - f == 0:
+        return f
+    if f != f:
+        return "NaN"
+    return "Infinity" if f > 0 else "-Infinity"
+
+
+def _js_date(b: bytes) -> int:
+    if b[:1] == b"-" or b[:1] == b"i":
+        return t._date(b).toordinal() - _EPOCH_ORDINAL
+    return _dt.date.fromisoformat(b.decode()).toordinal() - _EPOCH_ORDINAL
+
+
+def _js_timestamp(b: bytes) -> int:
+    return (t._timestamp(b) - _EPOCH) // _US
+
+
+def _js_time(b: bytes) -> int:
+    v = t._time(b)
+    return v.hour * 3_600_000_000 + v.minute * 60_000_000 + v.second * 1_000_000 + v.microsecond
+
+
+def _js_timestamptz_slow(b: bytes) -> str:
+    v = t._timestamptz(b)
+    off = v.utcoffset()
+    if off:
+        v = v - off
+    return v.replace(tzinfo=None).isoformat() + "Z"
+
+
+def _js_timestamptz(b: bytes) -> str:
+    """'2024-01-02 03:04:05.12+00' (TimeZone=UTC) -> '2024-01-02T03:04:05.120000Z' by slicing.
+
+    Same text as ``datetime.isoformat() + "Z"`` (6 fraction digits, none when zero);
+    anything unusual (BC, years > 9999, infinity, other offsets) takes the datetime path.
+    """
+    n = len(b)
+    if n == 22 and b[19:] == b"+00" and b[4] == 45 and b[10] == 32:
+        return b[:10].decode() + "T" + b[11:19].decode() + "Z"
+    if 24 <= n <= 29 and b[-3:] == b"+00" and b[4] == 45 and b[10] == 32 and b[19] == 46:
+        return b[:10].decode() + "T" + b[11:19].decode() + (b[19:-3] + b"00000")[:7].decode() + "Z"
+    return _js_timestamptz_slow(b)
+
+
+def _cached(conv: Converter) -> Converter:
+    """One-entry cache: timestamps and dates often repeat row after row (now() in a batch)."""
+    last_in: list[Any] = [None, None]
+
+    def cached(b: bytes) -> Any:
+        if b == last_in[0]:
+            return last_in[1]
+        v = conv(b)
+        last_in[0] = b
+        last_in[1] = v
+        return v
+
+    return cached
+
+
+def _js_json(b: bytes) -> str:
+    """json/jsonb text -> the codec's JSON string (parsed and re-serialised compactly)."""
+    if len(b) < 19 or not t._BIGINT.search(b):
+        return orjson.dumps(orjson.loads(b)).decode()
+    return _enc_json(t._json(b))
+
+
+def _compose(enc: Callable[[Any], Any], py: Converter) -> Converter:
+    def conv(b: bytes) -> Any:
+        return enc(py(b))
+
+    return conv
+
+
+@dataclass(frozen=True, slots=True)
+class ColumnCodec:
+    name: str
+    column: Column
+    py: Converter
+    js: Converter
+    toast_min: int | None  # None: never stored out of line; else min text length that could be
+
+
+def _numeric_typmod(typmod: int) -> tuple[int | None, int | None]:
+    if typmod < 4:
+        return None, None
+    precision = ((typmod - 4) >> 16) & 0xFFFF
+    scale = (((typmod - 4) & 0x7FF) ^ 1024) - 1024  # PostgreSQL 15 allows negative scales
+    return precision, scale
+
+
+def _field(name: str, oid: int, typmod: int, optional: bool, native: str | None,
+           lookup: TypeLookup | None) -> tuple[Column, Converter]:
+    """Column (event model) and text->Python converter for a type OID."""
+    ft: FieldType
+    kw: dict[str, Any] = {}
+    py: Converter = t.converter_for(oid, lookup)
+    if oid in (t.INT2,):
+        ft = FieldType.INT16
+    elif oid == t.INT4:
+        ft = FieldType.INT32
+    elif oid in (t.INT8, t.OID):
+        ft = FieldType.INT64
+    elif oid == t.FLOAT4:
+        ft = FieldType.FLOAT32
+    elif oid == t.FLOAT8:
+        ft = FieldType.FLOAT64
+    elif oid == t.NUMERIC:
+        precision, scale = _numeric_typmod(typmod)
+        if scale is None:
+            ft = FieldType.VARIABLE_DECIMAL
+        else:
+            ft = FieldType.DECIMAL
+            kw = {"scale": scale, "precision": precision}
+    elif oid == t.BOOL:
+        ft = FieldType.BOOLEAN
+    elif oid == t.BIT and typmod == 1:
+        ft, py = FieldType.BOOLEAN, t._bit1
+    elif oid in (t.BIT, t.VARBIT):
+        ft = FieldType.BITS
+        if typmod > 0:
+            kw = {"length": typmod}
+    elif oid == t.BYTEA:
+        ft = FieldType.BYTES
+    elif oid == t.DATE:
+        ft = FieldType.DATE
+    elif oid == t.TIME:
+        ft = FieldType.TIME
+    elif oid == t.TIMESTAMP:
+        ft = FieldType.TIMESTAMP
+    elif oid == t.TIMESTAMPTZ:
+        ft = FieldType.TIMESTAMPTZ
+    elif oid == t.INTERVAL:
+        ft = FieldType.INTERVAL
+    elif oid == t.UUID:
+        ft = FieldType.UUID
+    elif oid in (t.JSON, t.JSONB):
+        ft = FieldType.JSON
+    elif oid in t.SCALARS:
+        ft = FieldType.STRING
+    else:
+        elem = t.BUILTIN_ARRAYS.get(oid)
+        info = lookup(oid) if lookup is not None and elem is None else None
+        if elem is None and info is not None and info.elem:
+            elem = info.elem
+        if elem is not None:
+            item, _ = _field("item", elem, -1, True, None, lookup)
+            ft = FieldType.ARRAY
+            kw = {"items": item}
+        elif info is not None and info.typtype == "d":
+            base, _ = _field(name, info.base, info.base_typmod, optional, native or info.name, lookup)
+            return base, py
+        elif info is not None and info.typtype == "e":
+            ft = FieldType.ENUM
+            kw = {"allowed": info.labels}
+        else:
+            ft = FieldType.STRING
+    return Column(name, ft, optional=optional, native_type=native, **kw), py
+
+
+def _fast_js(col: Column, oid: int, py: Converter, decimal_mode: str) -> Converter:
+    ft = col.type
+    if ft in (FieldType.INT16, FieldType.INT32, FieldType.INT64) and oid in (t.INT2, t.INT4, t.INT8, t.OID):
+        return int
+    if ft is FieldType.STRING and py is t._text:
+        return t._text
+    if ft is FieldType.UUID or ft is FieldType.ENUM:
+        return t._text
+    if ft is FieldType.BOOLEAN:
+        return py
+    if ft in (FieldType.DECIMAL, FieldType.VARIABLE_DECIMAL) and decimal_mode == "string" and oid == t.NUMERIC:
+        return t._text
+    if ft in (FieldType.FLOAT32, FieldType.FLOAT64):
+        return _js_float
+    if ft is FieldType.DATE and py is t._date:
+        return _cached(_js_date)
+    if ft is FieldType.TIMESTAMP and py is t._timestamp:
+        return _cached(_js_timestamp)
+    if ft is FieldType.TIMESTAMPTZ and py is t._timestamptz:
+        return _cached(_js_timestamptz)
+    if ft is FieldType.TIME and py is t._time:
+        return _js_time
+    if ft is FieldType.JSON and py is t._json:
+        return _js_json
+    if ft is FieldType.INTERVAL and py is t._interval:
+        return t.interval_micros
+    enc = make_encoder(col, decimal_mode)
+    return py if enc is None else _compose(enc, py)
+
+
+# A row is stored out of line only when it exceeds TOAST_TUPLE_THRESHOLD (~2 kB). Text forms
+# can be up to ~6x smaller than the stored binary form (small ints in arrays or jsonb), so a row
+# whose text is shorter than this cannot hold an out-of-line value: no keyed state is needed.
+TOAST_ROW_MIN = 340
+
+
+def _toast_min(oid: int, storage: str, lookup: TypeLookup | None) -> int | None:
+    if storage == "p":
+        return None
+    if oid == t.BYTEA:
+        return 2 + 2 * _TEXTLIKE_MIN
+    if oid == t.NUMERIC:
+        return 2 * _TEXTLIKE_MIN
+    return _TEXTLIKE_MIN
+
+
+def column_codec(name: str, oid: int, typmod: int, *, optional: bool = True, storage: str = "x",
+                 native: str | None = None, lookup: TypeLookup | None = None,
+                 decimal_mode: str = "string") -> ColumnCodec:
+    if native is None:
+        native = t.BUILTIN_NAMES.get(oid)
+        if native is None and oid in t.BUILTIN_ARRAYS:
+            native = "_" + t.BUILTIN_NAMES.get(t.BUILTIN_ARRAYS[oid], "unknown")
+        if native is None and lookup is not None:
+            info = lookup(oid)
+            native = info.name if info is not None else None
+    col, py = _field(name, oid, typmod, optional, native, lookup)
+    return ColumnCodec(name, col, py, _fast_js(col, oid, py, decimal_mode), _toast_min(oid, storage, lookup))
+
+
+class TableCodec:
+    """Everything needed to turn one table's pgoutput/snapshot tuples into log records."""
+
+    def __init__(self, *, source: str, db: str, schema: str, table: str, columns: Sequence[ColumnCodec],
+                 key: Sequence[str], codec: EventCodec, relid: int = 0, replica_identity: str = "d",
+                 type_oids: Sequence[int] = (), track_toast: bool = True) -> None:
+        self.source = source
+        self.db = db
+        self.pg_schema = schema
+        self.table = table
+        self.qualified = f"{schema}.{table}"
+        self.topic = f"{source}.{schema}.{table}"
+        self.relid = relid
+        self.replica_identity = replica_identity
+        self.columns = tuple(columns)
+        self.type_oids = tuple(type_oids)
+        self.names = tuple(c.name for c in self.columns)
+        index = {n: i for i, n in enumerate(self.names)}
+        missing = [k for k in key if k not in index]
+        if missing:
+            raise ValidationError(f"table {self.qualified}: key column(s) {missing} are not among its columns "
+                                  f"{list(self.names)}")
+        self.key = tuple(key)
+        self.key_idx = tuple(index[k] for k in self.key)
+        self.schema = TableSchema(self.topic, tuple(c.column for c in self.columns), self.key)
+        self.codec = codec
+        self.py = tuple(c.py for c in self.columns)
+        self.js = tuple(c.js for c in self.columns)
+        self.toast = tuple((i, c.toast_min) for i, c in enumerate(self.columns)
+                           if c.toast_min is not None) if track_toast else ()
+        # keyed state: key bytes -> {column index: JSON value} of toastable columns
+        self.toast_state: dict[bytes, dict[str, Any]] | None = {} if self.toast else None
+        self.toast_state_loaded = False
+        self._toast_names = tuple(self.names[i] for i, _ in self.toast)
+        self._single_key = len(self.key_idx) == 1
+        self.ident_idx: tuple[int, ...] = self.key_idx
+        self.fast = self._build_fast()
+        head = orjson.dumps({"version": SOURCE_VERSION, "connector": "postgresql", "name": source})[:-1]
+        self._src_head = head + b',"ts_ms":'
+        self._src_mid = b',"db":' + orjson.dumps(db) + b',"sequence":null,"schema":' + orjson.dumps(schema) + \
+            b',"table":' + orjson.dumps(table) + b',"txId":'
+
+    # -- construction ------------------------------------------------------------------------
+    @classmethod
+    def from_table_info(cls, info: TableInfo, *, source: str, db: str, codec: EventCodec,
+                        lookup: TypeLookup | None) -> TableCodec:
+        cols = [
+            column_codec(c.name, c.type_oid, c.typmod, optional=not c.not_null, storage=c.storage,
+                         native=c.type_name, lookup=lookup, decimal_mode=codec.decimal_mode)
+            for c in info.columns
+        ]
+        return cls(source=source, db=db, schema=info.schema, table=info.name, columns=cols, key=info.key,
+                   codec=codec, relid=info.oid, replica_identity=info.replica_identity,
+                   type_oids=[c.type_oid for c in info.columns])
+
+    @classmethod
+    def from_relation(cls, rel_columns: Sequence[RelColumn], *, info: TableInfo, relid: int, replica_identity: str,
+                      source: str, db: str, codec: EventCodec, lookup: TypeLookup | None) -> TableCodec:
+        """The table's shape as the WAL describes it (a Relation message), enriched by the catalog.
+
+        The Relation message is authoritative for which columns exist at this WAL
+        position; nullability, storage and the native type name come from the catalog
+        when it knows the column with the same type.
+        """
+        cols = []
+        for rc in rel_columns:
+            ci: ColumnInfo | None = info.column(rc.name)
+            same = ci is not None and ci.type_oid == rc.type_oid
+            cols.append(column_codec(
+                rc.name, rc.type_oid, rc.typmod,
+                optional=not (ci.not_null if ci is not None and same else False),
+                storage=ci.storage if ci is not None and same else "x",
+                native=ci.type_name if ci is not None and same else None,
+                lookup=lookup, decimal_mode=codec.decimal_mode,
+            ))
+        names = {c.name for c in cols}
+        key = tuple(k for k in info.key if k in names)
+        if len(key) != len(info.key):
+            raise ValidationError(
+                f"table {info.qualified}: the WAL's Relation message lacks key column(s) "
+                f"{[k for k in info.key if k not in names]} (columns now: {sorted(names)})")
+        return cls(source=source, db=db, schema=info.schema, table=info.name, columns=cols, key=key, codec=codec,
+                   relid=relid, replica_identity=replica_identity, type_oids=[c.type_oid for c in rel_columns])
+
+    def _build_fast(self) -> Callable[[bytes, int], tuple[dict[str, Any], int, bool] | None]:
+        """Generate a parser for this table's TupleData that converts while it parses.
+
+        Unrolled per column (no per-value dispatch); handles text ('t') and NULL ('n')
+        values. Returns ``(row, end, big)`` where ``big`` says a toastable value was long
+        enough to be kept as keyed state, or None for anything else (unchanged TOAST,
+        binary values, a different column count): the caller then takes the generic path,
+        which also produces the precise error for malformed input.
+        """
+        n = len(self.names)
+        env: dict[str, Any] = {"_u32": _u32}
+        toast = dict(self.toast)
+        lines = ["def fast(buf, pos):",
+                 f"    if buf[pos] != {n >> 8} or buf[pos + 1] != {n & 0xFF}:",
+                 "        return None",
+                 "    pos += 2",
+                 "    big = False"]
+        for i, conv in enumerate(self.js):
+            if conv is int:
+                expr = "int(buf[pos + 5:e])"
+            elif conv is t._text:
+                expr = "buf[pos + 5:e].decode()"
+            else:
+                env[f"c{i}"] = conv
+                expr = f"c{i}(buf[pos + 5:e])"
+            lines += [
+                "    k = buf[pos]",
+                "    if k == 116:",
+                "        e = pos + 5 + _u32(buf, pos + 1)[0]",
+                f"        v{i} = {expr}",
+            ]
+            if i in toast:
+                lines += [f"        if e - pos - 5 > {toast[i]}:", "            big = True"]
+            lines += [
+                "        pos = e",
+                "    elif k == 110:",
+                f"        v{i} = None",
+                "        pos += 1",
+                "    else:",
+                "        return None",
+            ]
+        items = ", ".join(f"{name!r}: v{i}" for i, name in enumerate(self.names))
+        lines.append(f"    return {{{items}}}, pos, big")
+        exec(compile("\n".join(lines), f"<pgoutput row parser {self.qualified}>", "exec"), env)
+        return env["fast"]
+
+    def same_shape(self, rel_columns: Sequence[RelColumn]) -> bool:
+        return len(rel_columns) == len(self.names) and all(
+            rc.name == n and rc.type_oid == o for rc, n, o in zip(rel_columns, self.names, self.type_oids,
+                                                                   strict=True))
+
+    # -- conversion --------------------------------------------------------------------------
+    def json_row(self, raw: Sequence[Any]) -> dict[str, Any]:
+        """JSON-form row from a raw tuple; UNCHANGED values are left in place for the caller."""
+        out = {}
+        try:
+            for name, conv, v in zip(self.names, self.js, raw, strict=True):
+                out[name] = v if (v is None or v is UNCHANGED) else conv(v)
+        except ValueError as exc:
+            if len(raw) != len(self.names):
+                raise ValidationError(f"table {self.qualified}: row has {len(raw)} values, the relation "
+                                      f"{len(self.names)} columns {list(self.names)}") from None
+            raise self._convert_error(raw, "js") from exc
+        except Exception as exc:
+            raise self._convert_error(raw, "js") from exc
+        return out
+
+    def py_row(self, raw: Sequence[Any]) -> dict[str, Any]:
+        """Python-value row (event model) from a raw tuple; UNCHANGED columns are omitted."""
+        out = {}
+        for name, conv, v in zip(self.names, self.py, raw, strict=True):
+            if v is UNCHANGED:
+                continue
+            out[name] = None if v is None else t.convert_or_raise(conv, v, name, f"table {self.qualified}")
+        return out
+
+    def _convert_error(self, raw: Sequence[Any], which: str) -> ValidationError:
+        convs = self.js if which == "js" else self.py
+        for name, conv, v in zip(self.names, convs, raw, strict=False):
+            if v is None or v is UNCHANGED:
+                continue
+            try:
+                conv(v)
+            except Exception as exc:
+                shown = bytes(v[:60]).decode(errors="replace")
+                native = self.schema.column(name).native_type
+                return ValidationError(f"table {self.qualified}: column {name!r} ({native}): cannot convert "
+                                       f"{shown!r}: {type(exc).__name__}: {exc}")
+        return ValidationError(f"table {self.qualified}: cannot convert row")
+
+    def key_of(self, row: dict[str, Any]) -> bytes:
+        """Record key bytes (schemaless Debezium JSON key) from a JSON-form row."""
+        if self._single_key:
+            k = self.key[0]
+            return orjson.dumps({k: row[k]})
+        return orjson.dumps({k: row[k] for k in self.key})
+
+    def key_from_raw(self, raw: Sequence[Any]) -> bytes:
+        js = self.js
+        if self._single_key:
+            i = self.key_idx[0]
+            return orjson.dumps({self.key[0]: js[i](raw[i])})
+        return orjson.dumps({self.names[i]: js[i](raw[i]) for i in self.key_idx})
+
+    # -- keyed TOAST state ---------------------------------------------------------------------
+    def remember(self, key: bytes, js: dict[str, Any], raw: Sequence[Any]) -> None:
+        """Keep the values of this row's toastable columns that could be stored out of line.
+
+        A later UPDATE that leaves such a value unchanged does not resend it (pgoutput
+        sends 'u'); the value is then taken from here.
+        """
+        state = self.toast_state
+        if state is None:
+            return
+        entry: dict[str, Any] | None = None
+        names = self.names
+        if UNCHANGED not in raw and sum(len(v) for v in raw if v is not None) < TOAST_ROW_MIN:
+            state.pop(key, None)
+            return
+        for i, mn in self.toast:
+            v = raw[i]
+            if v is None:
+                continue
+            if v is UNCHANGED:
+                name = names[i]
+                if name in js:
+                    if entry is None:
+                        entry = {}
+                    entry[name] = js[name]
+            elif len(v) > mn:
+                if entry is None:
+                    entry = {}
+                entry[names[i]] = js[names[i]]
+        if entry is None:
+            state.pop(key, None)
+        else:
+            state[key] = entry
+
+    def remember_all(self, key: bytes, js: dict[str, Any]) -> None:
+        """Fast-path variant of :meth:`remember`: keep every non-NULL toastable value."""
+        state = self.toast_state
+        if state is not None:
+            entry = {n: js[n] for n in self._toast_names if js[n] is not None}
+            if entry:
+                state[key] = entry
+            else:
+                state.pop(key, None)
+
+    def fill_unchanged(self, js: dict[str, Any], raw: Sequence[Any], old_key: bytes,
+                       old_js: dict[str, Any] | None) -> list[str]:
+        """Replace UNCHANGED values in ``js`` from the before-image or the keyed state.
+
+        Returns the columns whose value is unknown (removed from ``js``: absent, not NULL).
+        """
+        state = self.toast_state.get(old_key) if self.toast_state is not None else None
+        missing: list[str] = []
+        for i, v in enumerate(raw):
+            if v is not UNCHANGED:
+                continue
+            name = self.names[i]
+            if old_js is not None and name in old_js and old_js[name] is not UNCHANGED:
+                js[name] = old_js[name]
+            elif state is not None and name in state:
+                js[name] = state[name]
+            else:
+                del js[name]
+                missing.append(name)
+        return missing
+
+    # -- envelope ----------------------------------------------------------------------------
+    def source_prefix(self, ts_ms: int, snapshot: str, tx_id: int | None, lsn: int) -> bytes:
+        """Source block up to the kf_pos index: ``... "kf_pos":{"kind":"pg","lsn":L,"index":``."""
+        return b'%s%d,"snapshot":"%s"%s%s,"lsn":%d,"xmin":null,"kf_pos":{"kind":"pg","lsn":%d,"index":' % (
+            self._src_head, ts_ms, snapshot.encode(), self._src_mid,
+            b"null" if tx_id is None else b"%d" % tx_id, lsn, lsn)
+
+
+def encode_envelope(before: bytes, after: bytes, src_prefix: bytes, index: int, snapshot: bool, op: bytes,
+                    ts_ms: int, tx: bytes, unavailable: Sequence[str] = ()) -> bytes:
+    """Debezium envelope bytes from pre-serialised parts (see the module docstring)."""
+    out = b'{"before":%s,"after":%s,"source":%s%d,"snapshot":%s}},"op":"%s","ts_ms":%d,"transaction":%s' % (
+        before, after, src_prefix, index, b"true" if snapshot else b"false", op, ts_ms, tx)
+    if unavailable:
+        return out + b',"kf_unavailable":' + orjson.dumps(list(unavailable)) + b"}"
+    return out + b"}"
+
+
+def tx_block(tx_id: str, total_order: int, collection_order: int) -> bytes:
+    return b'{"id":"%s","total_order":%d,"data_collection_order":%d}' % (tx_id.encode(), total_order,
+                                                                          collection_order)

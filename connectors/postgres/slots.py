@@ -1,0 +1,396 @@
+"""Server checks, catalog reads, publication and replication-slot management.
+
+Everything here runs on a plain (non-replication) connection. Every identifier
+taken from configuration is quoted with ``psycopg.sql.Identifier``; nothing is
+spliced into SQL text. Each failure a user can fix is reported as a
+:class:`~kappaflow.errors.SourceError` that says what to do.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+import psycopg
+from psycopg import sql
+from psycopg.conninfo import conninfo_to_dict, make_conninfo
+
+from kappaflow.connectors.postgres.replication import redact_dsn
+from kappaflow.connectors.postgres.types import SESSION_OPTIONS, TypeInfo
+from kappaflow.errors import ConfigError, Retry, SourceError
+
+__all__ = [
+    "ColumnInfo",
+    "ServerInfo",
+    "SlotInfo",
+    "TableInfo",
+    "TypeCatalog",
+    "check_server",
+    "connect",
+    "drop_slot",
+    "emit_heartbeat",
+    "ensure_publication",
+    "load_table",
+    "publication_tables",
+    "resolve_tables",
+    "slot_info",
+    "split_table_name",
+]
+
+HEARTBEAT_PREFIX = "kappaflow_heartbeat"
+
+
+def connect(dsn: str, *, autocommit: bool = True, what: str = "connecting") -> psycopg.Connection:
+    """A plain connection with the session settings the value converters rely on."""
+    try:
+        params = conninfo_to_dict(dsn)
+    except psycopg.ProgrammingError as exc:
+        raise ConfigError(f"source dsn: not a valid libpq connection string or URL ({exc})") from None
+    extra = params.get("options") or ""
+    params["options"] = f"{extra} {SESSION_OPTIONS}".strip()
+    params.setdefault("connect_timeout", "10")
+    params.setdefault("application_name", "kappaflow")
+    try:
+        return psycopg.connect(make_conninfo("", **params), autocommit=autocommit)
+    except psycopg.OperationalError as exc:
+        from kappaflow.connectors.postgres.replication import _classify
+
+        raise _classify(str(exc), getattr(exc, "sqlstate", None), what, dsn) from None
+
+
+@dataclass(frozen=True, slots=True)
+class ServerInfo:
+    version: int  # server_version_num
+    wal_level: str
+    can_replicate: bool
+    database: str
+    user: str
+
+
+def check_server(conn: psycopg.Connection, dsn: str, *, need_replication: bool = True) -> ServerInfo:
+    """Check wal_level=logical and the REPLICATION attribute, with instructions when missing."""
+    row = conn.execute(
+        "SELECT current_setting('server_version_num')::int, current_setting('wal_level'), "
+        "(SELECT rolreplication OR rolsuper FROM pg_roles WHERE rolname = current_user), "
+        "current_database(), current_user"
+    ).fetchone()
+    assert row is not None
+    info = ServerInfo(int(row[0]), str(row[1]), bool(row[2]), str(row[3]), str(row[4]))
+    where = redact_dsn(dsn)
+    if info.version < 140000:
+        raise SourceError(f"PostgreSQL {info.version // 10000} at {where} is too old: kappaflow needs 14 or later "
+                          "(pgoutput logical messages)", retry=Retry.TERMINAL)
+    if need_replication and info.wal_level != "logical":
+        raise SourceError(
+            f"PostgreSQL at {where} has wal_level = {info.wal_level}; logical decoding needs wal_level = logical. "
+            "Run ALTER SYSTEM SET wal_level = logical; then restart PostgreSQL",
+            retry=Retry.TERMINAL,
+        )
+    if need_replication and not info.can_replicate:
+        raise SourceError(
+            f"role {info.user!r} at {where} lacks the REPLICATION attribute needed for logical replication: "
+            f"ALTER ROLE {info.user} WITH REPLICATION (as a superuser)",
+            retry=Retry.TERMINAL,
+        )
+    return info
+
+
+# -- tables ------------------------------------------------------------------------------
+
+@dataclass(frozen=True, slots=True)
+class ColumnInfo:
+    name: str
+    type_oid: int
+    typmod: int
+    not_null: bool
+    storage: str  # pg_attribute.attstorage: 'p' plain, 'e' external, 'm' main, 'x' extended
+    type_name: str  # format_type(), e.g. "numeric(12,2)", "character varying(20)"
+
+
+@dataclass(frozen=True, slots=True)
+class TableInfo:
+    schema: str
+    name: str
+    oid: int
+    columns: tuple[ColumnInfo, ...]
+    key: tuple[str, ...]
+    key_from_config: bool
+    replica_identity: str  # 'd', 'n', 'f', 'i'
+    estimated_rows: int = 0
+
+    @property
+    def qualified(self) -> str:
+        return f"{self.schema}.{self.name}"
+
+    def column(self, name: str) -> ColumnInfo | None:
+        for c in self.columns:
+            if c.name == name:
+                return c
+        return None
+
+
+def split_table_name(name: str) -> tuple[str, str]:
+    """ "schema.table" -> (schema, table); a bare name means schema public."""
+    if not isinstance(name, str) or not name.strip():
+        raise ConfigError(f"tables: expected 'schema.table', got {name!r}")
+    schema, dot, table = name.partition(".")
+    if not dot:
+        return "public", name
+    if not schema or not table:
+        raise ConfigError(f"tables: expected 'schema.table', got {name!r}")
+    return schema, table
+
+
+def load_table(conn: psycopg.Connection, schema: str, table: str,
+               key_columns: Sequence[str] | None = None) -> TableInfo:
+    """Columns, key and replica identity of one table; SourceError when missing or keyless."""
+    row = conn.execute(
+        "SELECT c.oid, c.relreplident, c.reltuples::bigint FROM pg_class c "
+        "JOIN pg_namespace n ON n.oid = c.relnamespace "
+        "WHERE n.nspname = %s AND c.relname = %s AND c.relkind IN ('r', 'p')",
+        (schema, table),
+    ).fetchone()
+    if row is None:
+        known = [r[0] for r in conn.execute(
+            "SELECT c.relname FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace "
+            "WHERE n.nspname = %s AND c.relkind IN ('r', 'p') ORDER BY 1 LIMIT 20", (schema,)).fetchall()]
+        hint = f"tables in schema {schema!r}: {', '.join(known)}" if known else f"schema {schema!r} has no tables"
+        raise SourceError(f"unknown table {schema}.{table} in database {conn.info.dbname!r} ({hint}); "
+                          "fix the source's tables list", retry=Retry.TERMINAL)
+    oid, ident, reltuples = int(row[0]), str(row[1]), int(row[2])
+    cols = tuple(
+        ColumnInfo(r[0], int(r[1]), int(r[2]), bool(r[3]), str(r[4]), str(r[5]))
+        for r in conn.execute(
+            "SELECT a.attname, a.atttypid, a.atttypmod, a.attnotnull, a.attstorage, "
+            "format_type(a.atttypid, a.atttypmod) FROM pg_attribute a "
+            "WHERE a.attrelid = %s AND a.attnum > 0 AND NOT a.attisdropped AND a.attgenerated = '' "
+            "ORDER BY a.attnum",
+            (oid,),
+        ).fetchall()
+    )
+    pk = tuple(
+        r[0] for r in conn.execute(
+            "SELECT a.attname FROM pg_index i "
+            "JOIN pg_attribute a ON a.attrelid = i.indrelid AND a.attnum = ANY(i.indkey) "
+            "WHERE i.indrelid = %s AND i.indisprimary ORDER BY array_position(i.indkey, a.attnum)",
+            (oid,),
+        ).fetchall()
+    )
+    qualified = f"{schema}.{table}"
+    from_config = False
+    if key_columns:
+        names = {c.name for c in cols}
+        missing = [k for k in key_columns if k not in names]
+        if missing:
+            raise ConfigError(f"key_columns[{qualified!r}]: no column(s) {missing} in {qualified} "
+                              f"(columns: {', '.join(sorted(names))})")
+        key, from_config = tuple(key_columns), True
+    elif pk:
+        key = pk
+    else:
+        raise SourceError(
+            f"table {qualified} has no primary key: kappaflow keys every record by it. Add a primary key, "
+            f'or name key columns in the source config: key_columns = {{ "{qualified}" = ["col", ...] }}',
+            retry=Retry.TERMINAL,
+        )
+    if from_config and ident in ("d", "n") and not pk:
+        raise SourceError(
+            f"table {qualified} has no primary key and REPLICA IDENTITY {'DEFAULT' if ident == 'd' else 'NOTHING'}: "
+            "PostgreSQL would refuse UPDATE/DELETE once it is published and the WAL carries no old key. Run "
+            f"ALTER TABLE {qualified} REPLICA IDENTITY FULL (or USING INDEX a unique index on the key columns)",
+            retry=Retry.TERMINAL,
+        )
+    return TableInfo(schema, table, oid, cols, key, from_config, ident, max(reltuples, 0))
+
+
+def publication_tables(conn: psycopg.Connection, publication: str) -> list[tuple[str, str]]:
+    return [(r[0], r[1]) for r in conn.execute(
+        "SELECT schemaname, tablename FROM pg_publication_tables WHERE pubname = %s ORDER BY 1, 2",
+        (publication,)).fetchall()]
+
+
+def all_user_tables(conn: psycopg.Connection) -> list[tuple[str, str]]:
+    return [(r[0], r[1]) for r in conn.execute(
+        "SELECT n.nspname, c.relname FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace "
+        "WHERE c.relkind IN ('r', 'p') AND NOT c.relispartition "
+        "AND n.nspname NOT IN ('pg_catalog', 'information_schema') AND n.nspname NOT LIKE 'pg_toast%%' "
+        "ORDER BY 1, 2").fetchall()]
+
+
+def resolve_tables(conn: psycopg.Connection, tables: Sequence[str],
+                   key_columns: Mapping[str, Sequence[str]]) -> list[TableInfo]:
+    """The configured tables (or every user table when empty), validated and with their keys."""
+    names = [split_table_name(t) for t in tables] if tables else all_user_tables(conn)
+    keys = {split_table_name(k): list(v) for k, v in key_columns.items()}
+    known = set(names)
+    for schema, table in keys:
+        if (schema, table) not in known:
+            raise ConfigError(f"key_columns: table {schema}.{table} is not among the captured tables")
+    return [load_table(conn, s, t, keys.get((s, t))) for s, t in names]
+
+
+# -- types ---------------------------------------------------------------------------------
+
+class TypeCatalog:
+    """Cached pg_type lookups for user types (enums, domains, user arrays)."""
+
+    def __init__(self, conn: psycopg.Connection) -> None:
+        self._conn = conn
+        self._cache: dict[int, TypeInfo | None] = {}
+
+    def __call__(self, oid: int) -> TypeInfo | None:
+        if oid in self._cache:
+            return self._cache[oid]
+        row = self._conn.execute(
+            "SELECT t.oid, n.nspname || '.' || t.typname, t.typtype, "
+            "CASE WHEN t.typcategory = 'A' THEN t.typelem ELSE 0 END, t.typbasetype, t.typtypmod, "
+            "ARRAY(SELECT e.enumlabel::text FROM pg_enum e WHERE e.enumtypid = t.oid ORDER BY e.enumsortorder) "
+            "FROM pg_type t JOIN pg_namespace n ON n.oid = t.typnamespace WHERE t.oid = %s",
+            (oid,),
+        ).fetchone()
+        info = None
+        if row is not None:
+            info = TypeInfo(int(row[0]), str(row[1]), str(row[2]), int(row[3]), int(row[4]), int(row[5]),
+                            tuple(row[6] or ()))
+        self._cache[oid] = info
+        return info
+
+    def invalidate(self, oid: int | None = None) -> None:
+        if oid is None:
+            self._cache.clear()
+        else:
+            self._cache.pop(oid, None)
+
+
+# -- publication -----------------------------------------------------------------------------
+
+def ensure_publication(conn: psycopg.Connection, name: str, tables: Iterable[TableInfo] | None) -> bool:
+    """Create the publication, or make an existing one publish exactly ``tables``.
+
+    ``tables=None`` means FOR ALL TABLES. Returns True when something changed.
+    """
+    pub = sql.Identifier(name)
+    row = conn.execute("SELECT puballtables FROM pg_publication WHERE pubname = %s", (name,)).fetchone()
+    try:
+        if tables is None:
+            if row is not None and row[0]:
+                return False
+            if row is not None:
+                conn.execute(sql.SQL("DROP PUBLICATION {}").format(pub))
+            conn.execute(sql.SQL("CREATE PUBLICATION {} FOR ALL TABLES").format(pub))
+            return True
+        wanted = sorted((t.schema, t.name) for t in tables)
+        targets = sql.SQL(", ").join(sql.Identifier(s, t) for s, t in wanted)
+        if row is None:
+            conn.execute(sql.SQL("CREATE PUBLICATION {} FOR TABLE {}").format(pub, targets))
+            return True
+        if row[0]:
+            conn.execute(sql.SQL("DROP PUBLICATION {}").format(pub))
+            conn.execute(sql.SQL("CREATE PUBLICATION {} FOR TABLE {}").format(pub, targets))
+            return True
+        if publication_tables(conn, name) == wanted:
+            return False
+        conn.execute(sql.SQL("ALTER PUBLICATION {} SET TABLE {}").format(pub, targets))
+        return True
+    except psycopg.errors.InsufficientPrivilege as exc:
+        raise SourceError(
+            f"cannot create/alter publication {name!r}: {str(exc).strip()}. FOR TABLE needs ownership of the "
+            "tables, FOR ALL TABLES a superuser; or have an admin create it and set `publication` in the config",
+            retry=Retry.TERMINAL,
+        ) from None
+
+
+def drop_publication(conn: psycopg.Connection, name: str) -> None:
+    conn.execute(sql.SQL("DROP PUBLICATION IF EXISTS {}").format(sql.Identifier(name)))
+
+
+# -- slots -------------------------------------------------------------------------------------
+
+@dataclass(frozen=True, slots=True)
+class SlotInfo:
+    name: str
+    plugin: str | None
+    database: str | None
+    active: bool
+    active_pid: int | None
+    confirmed_flush_lsn: int | None
+    restart_lsn: int | None
+    wal_status: str | None  # reserved | extended | unreserved | lost
+    lag_bytes: int | None  # pg_current_wal_lsn() - confirmed_flush_lsn
+    current_lsn: int = 0
+    extra: dict[str, object] = field(default_factory=dict)
+
+    @property
+    def invalidated(self) -> bool:
+        return self.wal_status == "lost" or (self.restart_lsn is None and self.confirmed_flush_lsn is not None)
+
+
+def _lsn_or_none(v: object) -> int | None:
+    if v is None:
+        return None
+    hi, _, lo = str(v).partition("/")
+    return (int(hi, 16) << 32) | int(lo, 16)
+
+
+def slot_info(conn: psycopg.Connection, name: str) -> SlotInfo | None:
+    row = conn.execute(
+        "SELECT slot_name, plugin, database, active, active_pid, confirmed_flush_lsn::text, restart_lsn::text, "
+        "wal_status, (pg_current_wal_lsn() - confirmed_flush_lsn)::bigint, pg_current_wal_lsn()::text "
+        "FROM pg_replication_slots WHERE slot_name = %s",
+        (name,),
+    ).fetchone()
+    if row is None:
+        return None
+    return SlotInfo(
+        name=row[0], plugin=row[1], database=row[2], active=bool(row[3]), active_pid=row[4],
+        confirmed_flush_lsn=_lsn_or_none(row[5]), restart_lsn=_lsn_or_none(row[6]), wal_status=row[7],
+        lag_bytes=None if row[8] is None else int(row[8]), current_lsn=_lsn_or_none(row[9]) or 0,
+    )
+
+
+def check_slot_usable(info: SlotInfo, dbname: str, dsn: str) -> None:
+    where = redact_dsn(dsn)
+    if info.plugin != "pgoutput":
+        raise SourceError(f"replication slot {info.name!r} uses plugin {info.plugin!r}, not pgoutput: "
+                          "choose another slot name (source config `slot`) or drop it", retry=Retry.TERMINAL)
+    if info.database != dbname:
+        raise SourceError(f"replication slot {info.name!r} belongs to database {info.database!r}, not "
+                          f"{dbname!r}: choose another slot name", retry=Retry.TERMINAL)
+    if info.invalidated:
+        raise SourceError(
+            f"replication slot {info.name!r} was invalidated (wal_status={info.wal_status}): the WAL it needed "
+            "was removed (max_slot_wal_keep_size?), so changes are missing. Drop the slot and re-snapshot: "
+            f"kappaflow capture with snapshot_mode=always [{where}]",
+            retry=Retry.TERMINAL,
+        )
+    if info.active:
+        raise SourceError(
+            f"replication slot {info.name!r} is in use by another process (PID {info.active_pid}): stop the "
+            f"other capture (or use a different slot name) and retry [{where}]",
+            retry=Retry.TRANSIENT,
+        )
+
+
+def drop_slot(conn: psycopg.Connection, name: str) -> bool:
+    row = conn.execute("SELECT active_pid FROM pg_replication_slots WHERE slot_name = %s", (name,)).fetchone()
+    if row is None:
+        return False
+    if row[0] is not None:
+        raise SourceError(f"replication slot {name!r} is in use by PID {row[0]}: stop that capture first",
+                          retry=Retry.TRANSIENT)
+    conn.execute("SELECT pg_drop_replication_slot(%s)", (name,))
+    return True
+
+
+def emit_heartbeat(conn: psycopg.Connection, slot: str, content: str = "") -> int:
+    """Write a non-transactional logical message; decoding it lets the slot advance when idle."""
+    row = conn.execute("SELECT pg_logical_emit_message(false, %s, %s)::text",
+                       (f"{HEARTBEAT_PREFIX}:{slot}", content)).fetchone()
+    assert row is not None
+    return _lsn_or_none(row[0]) or 0
+
+
+def current_lsn(conn: psycopg.Connection) -> int:
+    row = conn.execute("SELECT pg_current_wal_lsn()::text").fetchone()
+    assert row is not None
+    return _lsn_or_none(row[0]) or 0

@@ -1,0 +1,666 @@
+"""Streaming source: pgoutput over the replication protocol, in commit order, into the log.
+
+Commit protocol (acknowledge upstream last) — for every batch of transactions:
+
+1. decode the transactions' messages into records (nothing is acknowledged yet;
+   a crash here loses only in-memory work: the server re-sends it);
+2. the writer appends each topic's records (schema-change records first) — each
+   append is durable when it returns (``CaptureWriter`` step 2);
+3. the writer appends the offset: ``lsn`` = end LSN of the batch's last complete
+   transaction (step 3);
+4. the writer publishes that LSN as durable (step 4), and only then
+5. a standby status update reports it as *flushed* to the server, which may now
+   advance ``confirmed_flush_lsn`` and recycle WAL before it.
+
+After a crash between 2 and 3 the restart re-streams from the previous offset;
+records whose position is at or below the last position already in their
+topic-partition are skipped (``PgCapture.is_duplicate``), so nothing is written
+twice. After a crash between 3 and 5 the server re-sends from its older
+confirmed LSN, but streaming starts at the stored offset (START_REPLICATION with
+the newer LSN skips transactions committed before it) and the duplicate check
+covers the rest.
+
+Idle and filtered tables: when no transaction is in flight and nothing is
+pending, the LSN of a keepalive or of kappaflow's own heartbeat message
+(``pg_logical_emit_message``, written every ``heartbeat_interval_s``) is stored
+as the offset and then acknowledged, so the slot keeps advancing and WAL does
+not pile up behind it.
+
+Positions: ``PgPosition(commit_lsn, index)`` where ``index`` counts the events
+the transaction produced (a primary-key change produces a delete at ``index``
+and a create at ``index + 1``; a delete's tombstone shares the delete's position).
+"""
+
+from __future__ import annotations
+
+import struct
+import time
+import uuid
+from typing import Any
+
+import orjson
+
+from kappaflow.connectors.base import StopSignal, StreamingSource, TrustedRecord
+from kappaflow.connectors.postgres import slots
+from kappaflow.connectors.postgres.context import PgCapture
+from kappaflow.connectors.postgres.decoder import (
+    UNCHANGED,
+    LogicalMessage,
+    PgOutputDecoder,
+    Relation,
+    Truncate,
+    TypeMessage,
+    parse_tuple,
+)
+from kappaflow.connectors.postgres.offset import PgOffset
+from kappaflow.connectors.postgres.replication import (
+    KEEPALIVE,
+    PG_EPOCH_US,
+    XLOGDATA,
+    ReplicationConnection,
+    lsn_str,
+    parse_keepalive,
+)
+from kappaflow.connectors.postgres.rows import TOAST_ROW_MIN, TableCodec
+from kappaflow.errors import SourceError, ValidationError
+from kappaflow.events import PgPosition
+from kappaflow.log.partitioner import partition_for
+
+__all__ = ["PgStreamingSource"]
+
+_u32 = struct.Struct(">I").unpack_from
+_begin = struct.Struct(">QqI").unpack_from
+_commit = struct.Struct(">BQQq").unpack_from
+_xlog_start = struct.Struct(">Q").unpack_from
+
+_OP_C = ("kf.op", b"c")
+_OP_U = ("kf.op", b"u")
+_OP_D = ("kf.op", b"d")
+_OP_T = ("kf.op", b"t")
+_HEADERS_C = (_OP_C,)
+_HEADERS_U = (_OP_U,)
+_HEADERS_D = (_OP_D,)
+_TRUNCATE_KEY = b"{}"
+_MISSING: Any = object()
+
+
+class PgStreamingSource(StreamingSource):
+    def __init__(self, cap: PgCapture, repl: ReplicationConnection, *, slot: str, publication: str,
+                 heartbeat_interval_s: float = 10.0, status_interval_s: float = 1.0,
+                 batch_records: int = 20_000, linger_s: float = 0.05) -> None:
+        self.cap = cap
+        self.repl = repl
+        self.slot = slot
+        self.publication = publication
+        self.heartbeat_interval_s = heartbeat_interval_s
+        self.status_interval_s = status_interval_s
+        self.batch_records = batch_records
+        self.linger_s = linger_s
+        self.decoder = PgOutputDecoder()
+        self.rels: dict[int, TableCodec | None] = {}
+        self.acked = 0
+        self.heartbeat_prefix = f"{slots.HEARTBEAT_PREFIX}:{slot}"
+        # transaction state
+        self.in_tx = False
+        self.tx_lsn = 0
+        self.tx_ts_ms = 0
+        self.tx_xid = 0
+        self.tx_id = b""
+        self.index = 0
+        self.dco: dict[str, int] = {}
+        self.prefixes: dict[int, bytes] = {}
+        self.dedup = False
+        self.complete_end = 0  # end LSN of the last complete transaction in the pending batch
+        self.duplicates = 0
+        self.events = 0  # events emitted since the last flush (added to the offset and summary there)
+
+    # -- main loop ------------------------------------------------------------------------------
+    def execute(self, offset: Any, stop: StopSignal, *, until_caught_up: bool = False) -> PgOffset:
+        assert isinstance(offset, PgOffset)
+        cap = self.cap
+        writer = cap.require_writer()
+        self.offset = offset
+        self.acked = offset.lsn
+        self.repl.start(self.slot, offset.lsn, [self.publication])
+        marker: bytes | None = None
+        if until_caught_up:
+            nonce = uuid.uuid4().hex
+            marker = f"caughtup:{nonce}".encode()
+            slots.emit_heartbeat(cap.conn, self.slot, marker.decode())
+        self.caught_up = False
+        now = time.monotonic()
+        next_status = now + self.status_interval_s
+        next_heartbeat = now + self.heartbeat_interval_s
+        last_idle_save = 0.0
+        self.idle_candidate = 0
+        summary = cap.summary
+        summary.phase = "streaming"
+        process = self._process
+        while not stop.is_set():
+            msgs = self.repl.read_many(0.1 if cap.pending or writer.pending else 0.5, 8192)
+            if msgs:
+                process(msgs, int(time.time() * 1000), marker)
+            writer.check()
+            now = time.monotonic()
+            pending = cap.pending
+            if pending and not self.in_tx:
+                if (pending.count >= self.batch_records or not msgs
+                        or now - pending.started >= self.linger_s or self.caught_up):
+                    self._flush()
+            elif self.in_tx and pending.count >= 4 * self.batch_records:
+                self._flush(partial=True)  # huge transaction: write what we have, ack nothing yet
+            durable = writer.durable_token
+            if durable is not None and durable > self.acked:
+                self.acked = durable
+                self.repl.send_status(durable)
+                next_status = now + self.status_interval_s
+            elif now >= next_status:
+                self.repl.send_status(self.acked)
+                next_status = now + self.status_interval_s
+            if (self.idle_candidate > self.acked and not self.in_tx and not cap.pending and writer.pending == 0
+                    and now - last_idle_save >= min(1.0, self.heartbeat_interval_s)):
+                last_idle_save = now
+                self.offset.lsn = max(self.offset.lsn, self.idle_candidate)
+                cap.flush(self.offset, token=self.idle_candidate)
+            if now >= next_heartbeat:
+                slots.emit_heartbeat(cap.conn, self.slot)
+                next_heartbeat = now + self.heartbeat_interval_s
+            if self.caught_up and not self.in_tx and not cap.pending:
+                writer.drain()
+                durable = writer.durable_token
+                if durable is not None and durable > self.acked:
+                    self.acked = durable
+                self.repl.send_status(self.acked)
+                stop.set("caught up")
+        # clean stop: write what was decoded; a partial transaction's records are covered by the
+        # duplicate check when the server re-sends the transaction, and the offset names the
+        # last complete one
+        if cap.pending:
+            self._flush()
+        writer.drain()
+        durable = writer.durable_token
+        if durable is not None and durable > self.acked:
+            self.acked = durable
+        try:
+            self.repl.send_status(self.acked)
+        except SourceError:
+            pass
+        summary.duplicates_skipped += self.duplicates
+        summary.acknowledged = lsn_str(self.acked)
+        return self.offset
+
+    def _flush(self, partial: bool = False) -> None:
+        cap = self.cap
+        self._count_events()
+        if partial:
+            # offset still names the previous complete transaction; the duplicate check
+            # covers the part written now if we crash before this transaction completes
+            cap.flush(self.offset, token=None)
+            return
+        token = self.complete_end or None
+        cap.flush(self.offset, token=token)
+        self.complete_end = 0
+
+    def _count_events(self) -> None:
+        if self.events:
+            self.cap.summary.events += self.events
+            self.offset.events += self.events
+            self.events = 0
+
+    # -- messages ----------------------------------------------------------------------------------
+    def _process(self, msgs: list[bytes], now_ms: int, marker: bytes | None) -> None:
+        """The hot loop: Begin/Commit and plain Insert/Update handled inline, with locals.
+
+        Same behaviour as calling :meth:`_handle` per message (which handles everything
+        else); the transaction counters live in locals and are written back before any
+        other method runs.
+        """
+        rels = self.rels
+        dumps = orjson.dumps
+        cap = self.cap
+        pending = cap.pending
+        by_topic = pending.by_topic
+        index = self.index
+        events = self.events
+        count = 0
+        tx_lsn = self.tx_lsn
+        tx_id = self.tx_id
+        dedup = self.dedup
+        dco = self.dco
+        prefixes = self.prefixes
+        for m in msgs:
+            if m[0] == XLOGDATA:
+                tag = m[25]
+                if tag == 73 or tag == 85:  # 'I' / 'U' with only a new tuple
+                    tc = rels.get(_u32(m, 26)[0], _MISSING)
+                    if tc is None:
+                        continue
+                    r = None
+                    if tc is not _MISSING and m[30] == 78:
+                        try:
+                            r = tc.fast(m, 31)
+                        except Exception:
+                            r = None
+                    if r is not None and r[1] == len(m):
+                        js = r[0]
+                        key = tc.key_of(js)
+                        state = tc.toast_state
+                        if state is not None:
+                            if r[2] and len(m) >= TOAST_ROW_MIN:
+                                tc.remember_all(key, js)
+                            elif state and tag == 85:
+                                state.pop(key, None)
+                        idx = index
+                        index += 1
+                        topic = tc.topic
+                        if dedup and cap.is_duplicate(topic, key, (tx_lsn, 1, idx)):
+                            self.duplicates += 1
+                            continue
+                        d = dco.get(topic, 0) + 1
+                        dco[topic] = d
+                        prefix = prefixes.get(tc.relid)
+                        if prefix is None:
+                            prefix = self._prefix(tc)
+                        if tag == 73:
+                            value = (b'{"before":null,"after":%s,"source":%s%d,"snapshot":false}},"op":"c","ts_ms":%d,'
+                                     b'"transaction":{"id":"%s","total_order":%d,"data_collection_order":%d}}' % (
+                                         dumps(js), prefix, idx, now_ms, tx_id, idx + 1, d))
+                            headers = _HEADERS_C
+                        else:
+                            value = (b'{"before":null,"after":%s,"source":%s%d,"snapshot":false}},"op":"u","ts_ms":%d,'
+                                     b'"transaction":{"id":"%s","total_order":%d,"data_collection_order":%d}}' % (
+                                         dumps(js), prefix, idx, now_ms, tx_id, idx + 1, d))
+                            headers = _HEADERS_U
+                        recs = by_topic.get(topic)
+                        if recs is None:
+                            recs = by_topic[topic] = []
+                        recs.append(TrustedRecord(key, value, headers))
+                        count += 1
+                        events += 1
+                        continue
+                elif tag == 66:  # 'B'
+                    final_lsn, ts, xid = _begin(m, 26)
+                    self.in_tx = True
+                    self.tx_lsn = tx_lsn = final_lsn
+                    self.tx_ts_ms = (ts + PG_EPOCH_US) // 1000
+                    self.tx_xid = xid
+                    self.tx_id = tx_id = b"%d:%d" % (xid, final_lsn)
+                    index = 0
+                    self.dco = dco = {}
+                    self.prefixes = prefixes = {}
+                    self.dedup = dedup = not cap.past_duplicates((final_lsn, 1, 0))
+                    continue
+                elif tag == 67:  # 'C'
+                    _flags, commit_lsn, end_lsn, _ts = _commit(m, 26)
+                    self.in_tx = False
+                    off = self.offset
+                    off.lsn = end_lsn
+                    off.last_commit_lsn = commit_lsn
+                    self.complete_end = end_lsn
+                    continue
+            # everything else: write the counters back, take the general path, reload
+            self.index = index
+            self.events = events
+            pending.count += count
+            count = 0
+            self._handle(m, now_ms, marker)
+            index = self.index
+            events = self.events
+            pending = cap.pending
+            by_topic = pending.by_topic
+            tx_lsn = self.tx_lsn
+            tx_id = self.tx_id
+            dedup = self.dedup
+            dco = self.dco
+            prefixes = self.prefixes
+        self.index = index
+        self.events = events
+        pending.count += count
+
+    def _handle(self, m: bytes, now_ms: int, marker: bytes | None) -> None:
+        if m[0] != XLOGDATA:
+            if m[0] == KEEPALIVE:
+                wal_end, _reply = parse_keepalive(m)
+                if not self.in_tx:
+                    self.idle_candidate = max(self.idle_candidate, wal_end)
+            return
+        tag = m[25]
+        if tag == 73:  # 'I'
+            self._insert(m, now_ms)
+        elif tag == 85:  # 'U'
+            self._update(m, now_ms)
+        elif tag == 68:  # 'D'
+            self._delete(m, now_ms)
+        elif tag == 66:  # 'B'
+            final_lsn, ts, xid = _begin(m, 26)
+            self.in_tx = True
+            self.tx_lsn = final_lsn
+            self.tx_ts_ms = (ts + PG_EPOCH_US) // 1000
+            self.tx_xid = xid
+            self.tx_id = b"%d:%d" % (xid, final_lsn)
+            self.index = 0
+            self.dco = {}
+            self.prefixes = {}
+            self.dedup = not self.cap.past_duplicates((final_lsn, 1, 0))
+        elif tag == 67:  # 'C'
+            _flags, commit_lsn, end_lsn, _ts = _commit(m, 26)
+            self.in_tx = False
+            off = self.offset
+            off.lsn = end_lsn
+            off.last_commit_lsn = commit_lsn
+            self.complete_end = end_lsn
+        else:
+            self._other(m, marker)
+
+    def _other(self, m: bytes, marker: bytes | None) -> None:
+        start = _xlog_start(m, 1)[0]
+        msg = self.decoder.decode(m[25:], start)
+        if isinstance(msg, Relation):
+            self._relation(msg)
+        elif isinstance(msg, TypeMessage):
+            self.cap.types.invalidate(msg.oid)
+        elif isinstance(msg, Truncate):
+            self._truncate(msg)
+        elif isinstance(msg, LogicalMessage) and msg.prefix == self.heartbeat_prefix and not msg.transactional:
+            if not self.in_tx:
+                self.idle_candidate = max(self.idle_candidate, msg.lsn)
+            if marker is not None and msg.content == marker:
+                self.caught_up = True
+        # Origin messages and other applications' logical messages carry nothing kappaflow needs
+
+    def _relation(self, rel: Relation) -> None:
+        cap = self.cap
+        info = cap.table_info(rel.namespace, rel.name)
+        if info is None:
+            self.rels[rel.relid] = None  # published but not captured
+            return
+        tc = cap.codecs.get(info.qualified)
+        if tc is None or not tc.same_shape(rel.columns):
+            tc = TableCodec.from_relation(rel.columns, info=info, relid=rel.relid,
+                                          replica_identity=rel.replica_identity, source=cap.source, db=cap.db,
+                                          codec=cap.codec, lookup=cap.types)
+            cap.install_codec(tc, PgPosition(self.tx_lsn if self.in_tx else self.offset.lsn, self.index))
+        tc.replica_identity = rel.replica_identity
+        tc.ident_idx = tuple(i for i, c in enumerate(rel.columns) if c.key)
+        self.rels[rel.relid] = tc
+        self.prefixes.pop(rel.relid, None)
+
+    def _codec(self, m: bytes) -> TableCodec | None:
+        relid = _u32(m, 26)[0]
+        try:
+            return self.rels[relid]
+        except KeyError:
+            raise ValidationError(f"pgoutput row message for relation {relid} before its Relation message "
+                                  f"(at WAL position {lsn_str(_xlog_start(m, 1)[0])})") from None
+
+    def _prefix(self, tc: TableCodec) -> bytes:
+        p = self.prefixes.get(tc.relid)
+        if p is None:
+            p = self.prefixes[tc.relid] = tc.source_prefix(self.tx_ts_ms, "false", self.tx_xid, self.tx_lsn)
+        return p
+
+    def _tuple(self, m: bytes, pos: int, what: str) -> tuple[tuple[Any, ...], int]:
+        try:
+            return parse_tuple(m, pos)
+        except Exception:
+            self.decoder.decode(m[25:], _xlog_start(m, 1)[0])  # raises the precise ValidationError
+            raise
+
+    def _emit(self, tc: TableCodec, key: bytes, op: bytes, header: tuple[str, bytes], before: bytes,
+              after: bytes, unavailable: list[str] | None, now_ms: int) -> None:
+        idx = self.index
+        self.index = idx + 1
+        topic = tc.topic
+        if self.dedup and self.cap.is_duplicate(topic, key, (self.tx_lsn, 1, idx)):
+            self.duplicates += 1
+            return
+        dco = self.dco.get(topic, 0) + 1
+        self.dco[topic] = dco
+        prefix = self.prefixes.get(tc.relid) or self._prefix(tc)
+        value = (b'{"before":%s,"after":%s,"source":%s%d,"snapshot":false}},"op":"%s","ts_ms":%d,'
+                 b'"transaction":{"id":"%s","total_order":%d,"data_collection_order":%d}' % (
+                     before, after, prefix, idx, op, now_ms, self.tx_id, idx + 1, dco))
+        if unavailable:
+            value += b',"kf_unavailable":' + orjson.dumps(unavailable)
+        value += b"}"
+        pending = self.cap.pending
+        recs = pending.by_topic.get(topic)
+        if recs is None:
+            recs = pending.by_topic[topic] = []
+        recs.append(TrustedRecord(key, value, (header,)))
+        if op == b"d":
+            # the tombstone has no value to hold its position: it goes in the kf.pos header
+            pos = b'{"kind":"pg","lsn":%d,"index":%d,"snapshot":false}' % (self.tx_lsn, idx)
+            recs.append(TrustedRecord(key, None, (header, ("kf.pos", pos))))
+            pending.count += 2
+        else:
+            pending.count += 1
+        self.events += 1
+
+    # -- fast paths: generated per-table parsers; anything unusual goes to the *_slow twins ------------
+    def _insert(self, m: bytes, now_ms: int) -> None:
+        tc = self.rels.get(_u32(m, 26)[0], _MISSING)
+        if tc is None:
+            return
+        r = None
+        if tc is not _MISSING and m[30] == 78:
+            try:
+                r = tc.fast(m, 31)
+            except Exception:
+                r = None
+        if r is None or r[1] != len(m):
+            self._insert_slow(m, now_ms)
+            return
+        js = r[0]
+        key = tc.key_of(js)
+        if r[2] and len(m) >= TOAST_ROW_MIN:
+            tc.remember_all(key, js)
+        self._emit(tc, key, b"c", _OP_C, b"null", orjson.dumps(js), None, now_ms)
+
+    def _update(self, m: bytes, now_ms: int) -> None:
+        tc = self.rels.get(_u32(m, 26)[0], _MISSING)
+        if tc is None:
+            return
+        r = None
+        if tc is not _MISSING and m[30] == 78:
+            try:
+                r = tc.fast(m, 31)
+            except Exception:
+                r = None
+        if r is None or r[1] != len(m):
+            self._update_slow(m, now_ms)
+            return
+        js = r[0]
+        key = tc.key_of(js)
+        state = tc.toast_state
+        if r[2] and len(m) >= TOAST_ROW_MIN:
+            tc.remember_all(key, js)
+        elif state:
+            state.pop(key, None)
+        self._emit(tc, key, b"u", _OP_U, b"null", orjson.dumps(js), None, now_ms)
+
+    def _insert_slow(self, m: bytes, now_ms: int) -> None:
+        tc = self._codec(m)
+        if tc is None:
+            return
+        if m[30] != 78:
+            self.decoder.decode(m[25:], _xlog_start(m, 1)[0])
+        raw, _end = self._tuple(m, 31, "new")
+        js = tc.json_row(raw)
+        key = tc.key_of(js)
+        if tc.toast_state is not None:
+            tc.remember(key, js, raw)
+        self._emit(tc, key, b"c", _OP_C, b"null", orjson.dumps(js), None, now_ms)
+
+    def _update_slow(self, m: bytes, now_ms: int) -> None:
+        tc = self._codec(m)
+        if tc is None:
+            return
+        kind = m[30]
+        old_raw = None
+        if kind == 75 or kind == 79:  # 'K' / 'O'
+            old_raw, pos = self._tuple(m, 31, "old")
+            kind2 = m[pos]
+            if kind2 != 78:
+                self.decoder.decode(m[25:], _xlog_start(m, 1)[0])
+            new_raw, _end = self._tuple(m, pos + 1, "new")
+        elif kind == 78:
+            new_raw, _end = self._tuple(m, 31, "new")
+        else:
+            self.decoder.decode(m[25:], _xlog_start(m, 1)[0])
+            raise ValidationError("unreachable: malformed Update message")  # pragma: no cover
+        js = tc.json_row(new_raw)
+        old_js = None
+        before = b"null"
+        if old_raw is not None:
+            old_js = tc.json_row(old_raw)
+            if kind == 75:  # key columns only: the rest is unknown (absent), not NULL
+                names = tc.names
+                old_js = {names[i]: old_js[names[i]] for i in tc.ident_idx}
+        missing: list[str] | None = None
+        if UNCHANGED in new_raw:
+            new_key = self._key_or_none(tc, js)
+            old_key = tc.key_of(old_js) if old_js is not None and self._has_key(tc, old_js) else new_key
+            if old_key is None:
+                raise SourceError(f"table {tc.qualified}: an UPDATE carries no key column values")
+            if (old_js is None and tc.toast_state is not None and not tc.toast_state_loaded
+                    and old_key not in tc.toast_state):
+                self._load_toast_state(tc)
+            missing = tc.fill_unchanged(js, new_raw, old_key, old_js) or None
+        key = tc.key_of(js)
+        if old_js is not None:
+            if self._has_key(tc, old_js):
+                old_key = tc.key_of(old_js)
+                if old_key != key:
+                    # primary key changed: delete (+ tombstone) of the old key, create of the new one
+                    if tc.toast_state is not None:
+                        tc.toast_state.pop(old_key, None)
+                        tc.remember(key, js, new_raw)
+                    self._emit(tc, old_key, b"d", _OP_D, orjson.dumps(old_js), b"null", None, now_ms)
+                    self._emit(tc, key, b"c", _OP_C, b"null", orjson.dumps(js), missing, now_ms)
+                    return
+            before = orjson.dumps(old_js)
+        if tc.toast_state is not None:
+            tc.remember(key, js, new_raw)
+        self._emit(tc, key, b"u", _OP_U, before, orjson.dumps(js), missing, now_ms)
+
+    @staticmethod
+    def _has_key(tc: TableCodec, row: dict[str, Any]) -> bool:
+        return all(k in row and row[k] is not None for k in tc.key)
+
+    def _key_or_none(self, tc: TableCodec, row: dict[str, Any]) -> bytes | None:
+        return tc.key_of(row) if self._has_key(tc, row) else None
+
+    def _delete(self, m: bytes, now_ms: int) -> None:
+        tc = self._codec(m)
+        if tc is None:
+            return
+        kind = m[30]
+        if kind != 75 and kind != 79:
+            self.decoder.decode(m[25:], _xlog_start(m, 1)[0])
+        old_raw, _end = self._tuple(m, 31, "old")
+        old_js = tc.json_row(old_raw)
+        if kind == 75:
+            names = tc.names
+            old_js = {names[i]: old_js[names[i]] for i in tc.ident_idx}
+        if not self._has_key(tc, old_js):
+            raise SourceError(
+                f"table {tc.qualified}: a DELETE's old row lacks the key column(s) {list(tc.key)} "
+                f"(REPLICA IDENTITY {tc.replica_identity!r} sends {sorted(old_js)}): set REPLICA IDENTITY FULL "
+                "or key the table by its replica identity columns")
+        key = tc.key_of(old_js)
+        if tc.toast_state is not None:
+            tc.toast_state.pop(key, None)
+        self._emit(tc, key, b"d", _OP_D, orjson.dumps(old_js), b"null", None, now_ms)
+
+    # -- TRUNCATE ------------------------------------------------------------------------------------
+    def _truncate(self, msg: Truncate) -> None:
+        """op=t marker in every partition, then tombstones for every key the topic holds.
+
+        The marker tells consumers "everything before this in this partition is gone"; the
+        tombstones make the compacted topic empty like the table. Both go into each partition
+        in one append (all-or-nothing per partition), so the duplicate check stays exact.
+        """
+        cap = self.cap
+        codecs = [tc for relid in msg.relids if (tc := self.rels.get(relid)) is not None]
+        if not codecs:
+            return
+        # everything before the truncate must be in the log before its keys are scanned
+        self._count_events()
+        cap.flush(self.offset, token=None)
+        writer = cap.require_writer()
+        writer.drain()
+        now_ms = int(time.time() * 1000)
+        for tc in codecs:
+            idx = self.index
+            self.index = idx + 1
+            sort_key = (self.tx_lsn, 1, idx)
+            topic = tc.topic
+            nparts = cap.topic_partitions.get(topic) or cap._ensure_topic(topic)
+            live: list[set[bytes]] = [set() for _ in range(nparts)]
+            for p in range(nparts):
+                for rec in cap.log.iter_partition(topic, p):
+                    if rec.key is None or rec.key == _TRUNCATE_KEY:
+                        continue
+                    if rec.value is None:
+                        live[p].discard(rec.key)
+                    else:
+                        live[p].add(rec.key)
+            dco = self.dco.get(topic, 0) + 1
+            self.dco[topic] = dco
+            value = (b'{"before":null,"after":null,"source":%s%d,"snapshot":false}},"op":"t","ts_ms":%d,'
+                     b'"transaction":{"id":"%s","total_order":%d,"data_collection_order":%d}}' % (
+                         self._prefix(tc), idx, now_ms, self.tx_id, idx + 1, dco))
+            pos = (("kf.pos", b'{"kind":"pg","lsn":%d,"index":%d,"snapshot":false}' % (self.tx_lsn, idx)),)
+            for p in range(nparts):
+                tail = cap.tails.get((topic, p))
+                if self.dedup and tail is not None and sort_key <= tail:
+                    self.duplicates += 1
+                    continue
+                recs = [TrustedRecord(_TRUNCATE_KEY, value, (_OP_T, *pos))]
+                recs.extend(TrustedRecord(k, None, (_OP_T, *pos)) for k in sorted(live[p])
+                            if partition_for(k, nparts) == p)
+                cap.pending.truncates.append((topic, p, recs))
+                cap.pending.count += len(recs)
+            if tc.toast_state is not None:
+                tc.toast_state.clear()
+            self.events += 1
+        # later changes of this transaction must land after the tombstones: next batch
+        self._count_events()
+        cap.flush(self.offset, token=None)
+
+    # -- TOAST state rebuilt from the log ------------------------------------------------------------
+    def _load_toast_state(self, tc: TableCodec) -> None:
+        """Fill the keyed state of ``tc`` from the last values its topic holds (once per run).
+
+        Needed after a restart: an UPDATE that leaves a TOASTed value unchanged does not
+        carry it, and the value is in the log (every earlier change is durable there).
+        """
+        cap = self.cap
+        # the log must hold everything decoded so far, or older values would overwrite newer ones
+        if cap.pending:
+            self._flush(partial=self.in_tx)
+        cap.require_writer().drain()
+        state = tc.toast_state
+        assert state is not None
+        toast_names = {tc.names[i] for i, _ in tc.toast}
+        nparts = cap.topic_partitions.get(tc.topic) or cap._ensure_topic(tc.topic)
+        for p in range(nparts):
+            for rec in cap.log.iter_partition(tc.topic, p):
+                if rec.key is None or rec.key == _TRUNCATE_KEY:
+                    continue
+                if rec.value is None:
+                    state.pop(rec.key, None)
+                    continue
+                doc = orjson.loads(rec.value)
+                after = doc.get("after")
+                if after is None:
+                    state.pop(rec.key, None)
+                    continue
+                unknown = set(doc.get("kf_unavailable") or ())
+                entry = {n: after[n] for n in toast_names if n in after and n not in unknown}
+                if entry:
+                    state[rec.key] = entry
+                else:
+                    state.pop(rec.key, None)
+        tc.toast_state_loaded = True

@@ -1,0 +1,143 @@
+"""`kappaflow capture NAME` and the data behind `kappaflow source status NAME`.
+
+Wiring (in ``kappaflow/cli/app.py``)::
+
+    from kappaflow.cli import capture as capture_cli
+    app.command("capture")(capture_cli.capture)
+    # and in `source status NAME`:  capture_cli.source_status(source_config, log) -> dict
+
+``capture`` runs until stopped. SIGINT/SIGTERM ask for a clean stop: the batch being
+built is written, the offset saved, the source acknowledged, then the process exits
+(a second signal exits at once; everything durable stays consistent, see
+``kappaflow.connectors.base``). Transient failures (PostgreSQL restarting, a broker
+down, the slot held by a dying process) are retried with backoff; terminal ones end
+the command with one clear line.
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from types import FrameType
+from typing import Annotated, Any
+
+import typer
+
+from kappaflow.config import MySQLSourceConfig, PostgresSourceConfig, Settings
+from kappaflow.connectors.base import CaptureSummary, Connector, StopSignal
+from kappaflow.errors import ConfigError, KappaflowError
+from kappaflow.log.base import Log
+
+__all__ = ["capture", "capture_command", "make_connector", "source_status"]
+
+
+def make_connector(source: Any, log: Log, *, partitions: int = 4, progress: bool | None = None) -> Connector:
+    """The connector for a source config (PostgreSQL now; MySQL when its connector exists)."""
+    if isinstance(source, PostgresSourceConfig):
+        from kappaflow.connectors.postgres.connector import PostgresConnector
+
+        return PostgresConnector(source, log, partitions=partitions, progress=progress)
+    if isinstance(source, MySQLSourceConfig):
+        from kappaflow.connectors.mysql.connector import MySQLConnector
+
+        return MySQLConnector.from_config(source, log, partitions=partitions)
+    kind = getattr(source, "kind", type(source).__name__)
+    raise ConfigError(f"source {getattr(source, 'name', '?')!r} of kind {kind!r} is not captured by "
+                      "`kappaflow capture` (Debezium sources are read from their Kafka topics directly)")
+
+
+def source_status(config: Any, log: Log) -> dict[str, Any]:
+    """Slot lag (bytes), confirmed LSN, stored offset, events captured, topic sizes.
+
+    ``log`` may be opened read-only (a running capture holds the embedded log's writer lock).
+    """
+    if isinstance(config, PostgresSourceConfig):
+        from kappaflow.connectors.postgres.connector import postgres_status
+
+        return postgres_status(config, log)
+    return make_connector(config, log).status()
+
+
+@contextmanager
+def _stop_on_signals(stop: StopSignal, on_signal: Callable[[str], None] | None = None) -> Iterator[None]:
+    """First SIGINT/SIGTERM: clean stop. Second: leave at once (KeyboardInterrupt)."""
+
+    def handler(signum: int, frame: FrameType | None) -> None:
+        name = signal.Signals(signum).name
+        if stop.is_set():
+            raise KeyboardInterrupt(f"second {name}: stopping now")
+        stop.set(f"{name} received")
+        if on_signal is not None:
+            on_signal(name)
+
+    old = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    for s in old:
+        signal.signal(s, handler)
+    try:
+        yield
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+
+
+def capture_command(name: str, until_caught_up: bool = False, config_path: Path | None = None, *,
+                    profile: str | None = None, progress: bool | None = None,
+                    max_retries: int | None = None, echo: Callable[[str], None] | None = None) -> CaptureSummary:
+    """Run the capture of source ``name`` from ``kappaflow.toml`` until stopped (or caught up).
+
+    Returns the summary of the last run. Raises KappaflowError for terminal failures
+    (and for transient ones once ``max_retries`` is exhausted; None retries forever).
+    """
+    settings = Settings.load(config_path, profile=profile)
+    source = settings.sources.get(name)
+    if source is None:
+        known = ", ".join(sorted(settings.sources)) or "none registered"
+        raise ConfigError(f"unknown source {name!r} (sources: {known}); add it with `kappaflow source add`")
+    say = echo or (lambda _m: None)
+    stop = StopSignal()
+    attempt = 0
+    delay = 1.0
+    with _stop_on_signals(stop, lambda sig: say(f"{sig}: finishing the current batch, then stopping")):
+        while True:
+            log = settings.log.open(settings.base_dir)
+            try:
+                connector = make_connector(source, log, partitions=settings.log.partitions, progress=progress)
+                summary = connector.run(stop, until_caught_up=until_caught_up)
+                return summary
+            except KappaflowError as exc:
+                if not exc.transient or stop.is_set() or (max_retries is not None and attempt >= max_retries):
+                    raise
+                attempt += 1
+                say(f"{exc} — retrying in {delay:.0f}s (attempt {attempt})")
+                if stop.wait(delay):
+                    raise
+                delay = min(delay * 2, 30.0)
+            finally:
+                log.close()
+
+
+def capture(
+    ctx: typer.Context,
+    name: Annotated[str, typer.Argument(help="Source name from kappaflow.toml.")],
+    until_caught_up: Annotated[bool, typer.Option(
+        "--until-caught-up", help="Exit once the log holds everything committed when the capture started.")] = False,
+    progress: Annotated[bool | None, typer.Option(
+        "--progress/--no-progress", help="Snapshot progress bar (default: when stderr is a terminal).")] = None,
+) -> None:
+    """Capture a source into the log: consistent snapshot, then streaming; Ctrl-C and kill -9 safe."""
+    from kappaflow.cli.common import console, err_console
+
+    obj = ctx.find_root().obj or {}
+    started = time.monotonic()
+    summary = capture_command(name, until_caught_up, obj.get("config"), profile=obj.get("profile"),
+                              progress=progress, echo=lambda m: err_console.print(m, markup=False))
+    took = time.monotonic() - started
+    console.print(
+        f"[bold]{summary.source}[/]: {summary.events:,} events ({summary.snapshot_rows:,} snapshot rows), "
+        f"{summary.records:,} records, {summary.duplicates_skipped:,} duplicates skipped; "
+        f"position {summary.position}, acknowledged {summary.acknowledged or '-'}; "
+        f"{summary.stopped_reason} after {took:.1f}s"
+    )
