@@ -562,7 +562,9 @@ class MySQLConnector(Connector):
         qualified = [f"{db}.{t}" for db, t in tables]
         if offset is None:
             offset = MySQLOffset(server.flavor, server.binlog_file, server.binlog_pos, server.gtid_executed,
-                                 phase="streaming")
+                                 phase="streaming", stream_start={"file": server.binlog_file,
+                                                                  "pos": server.binlog_pos,
+                                                                  "gtid": server.gtid_executed})
             if mode != "never":
                 offset.phase = "snapshot"
                 offset.snapshot = SnapshotProgress(qualified)

@@ -55,12 +55,14 @@ class MySQLOffset(OffsetContext):
     last_position: dict[str, Any] | None = None  # last change written (BinlogPosition dict), for status
     events: int = 0
     server_uuid: str = ""
+    stream_start: dict[str, Any] | None = None  # where streaming began (file, pos, gtid), for status and audits
 
     def to_dict(self) -> dict[str, Any]:
         return {
             "kind": "mysql", "flavor": self.flavor, "file": self.file, "pos": self.pos, "gtid": self.gtid,
             "phase": self.phase, "snapshot": None if self.snapshot is None else self.snapshot.to_dict(),
             "last_position": self.last_position, "events": self.events, "server_uuid": self.server_uuid,
+            "stream_start": self.stream_start,
         }
 
     @classmethod
@@ -79,7 +81,7 @@ class MySQLOffset(OffsetContext):
                 flavor=flavor, file=str(d["file"]), pos=int(d["pos"]), gtid=str(d.get("gtid") or ""),
                 phase=phase, snapshot=None if snap is None else SnapshotProgress.from_dict(snap),
                 last_position=d.get("last_position"), events=int(d.get("events", 0)),
-                server_uuid=str(d.get("server_uuid", "")),
+                server_uuid=str(d.get("server_uuid", "")), stream_start=d.get("stream_start"),
             )
         except (KeyError, ValueError, TypeError) as exc:
             raise ValidationError(f"mysql offset: malformed stored offset ({exc}); expected the dict written by "
