@@ -20,7 +20,7 @@ def fast_frozen_init(cls: type[T]) -> type[T]:
     """Replace a frozen slots dataclass's ``__init__`` by one with the same signature
     that sets slots via their descriptors, then calls ``__post_init__`` if defined."""
     fields = [f for f in dataclasses.fields(cls) if f.init]  # type: ignore[arg-type]
-    ns: dict[str, Any] = {"__new__": object.__new__}
+    ns: dict[str, Any] = {}
     params: list[str] = []
     body: list[str] = []
     for f in fields:
