@@ -39,7 +39,8 @@ def _generate(server: object, db: str, changes: int) -> int:
         conn.commit()
         for start in range(0, n_ins, per_txn):
             rows = [(i, i % 997, "new", f"{i % 10000}.{i % 100:02d}", f"order number {i}",
-                     "2024-05-01 12:00:00.123456", "2024-05-01 12:00:00.5") for i in range(start, min(n_ins, start + per_txn))]
+                     "2024-05-01 12:00:00.123456", "2024-05-01 12:00:00.5")
+                    for i in range(start, min(n_ins, start + per_txn))]
             cur.executemany("INSERT INTO orders VALUES (%s,%s,%s,%s,%s,%s,%s)", rows)
             conn.commit()
             done += len(rows)

@@ -125,7 +125,7 @@ def _run_until_killed(log_dir: Path, dsn: str, db: str, chunk: int, ready: Any, 
         deadline = time.monotonic() + timeout
         while not ready():
             if proc.poll() is not None:
-                out, err = proc.communicate()
+                _out, err = proc.communicate()
                 raise AssertionError(f"capture exited early ({proc.returncode}): {err.decode()[-2000:]}")
             if time.monotonic() > deadline:
                 raise AssertionError("capture did not reach the kill point in time")

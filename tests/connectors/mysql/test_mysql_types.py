@@ -48,7 +48,8 @@ EXPECTED_EXTREMES: dict[str, Any] = {
 EXPECTED_EDGES: dict[str, Any] = {
     "f": 0.0, "db": -1e300, "dt": dt.date(1000, 1, 1), "tm": dt.timedelta(0), "tm0": dt.timedelta(hours=838,
                                                                                                 minutes=59, seconds=59),
-    "dtt": dt.datetime(9999, 12, 31, 23, 59, 59, 999999), "ts": dt.datetime(2038, 1, 19, 3, 14, 7, 999999, tzinfo=dt.UTC),
+    "dtt": dt.datetime(9999, 12, 31, 23, 59, 59, 999999),
+    "ts": dt.datetime(2038, 1, 19, 3, 14, 7, 999999, tzinfo=dt.UTC),
     "ts0": None, "y": 0, "b1": False, "b10": b"\x01\x00", "e": "", "s": frozenset(), "j": JSON_NULL, "c": "",
     "bn": b"ab\x00\x00", "vb": b"", "bl": b"", "lb": b"", "biu": Decimal(0), "d": Decimal("0.000"),
 }
@@ -70,12 +71,12 @@ def test_all_types_round_trip_snapshot_and_binlog(mariadb_server: Any, mariadb_d
     db = mariadb_db
     mariadb_server.execute(
         DDL, "SET SESSION sql_mode=''", f"INSERT INTO alltypes (id, {COLS}) VALUES (1, {EXTREMES}), (2, {EDGES})",
-        f"INSERT INTO alltypes (id, dtt0, dt) VALUES (3, '0000-00-00 00:00:00', '0000-00-00')", db=db)
+        "INSERT INTO alltypes (id, dtt0, dt) VALUES (3, '0000-00-00 00:00:00', '0000-00-00')", db=db)
     conn = mh.connector(mariadb_server, db, embedded_log, [f"{db}.alltypes"], decimal_mode=decimal_mode)
     conn.run(until_caught_up=True)  # snapshot: ids 1-3 as op=r
     mariadb_server.execute(
         "SET SESSION sql_mode=''", f"INSERT INTO alltypes (id, {COLS}) VALUES (11, {EXTREMES}), (12, {EDGES})",
-        f"INSERT INTO alltypes (id, dtt0, dt) VALUES (13, '0000-00-00 00:00:00', '0000-00-00')", db=db)
+        "INSERT INTO alltypes (id, dtt0, dt) VALUES (13, '0000-00-00 00:00:00', '0000-00-00')", db=db)
     conn.run(until_caught_up=True)  # binlog: ids 11-13 as op=c
 
     # one schema record: the binlog's TableMapEvent gives the same schema as information_schema
