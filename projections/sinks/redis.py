@@ -547,32 +547,46 @@ class RedisSink(Sink):
 
     def _encode_json(self, changes: Iterable[Change], view: ViewSpec, build: str, opts: RedisSinkOptions,
                      result: WriteResult) -> Iterator[bytes]:
-        """Script calls, produced lazily: encoding overlaps with the server running earlier calls."""
+        """Script calls, produced lazily (encoding overlaps with the server running earlier calls) and
+        RESP-framed as they are built: EVALSHA sha n marker up_keys.. del_keys.. ttl tttl u up_vals.. del_vals.."""
         marker = self.marker_key(view, build).encode()
         prefix = f"{self.base(view)}:{build}:".encode()
-        head = [_ms(opts.ttl_s), _ms(opts.tombstone_ttl_s)]
+        head = b"".join(b"$%d\r\n%s\r\n" % (len(a), a) for a in (_ms(opts.ttl_s), _ms(opts.tombstone_ttl_s)))
+        lead = b"$7\r\nEVALSHA\r\n$40\r\n%s\r\n" % _SHAS["json"].encode()
+        marker_resp = b"$%d\r\n%s\r\n" % (len(marker), marker)
         max_keys, max_bytes, max_value, max_key = opts.batch_keys, opts.batch_bytes, opts.max_value_bytes, \
             opts.max_key_bytes
-        sha = _SHAS["json"].encode()
         dumps, default, dopts = orjson.dumps, json_default, DUMPS_OPTS
         up_keys: list[bytes] = []
         up_vals: list[bytes] = []
         del_keys: list[bytes] = []
         del_vals: list[bytes] = []
-        size = 0
+        n = nu = size = 0
+
+        def call() -> bytes:
+            nkeys = b"%d" % (n + 1)
+            u = b"%d" % nu
+            return b"".join([b"*%d\r\n" % (2 * n + 7), lead, b"$%d\r\n%s\r\n" % (len(nkeys), nkeys), marker_resp,
+                             *up_keys, *del_keys, head, b"$%d\r\n%s\r\n" % (len(u), u), *up_vals, *del_vals])
+
         for key, ks, row, v in changes:
+            if ks is None:
+                self._reject(result, key, f"key: NULL in a key column (version {v})")
+                continue
             rkey = prefix + ks.encode()
+            lk = len(rkey)
             if type(v) is not int or not 0 <= v <= MAX_VERSION:
                 self._reject(result, key, f"{VERSION}: expected an integer in 0..2^63-1, got {v!r}")
                 continue
-            if len(rkey) > max_key:
-                self._reject(result, key, f"key: the Redis key would be {len(rkey)} bytes, longer than max_key_bytes="
+            if lk > max_key:
+                self._reject(result, key, f"key: the Redis key would be {lk} bytes, longer than max_key_bytes="
                                           f"{max_key} (version {v})")
                 continue
             if row is None:
-                del_keys.append(rkey)
-                del_vals.append(b'{"_kf_v":%d,"_kf_deleted":true}' % v)
-                size += len(rkey) + 40
+                val = b'{"_kf_v":%d,"_kf_deleted":true}' % v
+                del_keys.append(b"$%d\r\n%s\r\n" % (lk, rkey))
+                del_vals.append(b"$%d\r\n%s\r\n" % (len(val), val))
+                size += lk + 40
             else:
                 try:
                     src = dumps(row, default=default, option=dopts)
@@ -580,20 +594,22 @@ class RedisSink(Sink):
                     self._reject(result, key, f"row: cannot encode as JSON: {exc} (version {v})")
                     continue
                 val = b'{"_kf_v":%d,%s' % (v, src[1:]) if len(src) > 2 else b'{"_kf_v":%d}' % v
-                if len(val) > max_value:
-                    self._reject(result, key, f"row: the value is {len(val)} bytes, more than max_value_bytes="
+                lv = len(val)
+                if lv > max_value:
+                    self._reject(result, key, f"row: the value is {lv} bytes, more than max_value_bytes="
                                               f"{max_value} (version {v})")
                     continue
-                up_keys.append(rkey)
-                up_vals.append(val)
-                size += len(rkey) + len(val)
-            if len(up_keys) + len(del_keys) >= max_keys or size >= max_bytes:
-                yield _resp([b"EVALSHA", sha, b"%d" % (len(up_keys) + len(del_keys) + 1), marker, *up_keys,
-                             *del_keys, *head, b"%d" % len(up_keys), *up_vals, *del_vals])
-                up_keys, up_vals, del_keys, del_vals, size = [], [], [], [], 0
-        if up_keys or del_keys:
-            yield _resp([b"EVALSHA", sha, b"%d" % (len(up_keys) + len(del_keys) + 1), marker, *up_keys, *del_keys,
-                         *head, b"%d" % len(up_keys), *up_vals, *del_vals])
+                up_keys.append(b"$%d\r\n%s\r\n" % (lk, rkey))
+                up_vals.append(b"$%d\r\n%s\r\n" % (lv, val))
+                nu += 1
+                size += lk + lv
+            n += 1
+            if n >= max_keys or size >= max_bytes:
+                yield call()
+                up_keys, up_vals, del_keys, del_vals = [], [], [], []
+                n = nu = size = 0
+        if n:
+            yield call()
 
     def _encode_hash(self, changes: Iterable[Change], view: ViewSpec, build: str, opts: RedisSinkOptions,
                      result: WriteResult) -> Iterator[bytes]:
@@ -605,6 +621,9 @@ class RedisSink(Sink):
         args: list[bytes] = []
         size = 0
         for key, ks, row, v in changes:
+            if ks is None:
+                self._reject(result, key, f"key: NULL in a key column (version {v})")
+                continue
             rkey = prefix + ks.encode()
             if type(v) is not int or not 0 <= v <= MAX_VERSION:
                 self._reject(result, key, f"{VERSION}: expected an integer in 0..2^63-1, got {v!r}")

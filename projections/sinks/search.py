@@ -906,6 +906,9 @@ class SearchSink(Sink):
         bulk = _Bulk()
         for ch in changes:
             key, ks, row, version = ch
+            if ks is None:
+                result.rejected.append((key, f"key: NULL in a key column (version {version})"))
+                continue
             if type(version) is not int or not 0 <= version <= MAX_VERSION:
                 result.rejected.append((key, f"{VERSION}: expected an integer in 0..2^63-1, got {version!r}"))
                 continue
