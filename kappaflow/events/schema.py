@@ -107,6 +107,10 @@ class Column:
                 object.__setattr__(self, "allowed", tuple(self.allowed))
         if self.native_type is not None and not isinstance(self.native_type, str):
             raise ValidationError(f"{where}.native_type: expected a string, got {self.native_type!r}")
+        if self.default is not None:  # a default must be a value of the column (fail early, not at encode)
+            from kappaflow.events.values import encode_default
+
+            encode_default(self, self.default, "string", f"{where}.default")
 
     def to_dict(self) -> dict[str, Any]:
         from kappaflow.events.values import encode_default

@@ -561,13 +561,14 @@ def describe(col: Column, wire: Wire) -> str:
         bits = {FieldType.INT8: 8, FieldType.INT16: 16, FieldType.INT32: 32, FieldType.INT64: 64}.get(t, 32)
         return f"{t.value} (an integer within {bits} bits)"
     if t is FieldType.DECIMAL or t is FieldType.VARIABLE_DECIMAL:
+        scale = f" with at most {col.scale} fractional digits" if t is FieldType.DECIMAL else ""
         if wire.mode == "precise":
             if t is FieldType.DECIMAL:
-                return f"decimal as base64 two's-complement bytes (scale {col.scale}; Python decimal.Decimal)"
+                return f"decimal as base64 two's-complement bytes (scale {col.scale}; Python decimal.Decimal{scale})"
             return "variable-scale decimal {scale, value} (Python decimal.Decimal)"
         if wire.mode == "double":
             return "decimal as a number (Python decimal.Decimal)"
-        return "decimal string (Python decimal.Decimal)"
+        return f"decimal string (Python decimal.Decimal{scale})"
     return {
         FieldType.FLOAT32: "float (a number, or 'NaN'/'Infinity'/'-Infinity')",
         FieldType.FLOAT64: "float (a number, or 'NaN'/'Infinity'/'-Infinity')",

@@ -88,6 +88,10 @@ def test_events_pickle_for_spark_workers() -> None:
         ({"name": "a", "type": FT.ENUM, "allowed": "abc"}, r"column 'a'.allowed: expected a sequence of strings"),
         ({"name": "a", "type": FT.INT32, "optional": "yes"}, r"column 'a'.optional: expected true or false"),
         ({"name": "a", "type": FT.DECIMAL, "scale": "2"}, r"column 'a'.scale: expected an integer"),
+        ({"name": "a", "type": FT.DECIMAL, "scale": 0, "default": Decimal("1.5")},
+         r"column 'a'.default: expected decimal string \(Python decimal.Decimal with at most 0 fractional digits\)"),
+        ({"name": "a", "type": FT.TIMESTAMPTZ, "default": datetime(2020, 1, 1)},
+         r"column 'a'.default: expected ISO-8601 timestamp with zone"),
     ],
 )
 def test_column_validation(kwargs: dict[str, Any], message: str) -> None:
@@ -128,7 +132,7 @@ def table_schemas(draw: st.DrawFn) -> TableSchema:
     for i, t in enumerate(draw(st.lists(COLUMN_TYPES, min_size=1, max_size=6))):
         kw: dict[str, Any] = {"optional": draw(st.booleans())}
         if t is FT.DECIMAL:
-            kw["scale"] = draw(st.integers(0, 10))
+            kw["scale"] = draw(st.integers(1, 10))
             kw["default"] = draw(st.sampled_from([None, Decimal("1.5")]))
         if t in (FT.ENUM, FT.SET):
             kw["allowed"] = tuple(draw(st.lists(st.text("abc", min_size=1), max_size=3, unique=True)))
