@@ -43,10 +43,6 @@ class LedgerTables:
         return sql.Identifier(self.schema, "streams")
 
     @property
-    def head(self) -> sql.Identifier:
-        return sql.Identifier(self.schema, "head")
-
-    @property
     def idempotency_keys(self) -> sql.Identifier:
         return sql.Identifier(self.schema, "idempotency_keys")
 

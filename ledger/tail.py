@@ -6,6 +6,10 @@ delivers only the contiguous run starting at its next position; a hole (only pos
 row was removed behind the database's back) stops it there, and a hole that persists for
 `hole_timeout` seconds raises `CorruptLedgerError` naming the missing position instead of
 silently moving past it.
+
+With group commit an append is visible a moment before its WAL is flushed; the reader runs a
+durability barrier before delivering a batch (`durable=True`), so it never hands out an event a
+server crash could still take back.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ class TailReader:
 
     def __init__(self, ledger: Ledger, *, next_position: int = 1, batch: int = 1000,
                  stream_types: Sequence[str] | None = None, decode: bool = True,
-                 hole_timeout: float = 5.0) -> None:
+                 hole_timeout: float = 5.0, durable: bool = True) -> None:
         if not isinstance(next_position, int) or isinstance(next_position, bool) or next_position < 1:
             raise InvalidAppendError(f"expected an integer >= 1, got {next_position!r}", field="next_position")
         self.ledger = ledger
@@ -32,6 +36,7 @@ class TailReader:
         self.stream_types = set(stream_types) if stream_types else None
         self.decode = decode
         self.hole_timeout = hole_timeout
+        self.durable = durable
         self._hole_since: float | None = None
 
     def poll(self, timeout: float = 0.0, *, interval: float = 0.02) -> list[RecordedEvent]:
@@ -48,6 +53,8 @@ class TailReader:
                 run.append(r)
                 expect += 1
             if run:
+                if self.durable:
+                    self.ledger.barrier()  # everything we read is on disk before anyone sees it
                 self._hole_since = None
                 self.next_position = expect
                 out = [r for r in run if self.stream_types is None or r.stream_type in self.stream_types]

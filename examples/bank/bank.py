@@ -24,9 +24,13 @@ Attempt = Callable[[Account], AppendResult]
 
 
 class Bank:
-    def __init__(self, ledger: Ledger, *, max_retries: int = 100) -> None:
+    def __init__(self, ledger: Ledger, *, max_retries: int = 100, trust_cache: bool = False) -> None:
+        """`trust_cache`: decide on the cached state first (fewer reads when this service is the
+        account's only writer; a stale cache only costs a conflict and a retry)."""
         self.ledger = ledger
         self.max_retries = max_retries
+        self.trust_cache = trust_cache
+        self.conflicts = 0
         self._accounts: dict[str, Account] = {}
 
     def account(self, account_id: str, *, refresh: bool = True) -> Account:
@@ -99,13 +103,14 @@ class Bank:
         return r
 
     def _retry(self, account_id: str, attempt: Attempt) -> AppendResult:
-        acc = self.account(account_id, refresh=False)  # optimistic: try the cached state first
+        acc = self.account(account_id, refresh=not self.trust_cache)  # reads only events not yet seen
         for _ in range(self.max_retries):
             try:
                 return attempt(acc)
             except WrongExpectedVersionError as exc:
                 if exc.stream_id != stream_id(account_id):
                     raise
+                self.conflicts += 1
                 self.account(account_id)  # someone else appended: catch up, decide again
             except BankError:
                 seen = acc.version

@@ -1,4 +1,4 @@
-"""ledger: streams, events (hash-chained, immutable), head, idempotency keys, append()
+"""ledger: streams, events (hash-chained, immutable), idempotency keys, append()
 
 Revision ID: ledger_0001
 Revises:
@@ -86,23 +86,20 @@ CREATE TABLE {S}.events (
 );
 CREATE INDEX events_stream_type_position ON {S}.events (stream_type, position);
 
--- The single row every append locks last: it serialises position assignment so that
--- positions are dense and in commit order, and carries the chain head.
-CREATE TABLE {S}.head (
-    singleton   boolean PRIMARY KEY DEFAULT true CHECK (singleton),
-    position    bigint NOT NULL,
-    hash        bytea NOT NULL,
-    recorded_at timestamptz
-);
-INSERT INTO {S}.head (singleton, position, hash, recorded_at)
-VALUES (true, 0, '\x0000000000000000000000000000000000000000000000000000000000000000'::bytea, NULL);
-
 CREATE TABLE {S}.idempotency_keys (
     key            text PRIMARY KEY,
     request_hash   bytea NOT NULL,
-    first_position bigint,
-    last_position  bigint,
+    first_position bigint NOT NULL,
+    last_position  bigint NOT NULL,
     created_at     timestamptz NOT NULL DEFAULT now()
+);
+
+-- Group commit: an append commits without waiting for the WAL flush (so the ledger lock is not
+-- held across an fsync), then the client writes its row here with a synchronous commit, which
+-- flushes the WAL up to and including the append. One row per backend: no contention.
+CREATE TABLE {S}.durability_barrier (
+    pid integer PRIMARY KEY,
+    n   bigint NOT NULL
 );
 
 CREATE FUNCTION {S}.reject_change() RETURNS trigger LANGUAGE plpgsql AS $fn$
@@ -116,16 +113,16 @@ CREATE TRIGGER events_immutable BEFORE UPDATE OR DELETE ON {S}.events
     FOR EACH ROW EXECUTE FUNCTION {S}.reject_change();
 CREATE TRIGGER events_no_truncate BEFORE TRUNCATE ON {S}.events
     FOR EACH STATEMENT EXECUTE FUNCTION {S}.reject_change();
-CREATE TRIGGER head_no_delete BEFORE DELETE OR TRUNCATE ON {S}.head
-    FOR EACH STATEMENT EXECUTE FUNCTION {S}.reject_change();
 """
 
 # Expected versions: -1 any, -2 no stream, -3 stream exists, >= 0 exact (0 = no events yet).
+# The client sends streams sorted by id (rows are locked in that order: no deadlocks between
+# appends touching the same streams); p_ev_stream[i] is the 1-based stream index of event i.
 APPEND = r"""
 CREATE FUNCTION {S}.append(
     p_stream_ids text[], p_stream_types text[], p_expected bigint[], p_counts bigint[],
     p_ev_stream integer[], p_ev_types text[], p_ev_schema integer[], p_ev_payloads text[],
-    p_ev_metadata text[], p_key text, p_request_hash bytea)
+    p_ev_metadata text[], p_key text, p_request_hash bytea, p_group_commit boolean)
 RETURNS TABLE (first_position bigint, last_position bigint, stream_ids text[], versions bigint[],
                recorded_at timestamptz, duplicate boolean)
 LANGUAGE plpgsql
@@ -137,6 +134,7 @@ DECLARE
     v_old bigint[];
     v_new bigint[];
     v_types text[];
+    v_seen bigint[];
     v_ev_version bigint[];
     v_payloads jsonb[];
     v_metadata jsonb[];
@@ -149,14 +147,26 @@ DECLARE
     v_micros bigint;
     v_e bigint;
     v_o bigint;
+    v_ver bigint;
+    v_typ text;
+    v_s integer;
     i integer;
 BEGIN
-    -- 1. Idempotency: a concurrent append with the same key waits here for the first one.
+    IF current_setting('transaction_isolation') <> 'read committed' THEN
+        RAISE EXCEPTION 'kappaflow ledger: append needs READ COMMITTED isolation, not %',
+            current_setting('transaction_isolation') USING ERRCODE = 'KL004';
+    END IF;
+    IF p_group_commit THEN
+        -- Commit without waiting for the WAL flush, so the ledger lock is not held across an
+        -- fsync; the client acknowledges only after a durability barrier (see store.py).
+        PERFORM set_config('synchronous_commit', 'off', true);
+    END IF;
+
+    -- 1. Idempotency: a committed append with this key -> its result; nothing is written.
     IF p_key IS NOT NULL THEN
-        INSERT INTO idempotency_keys AS k (key, request_hash) VALUES (p_key, p_request_hash)
-        ON CONFLICT (key) DO NOTHING;
-        IF NOT FOUND THEN
-            SELECT * INTO v_k FROM idempotency_keys k WHERE k.key = p_key;
+        SELECT k.request_hash, k.first_position, k.last_position INTO v_k
+        FROM idempotency_keys k WHERE k.key = p_key;
+        IF FOUND THEN
             IF v_k.request_hash <> p_request_hash THEN
                 RAISE EXCEPTION 'idempotency key % was already used for a different append', p_key
                     USING ERRCODE = 'KL002', DETAIL = json_build_object('key', p_key)::text;
@@ -172,33 +182,35 @@ BEGIN
         END IF;
     END IF;
 
-    -- 2. Lock (or create) every stream in id order, bumping its version; one statement, no deadlock
-    --    between appends that touch the same streams.
-    WITH input AS (
-        SELECT u.id, u.typ, u.cnt, u.ord
-        FROM unnest(p_stream_ids, p_stream_types, p_counts) WITH ORDINALITY AS u(id, typ, cnt, ord)
-    ), up AS (
-        INSERT INTO streams AS s (stream_id, stream_type, version)
-        SELECT input.id, input.typ, input.cnt FROM input ORDER BY input.id
-        ON CONFLICT (stream_id) DO UPDATE SET version = s.version + excluded.version, updated_at = now()
-        RETURNING s.stream_id, s.stream_type, s.version
-    )
-    SELECT array_agg(up.version - input.cnt ORDER BY input.ord), array_agg(up.version ORDER BY input.ord),
-           array_agg(up.stream_type ORDER BY input.ord)
-    INTO v_old, v_new, v_types
-    FROM input JOIN up ON up.stream_id = input.id;
-
-    -- 3. Check expected versions and stream types.
+    -- 2. Streams in id order: create, or lock and bump the version; check the expectations.
     FOR i IN 1 .. cardinality(p_stream_ids) LOOP
-        IF v_types[i] <> p_stream_types[i] THEN
-            RAISE EXCEPTION 'stream % has type %, not %', p_stream_ids[i], v_types[i], p_stream_types[i]
+        UPDATE streams s SET version = s.version + p_counts[i], updated_at = now()
+        WHERE s.stream_id = p_stream_ids[i]
+        RETURNING s.version, s.stream_type INTO v_ver, v_typ;
+        IF NOT FOUND THEN  -- a new stream (or one created concurrently: then this updates it)
+            INSERT INTO streams AS s (stream_id, stream_type, version)
+            VALUES (p_stream_ids[i], p_stream_types[i], p_counts[i])
+            ON CONFLICT (stream_id) DO UPDATE SET version = s.version + excluded.version, updated_at = now()
+            RETURNING s.version, s.stream_type INTO v_ver, v_typ;
+        END IF;
+        v_o := v_ver - p_counts[i];
+        v_old[i] := v_o;
+        v_new[i] := v_ver;
+        v_types[i] := v_typ;
+        v_seen[i] := 0;
+        IF v_typ <> p_stream_types[i] THEN
+            RAISE EXCEPTION 'stream % has type %, not %', p_stream_ids[i], v_typ, p_stream_types[i]
                 USING ERRCODE = 'KL003',
                       DETAIL = json_build_object('stream_id', p_stream_ids[i], 'expected', p_stream_types[i],
-                                                 'actual', v_types[i])::text;
+                                                 'actual', v_typ)::text;
         END IF;
         v_e := p_expected[i];
-        v_o := v_old[i];
         IF NOT (v_e = -1 OR (v_e = -2 AND v_o = 0) OR (v_e = -3 AND v_o > 0) OR v_e = v_o) THEN
+            IF p_key IS NOT NULL AND EXISTS (SELECT 1 FROM idempotency_keys k WHERE k.key = p_key) THEN
+                -- The stream moved because a concurrent append with the same key committed (we
+                -- waited for its row lock): roll back; the client's retry returns its result.
+                RAISE EXCEPTION 'idempotency key % committed concurrently', p_key USING ERRCODE = 'KL005';
+            END IF;
             RAISE EXCEPTION 'wrong expected version for stream %: expected %, found %',
                 p_stream_ids[i],
                 CASE v_e WHEN -2 THEN 'no stream' WHEN -3 THEN 'an existing stream' ELSE v_e::text END,
@@ -209,23 +221,27 @@ BEGIN
         END IF;
     END LOOP;
 
-    -- 4. Stream versions, parsed payloads and content digests: still outside the global lock.
-    SELECT array_agg(x.ver ORDER BY x.ord), array_agg(x.pj ORDER BY x.ord), array_agg(x.mj ORDER BY x.ord),
-           array_agg(
-               {CONTENT}
-               ORDER BY x.ord)
-    INTO v_ev_version, v_payloads, v_metadata, v_digests
-    FROM (
-        SELECT u.ord, u.s, u.t, u.sv, u.p::jsonb AS pj, u.m::jsonb AS mj,
-               v_old[u.s] + row_number() OVER (PARTITION BY u.s ORDER BY u.ord) AS ver
-        FROM unnest(p_ev_stream, p_ev_types, p_ev_schema, p_ev_payloads, p_ev_metadata)
-             WITH ORDINALITY AS u(s, t, sv, p, m, ord)
-    ) x;
+    -- 3. Per event: stream version, parsed JSON, content digest -- still outside the ledger lock.
+    FOR i IN 1 .. v_n LOOP
+        v_s := p_ev_stream[i];
+        v_seen[v_s] := v_seen[v_s] + 1;
+        v_ev_version[i] := v_old[v_s] + v_seen[v_s];
+        v_payloads[i] := p_ev_payloads[i]::jsonb;
+        v_metadata[i] := p_ev_metadata[i]::jsonb;
+        v_digests[i] := {CONTENT};
+    END LOOP;
 
-    -- 5. The global lock, held until commit: positions are assigned in commit order.
-    SELECT h.position, h.hash, greatest(clock_timestamp(), h.recorded_at)
+    -- 4. The ledger lock, held until commit: positions are assigned in commit order. The head
+    --    is the last committed event (a fresh snapshot: this statement runs after the lock).
+    PERFORM pg_advisory_xact_lock({LOCK_KEY});
+    SELECT e.position, e.hash, greatest(clock_timestamp(), e.recorded_at)
     INTO v_pos, v_h, v_at
-    FROM head h FOR UPDATE;
+    FROM events e ORDER BY e.position DESC LIMIT 1;
+    IF NOT FOUND THEN
+        v_pos := 0;
+        v_h := '\x0000000000000000000000000000000000000000000000000000000000000000'::bytea;
+        v_at := clock_timestamp();
+    END IF;
     v_micros := (extract(epoch FROM v_at) * 1000000)::bigint;
     FOR i IN 1 .. v_n LOOP
         v_prev[i] := v_h;
@@ -241,25 +257,42 @@ BEGIN
     FROM unnest(p_ev_stream, p_ev_types, p_ev_schema, v_payloads, v_metadata, v_ev_version, v_prev, v_hashes)
          WITH ORDINALITY AS u(s, t, sv, pj, mj, ver, pr, h, ord);
 
-    UPDATE head SET position = v_pos + v_n, hash = v_h, recorded_at = v_at;
-
     IF p_key IS NOT NULL THEN
-        UPDATE idempotency_keys k SET first_position = v_pos + 1, last_position = v_pos + v_n
-        WHERE k.key = p_key;
+        INSERT INTO idempotency_keys AS k (key, request_hash, first_position, last_position)
+        VALUES (p_key, p_request_hash, v_pos + 1, v_pos + v_n)
+        ON CONFLICT (key) DO NOTHING;
+        IF NOT FOUND THEN
+            -- A concurrent append with the same key committed first: roll back; the client
+            -- retries and step 1 returns that append's result.
+            RAISE EXCEPTION 'idempotency key % committed concurrently', p_key USING ERRCODE = 'KL005';
+        END IF;
     END IF;
 
-    RETURN QUERY SELECT v_pos + 1, v_pos + v_n, p_stream_ids, v_new, v_at, false;
+    first_position := v_pos + 1;
+    last_position := v_pos + v_n;
+    stream_ids := p_stream_ids;
+    versions := v_new;
+    recorded_at := v_at;
+    duplicate := false;
+    RETURN NEXT;
 END
 $fn$;
 """
 
 
+def lock_key(schema: str) -> int:
+    """The advisory lock key that serialises position assignment for one ledger schema."""
+    import hashlib
+
+    return int.from_bytes(hashlib.sha256(f"kappaflow.ledger:{schema}".encode()).digest()[:8], "big", signed=True)
+
+
 def upgrade() -> None:
     s = _quote(_schema())
-    content = _content("p_stream_ids[x.s]", "v_types[x.s]", "x.t", "x.sv", "x.pj::text", "x.mj::text",
-                       "p_key")
+    content = _content("p_stream_ids[v_s]", "v_types[v_s]", "p_ev_types[i]", "p_ev_schema[i]",
+                       "v_payloads[i]::text", "v_metadata[i]::text", "p_key")
     _run(DDL.format(S=s))
-    _run(APPEND.replace("{S}", s).replace("{CONTENT}", content))
+    _run(APPEND.replace("{S}", s).replace("{CONTENT}", content).replace("{LOCK_KEY}", str(lock_key(_schema()))))
 
 
 def downgrade() -> None:

@@ -139,7 +139,9 @@ def test_idempotency_under_concurrent_retries(ledger_dsn: str) -> None:
     with Ledger(ledger_dsn, pool_size=n) as ledger:
         for round_ in range(8):
             key = f"transfer-{round_}"
-            parts = [StreamAppend("acct-a", [NewEvent("Sent", {"n": round_})]),
+            # odd rounds: exact expected versions, as a client that read the streams first
+            exp_a = ledger.stream_version("acct-a") if round_ % 2 else ExpectedVersion.ANY
+            parts = [StreamAppend("acct-a", [NewEvent("Sent", {"n": round_})], exp_a),
                      StreamAppend("acct-b", [NewEvent("Received", {"n": round_})])]
             results: list[Any] = []
             lock = threading.Lock()
