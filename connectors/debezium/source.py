@@ -1,0 +1,248 @@
+"""Read the topics of a real Debezium connector from Kafka and feed kappaflow topics with them.
+
+Projections then consume ``<source>.<db|schema>.<table>`` exactly like the topics kappaflow's
+own connectors write: same key (``{"id": 1}``), same value (kappaflow's envelope with
+``source.kf_pos``; decimals as strings by default), a tombstone after every delete, ``op=t``
+markers plus tombstones for a truncate. What Debezium writes besides change events is skipped or
+routed (see ``decode.py``); a record that cannot be decoded goes to ``<source>.__dead_letter``
+with the reason and its Kafka position (topic, partition, offset), and the rest goes on.
+
+Commit order (the same as the database connectors, ``connectors/writer.py``):
+
+1. the converted records (and dead letters, routed records) are appended to the log;
+2. the next Kafka offset to read per input partition is appended to the offsets topic;
+3. there is nothing to acknowledge upstream: the Debezium topics are only read (no consumer
+   group is committed; the offsets live in kappaflow's log with the data).
+
+A crash between 1 and 2 re-reads the records after the last saved offsets; they carry the same
+source positions, so they are recognised as duplicates downstream (the sinks' position guard).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import orjson
+
+from kappaflow.connectors.base import OP_HEADER, POSITION_HEADER, CaptureSummary, Connector, StopSignal, TrustedRecord
+from kappaflow.connectors.debezium.decode import DebeziumDecoder, Decoded
+from kappaflow.connectors.offsets import OffsetStore
+from kappaflow.connectors.writer import Batch, CaptureWriter, FaultHook
+from kappaflow.errors import ConfigError, KappaflowError, Retry, SourceError, ValidationError
+from kappaflow.events import EventCodec, Op
+from kappaflow.log.base import CleanupPolicy, Log, Record, TopicConfig
+
+__all__ = ["TRUNCATE_KEY", "DebeziumSource"]
+
+TRUNCATE_KEY = b"{}"
+
+
+class DebeziumSource(Connector):
+    """A kappaflow source fed by Debezium's Kafka topics."""
+
+    def __init__(self, *, name: str, log: Log, bootstrap: str, topics: list[str], schemas_enabled: bool | None = None,
+                 decimal_mode: str = "string", partitions: int = 4, client_options: dict[str, Any] | None = None,
+                 batch_records: int = 5000, poll_timeout_ms: int = 200, fault: FaultHook | None = None,
+                 threaded_writer: bool = True) -> None:
+        if not topics:
+            raise ConfigError(f"sources.{name}.topics: expected at least one Debezium topic")
+        self.name = name
+        self.log = log
+        self.bootstrap = bootstrap
+        self.topics = list(topics)
+        self.decoder = DebeziumDecoder(name, schemas_enabled=schemas_enabled)
+        self.codec = EventCodec(decimal_mode)
+        self.partitions = partitions
+        self.client_options = dict(client_options or {})
+        self.batch_records = batch_records
+        self.poll_timeout_ms = poll_timeout_ms
+        self.fault = fault
+        self.threaded_writer = threaded_writer
+        self.dead_letter_topic = f"{name}.__dead_letter"
+        self.summary = CaptureSummary(source=name, connector="debezium")
+        self.skipped: dict[str, int] = {}
+        self.dead_letters = 0
+        self._topic_parts: dict[str, int] = {}
+
+    @classmethod
+    def from_config(cls, cfg: Any, log: Log, **options: Any) -> DebeziumSource:
+        """From a ``kappaflow.config.DebeziumSourceConfig`` (+ ``partitions``, ``client_options``...)."""
+        return cls(name=cfg.name, log=log, bootstrap=cfg.bootstrap, topics=list(cfg.topics),
+                   schemas_enabled=cfg.schemas_enabled, decimal_mode=cfg.decimal_mode, **options)
+
+    # -- Kafka ---------------------------------------------------------------------------
+    def _consumer(self) -> Any:
+        from kafka import KafkaConsumer
+        from kafka.errors import KafkaError
+
+        try:
+            return KafkaConsumer(bootstrap_servers=self.bootstrap.split(","), enable_auto_commit=False, group_id=None,
+                                 auto_offset_reset="earliest", **self.client_options)
+        except KafkaError as exc:
+            raise SourceError(f"debezium source {self.name!r}: cannot reach Kafka at {self.bootstrap}: {exc}",
+                              retry=Retry.TRANSIENT) from None
+
+    def _assign(self, consumer: Any, stored: dict[str, Any] | None) -> list[Any]:
+        from kafka import TopicPartition
+
+        tps: list[Any] = []
+        for topic in self.topics:
+            parts = consumer.partitions_for_topic(topic)
+            if not parts:
+                raise SourceError(f"debezium source {self.name!r}: topic {topic!r} does not exist on {self.bootstrap} "
+                                  "(check the connector's topic.prefix and table names)", retry=Retry.TRANSIENT)
+            tps.extend(TopicPartition(topic, p) for p in sorted(parts))
+        consumer.assign(tps)
+        saved = (stored or {}).get("topics", {})
+        for tp in tps:
+            nxt = saved.get(tp.topic, {}).get(str(tp.partition))
+            if nxt is None:
+                consumer.seek_to_beginning(tp)
+            else:
+                consumer.seek(tp, int(nxt))
+        return tps
+
+    # -- topics ----------------------------------------------------------------------------
+    def _ensure(self, topic: str, compacted: bool = True, partitions: int | None = None) -> int:
+        n = self._topic_parts.get(topic)
+        if n is None:
+            existing = self.log.list_topics().get(topic)
+            if existing is None:
+                existing = self.log.create_topic(topic, TopicConfig(
+                    partitions=partitions or self.partitions,
+                    cleanup_policy=CleanupPolicy.COMPACT if compacted else CleanupPolicy.DELETE), exist_ok=True)
+            n = self._topic_parts[topic] = existing.partitions
+        return n
+
+    # -- conversion ----------------------------------------------------------------------
+    def _records(self, d: Decoded, batch: Batch, writer: CaptureWriter) -> None:
+        assert d.event is not None and d.schema is not None and d.topic is not None
+        ev, schema, topic = d.event, d.schema, d.topic
+        n = self._ensure(topic)
+        ph = (POSITION_HEADER, orjson.dumps(ev.source.position.to_dict()))
+        oph = (OP_HEADER, ev.op.value.encode())
+        value = self.codec.encode_value(ev, schema)
+        if ev.op is Op.TRUNCATE:
+            self._flush(batch, writer, None)
+            writer.drain()
+            for p in range(n):
+                recs: list[Record] = [TrustedRecord(TRUNCATE_KEY, value, (oph, ph))]
+                live: set[bytes] = set()
+                for rec in self.log.iter_partition(topic, p):
+                    if rec.key is None or rec.key == TRUNCATE_KEY:
+                        continue
+                    (live.discard if rec.value is None else live.add)(rec.key)
+                recs.extend(TrustedRecord(k, None, (oph, ph)) for k in sorted(live))
+                batch.add(topic, recs, p)
+            return
+        if ev.key is None:
+            raise ValidationError(f"key: table {schema.name!r} has no key columns (the Debezium record key is null); "
+                                  "kappaflow topics are compacted by key")
+        key = self.codec.encode_key(ev.key, schema)
+        recs = [TrustedRecord(key, value, (oph, ph))]
+        if ev.op is Op.DELETE:
+            recs.append(TrustedRecord(key, None, (oph, ph)))
+        batch.add(topic, recs)
+
+    def _dead_letter(self, batch: Batch, msg: Any, reason: str) -> None:
+        self._ensure(self.dead_letter_topic, compacted=False, partitions=1)
+        value = msg.value
+        doc = {
+            "reason": reason, "topic": msg.topic, "partition": msg.partition, "offset": msg.offset,
+            "timestamp_ms": getattr(msg, "timestamp", None),
+            "key": None if msg.key is None else msg.key.decode("utf-8", "replace"),
+            "value": None if value is None else value.decode("utf-8", "replace"),
+        }
+        where = f"{msg.topic}/{msg.partition}/{msg.offset}".encode()
+        batch.add(self.dead_letter_topic, [TrustedRecord(msg.key, orjson.dumps(doc), (
+            ("kf.error", reason.encode()[:500]), ("kf.source", where)))])
+        self.dead_letters += 1
+
+    def _flush(self, batch: Batch, writer: CaptureWriter, offsets: dict[str, Any] | None) -> None:
+        if batch.appends or offsets is not None:
+            moved = Batch(appends=list(batch.appends), offset=offsets, records=batch.records)
+            self.summary.records += batch.records
+            writer.submit(moved)
+            batch.appends.clear()
+            batch.records = 0
+
+    # -- the loop --------------------------------------------------------------------------
+    def run(self, stop: StopSignal | None = None, *, until_caught_up: bool = False) -> CaptureSummary:
+        stop = stop or StopSignal()
+        started = time.monotonic()
+        summary = self.summary
+        offsets = OffsetStore(self.log)
+        stored = offsets.load(self.name)
+        if stored is not None and stored.get("kind") != "debezium":
+            raise SourceError(f"source {self.name!r}: the stored offset is a {stored.get('kind')!r} offset, not a "
+                              "Debezium one; use another source name")
+        consumer = self._consumer()
+        writer = CaptureWriter(self.log, offsets, self.name, threaded=self.threaded_writer, fault=self.fault)
+        position: dict[str, dict[str, int]] = {t: dict(v) for t, v in ((stored or {}).get("topics") or {}).items()}
+        try:
+            tps = self._assign(consumer, stored)
+            summary.phase = "streaming"
+            batch = Batch()
+            idle_polls = 0
+            while not stop.is_set():
+                polled = consumer.poll(timeout_ms=self.poll_timeout_ms, max_records=self.batch_records)
+                if not polled:
+                    idle_polls += 1
+                    if until_caught_up and idle_polls >= 2 and self._caught_up(consumer, tps):
+                        break
+                    continue
+                idle_polls = 0
+                for tp, msgs in polled.items():
+                    for msg in msgs:
+                        self._one(msg, batch, writer)
+                        position.setdefault(tp.topic, {})[str(tp.partition)] = msg.offset + 1
+                self._flush(batch, writer, {"kind": "debezium", "topics": position})
+            self._flush(batch, writer, {"kind": "debezium", "topics": position})
+            writer.drain()
+        finally:
+            writer.close()
+            consumer.close()
+            summary.phase = "stopped"
+            summary.stopped_reason = stop.reason or ("caught up" if until_caught_up else "")
+            summary.position = orjson.dumps(position).decode()
+            summary.acknowledged = summary.position
+            summary.elapsed_s = time.monotonic() - started
+            for k, v in writer.per_topic.items():
+                summary.per_topic[k] = summary.per_topic.get(k, 0) + v
+        return summary
+
+    def _one(self, msg: Any, batch: Batch, writer: CaptureWriter) -> None:
+        try:
+            d = self.decoder.decode(msg.topic, msg.partition, msg.offset, msg.key, msg.value)
+            if d.kind == "event":
+                self._records(d, batch, writer)
+                self.summary.events += 1
+            elif d.kind == "route":
+                assert d.topic is not None
+                self._ensure(d.topic, compacted=False, partitions=1)
+                batch.add(d.topic, [TrustedRecord(msg.key, msg.value, (("kf.source", f"{msg.topic}/{msg.partition}/"
+                                                                         f"{msg.offset}".encode()),))])
+            else:
+                self.skipped[d.reason] = self.skipped.get(d.reason, 0) + 1
+        except (ValidationError, ValueError, TypeError, KeyError) as exc:
+            reason = str(exc) if isinstance(exc, KappaflowError) else f"{type(exc).__name__}: {exc}"
+            self._dead_letter(batch, msg, f"{reason} (at {msg.topic} partition {msg.partition} offset {msg.offset})")
+
+    @staticmethod
+    def _caught_up(consumer: Any, tps: list[Any]) -> bool:
+        """Every partition read up to its high watermark (from fetch responses: correct on tansu too)."""
+        for tp in tps:
+            hw = consumer.highwater(tp)
+            if hw is None:
+                end = consumer.end_offsets([tp]).get(tp, 0)
+                if consumer.position(tp) < end:
+                    return False
+                continue
+            if consumer.position(tp) < hw:
+                return False
+        return True
+
+    def status(self) -> dict[str, Any]:
+        return {"source": self.name, "connector": "debezium", "offset": OffsetStore(self.log).load(self.name),
+                "topics": self.topics, "bootstrap": self.bootstrap}
