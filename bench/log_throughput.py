@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import random
 import shutil
 import sqlite3
@@ -47,56 +48,137 @@ def make_records(n: int, keys: int, value_bytes: int, seed: int = 1) -> list[Rec
             for i in range(n)]
 
 
-def bench_sqlite_raw(records: list[Record], workdir: Path, batch: int) -> float:
-    """Plain SQLite batched insert of the same rows; returns records/s."""
+class Timer:
+    """Wall-clock and this process's CPU time (user + system) of a block."""
+
+    def __enter__(self) -> Timer:
+        self.wall = time.perf_counter()
+        self.cpu = time.process_time()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.wall = time.perf_counter() - self.wall
+        self.cpu = time.process_time() - self.cpu
+
+
+def bench_sqlite_raw(records: list[Record], workdir: Path, batch: int) -> Timer:
+    """Plain SQLite batched insert of the same rows; returns the timer of the inserts."""
     rows = [(r.key, r.value, r.timestamp_ms) for r in records]
     path = workdir / "raw.db"
     conn = sqlite3.connect(path, isolation_level=None)
     conn.execute("PRAGMA journal_mode=WAL")
     conn.execute("PRAGMA synchronous=FULL")
     conn.execute("CREATE TABLE records(key BLOB, value BLOB, ts INTEGER)")
-    start = time.perf_counter()
-    for i in range(0, len(rows), batch):
-        conn.execute("BEGIN")
-        conn.executemany("INSERT INTO records(key, value, ts) VALUES (?, ?, ?)", rows[i : i + batch])
-        conn.execute("COMMIT")
-    elapsed = time.perf_counter() - start
+    with Timer() as timer:
+        for i in range(0, len(rows), batch):
+            conn.execute("BEGIN")
+            conn.executemany("INSERT INTO records(key, value, ts) VALUES (?, ?, ?)", rows[i : i + batch])
+            conn.execute("COMMIT")
     conn.close()
-    return len(rows) / elapsed
+    return timer
 
 
-def bench_embedded(records: list[Record], workdir: Path, batch: int, partitions: int) -> tuple[float, float]:
-    """EmbeddedLog append (batches of `batch`) then a full read; returns (append/s, read/s)."""
+def bench_embedded(records: list[Record], workdir: Path, batch: int, partitions: int) -> tuple[Timer, Timer]:
+    """EmbeddedLog append (batches of `batch`) then a full read; returns their timers."""
     from kappaflow.log.embedded import EmbeddedLog
 
     with EmbeddedLog(workdir / "embedded") as log:
         log.create_topic("bench", TopicConfig(partitions=partitions, cleanup_policy=CleanupPolicy.COMPACT))
-        start = time.perf_counter()
-        for i in range(0, len(records), batch):
-            log.append("bench", records[i : i + batch])
-        append_s = time.perf_counter() - start
-        start = time.perf_counter()
+        with Timer() as append:
+            for i in range(0, len(records), batch):
+                log.append("bench", records[i : i + batch])
         count = 0
-        for p in range(partitions):
-            for _ in log.iter_partition("bench", p):
-                count += 1
-        read_s = time.perf_counter() - start
+        with Timer() as read:
+            for p in range(partitions):
+                for _ in log.iter_partition("bench", p):
+                    count += 1
     if count != len(records):
         raise AssertionError(f"embedded read {count} records, appended {len(records)}")
-    return len(records) / append_s, count / read_s
+    return append, read
+
+
+def _kafka_topic(prefix: str) -> str:
+    import uuid
+
+    return f"{prefix}-{uuid.uuid4().hex[:10]}"
 
 
 def bench_kafka(records: list[Record], bootstrap: str, batch: int, partitions: int) -> tuple[float, float] | None:
-    """KafkaLog append then read of the same records; returns (append/s, read/s).
+    """KafkaLog append then read of the same records; returns (append/s, read/s), best of 2 rounds.
 
-    Filled by the Kafka backend's author; None while `kappaflow.log.kafka` is not available.
+    Append goes in calls of `batch` records, each durable on return (flush + every record's
+    acknowledgement), like a connector appending one source batch at a time. Read is
+    `iter_partition` over every partition (end offset probe, LogRecords built).
     """
-    return None
+    try:
+        from kappaflow.log.kafka import KafkaLog
+    except ImportError:
+        return None
+    best_append = best_read = 0.0
+    with KafkaLog(bootstrap) as log:
+        for round_no in range(2):
+            topic = _kafka_topic("bench-kafka")
+            log.create_topic(topic, TopicConfig(partitions=partitions, cleanup_policy=CleanupPolicy.COMPACT))
+            try:
+                start = time.perf_counter()
+                for i in range(0, len(records), batch):
+                    log.append(topic, records[i : i + batch])
+                append_s = time.perf_counter() - start
+                start = time.perf_counter()
+                count = 0
+                for p in range(partitions):
+                    for _ in log.iter_partition(topic, p):
+                        count += 1
+                read_s = time.perf_counter() - start
+            finally:
+                log.delete_topic(topic)
+            if count != len(records):
+                raise AssertionError(f"kafka read {count} records, appended {len(records)}")
+            best_append = max(best_append, len(records) / append_s)
+            best_read = max(best_read, count / read_s)
+            print(f"kafka round {round_no + 1}: append {len(records) / append_s:,.0f}/s, "
+                  f"read {count / read_s:,.0f}/s", file=sys.stderr)
+    return best_append, best_read
 
 
 def bench_kafka_raw(records: list[Record], bootstrap: str, batch: int, partitions: int) -> float | None:
-    """Plain kafka-python producer of the same records; returns records/s (Kafka backend's part)."""
-    return None
+    """Plain kafka-python producer of the same records; returns records/s, best of 2 rounds.
+
+    The baseline a user would write: one `KafkaProducer` (kafka-python 3 defaults, i.e.
+    idempotent with acks=all, plus linger 20 ms and 512 KiB batches like the backend),
+    `send(topic, key=, value=, timestamp_ms=)` for every record with the default (murmur2)
+    partitioner, one `flush()` at the end. No per-append durability barrier, no result
+    collection: the most favourable case for the baseline.
+    """
+    try:
+        from kafka import KafkaAdminClient, KafkaProducer
+    except ImportError:
+        return None
+    admin = KafkaAdminClient(bootstrap_servers=bootstrap)
+    producer = KafkaProducer(bootstrap_servers=bootstrap, linger_ms=20, batch_size=512 * 1024,
+                             max_request_size=8 * 1024 * 1024)
+    best = 0.0
+    try:
+        for round_no in range(2):
+            topic = _kafka_topic("bench-raw")
+            admin.create_topics({topic: {"num_partitions": partitions, "replication_factor": -1,
+                                         "configs": {"cleanup.policy": "compact"}}}, wait_for_metadata=True)
+            try:
+                producer.partitions_for(topic)  # topic metadata before timing (one round trip)
+                start = time.perf_counter()
+                send = producer.send
+                for r in records:
+                    send(topic, key=r.key, value=r.value, timestamp_ms=r.timestamp_ms)
+                producer.flush()
+                elapsed = time.perf_counter() - start
+            finally:
+                admin.delete_topics([topic])
+            best = max(best, len(records) / elapsed)
+            print(f"kafka raw round {round_no + 1}: produce {len(records) / elapsed:,.0f}/s", file=sys.stderr)
+    finally:
+        producer.close()
+        admin.close()
+    return best
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -114,9 +196,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     records = make_records(args.records, args.keys, args.value_bytes)
     gc.collect()
     gc.freeze()
-    raw: list[float] = []
-    app: list[float] = []
-    rd: list[float] = []
+    n = args.records
+    raw: list[Timer] = []
+    app: list[Timer] = []
+    rd: list[Timer] = []
     for round_no in range(args.repeat):
         work = Path(tempfile.mkdtemp(prefix="kf-bench-", dir=args.workdir))
         try:
@@ -126,8 +209,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             rd.append(r)
         finally:
             shutil.rmtree(work, ignore_errors=True)
-        print(f"round {round_no + 1}: sqlite raw {raw[-1]:,.0f}/s, embedded append {app[-1]:,.0f}/s, "
-              f"read {rd[-1]:,.0f}/s", file=sys.stderr)
+        print(f"round {round_no + 1}: sqlite raw {n / raw[-1].wall:,.0f}/s (cpu {n / raw[-1].cpu:,.0f}/s), "
+              f"embedded append {n / app[-1].wall:,.0f}/s (cpu {n / app[-1].cpu:,.0f}/s), "
+              f"read {n / rd[-1].wall:,.0f}/s (cpu {n / rd[-1].cpu:,.0f}/s)", file=sys.stderr)
+
+    def best(timers: list[Timer], attr: str = "wall") -> int:
+        return round(n / min(getattr(t, attr) for t in timers))
 
     kafka = kafka_raw = None
     if args.kafka_bootstrap:
@@ -135,13 +222,19 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         kafka_raw = bench_kafka_raw(records, args.kafka_bootstrap, args.batch, args.partitions)
 
     result: dict[str, Any] = {
-        "embedded_append_per_s": round(max(app)),
-        "sqlite_raw_append_per_s": round(max(raw)),
-        "embedded_read_per_s": round(max(rd)),
+        "embedded_append_per_s": best(app),
+        "sqlite_raw_append_per_s": best(raw),
+        "embedded_read_per_s": best(rd),
         "kafka_append_per_s": None if kafka is None else round(kafka[0]),
         "kafka_raw_append_per_s": None if kafka_raw is None else round(kafka_raw),
         "kafka_read_per_s": None if kafka is None else round(kafka[1]),
-        "embedded_vs_raw": round(max(app) / max(raw), 3),
+        "embedded_vs_raw": round(best(app) / best(raw), 3),
+        # CPU time (user + system) of this process: comparable when the machine is shared
+        "embedded_append_cpu_per_s": best(app, "cpu"),
+        "sqlite_raw_append_cpu_per_s": best(raw, "cpu"),
+        "embedded_read_cpu_per_s": best(rd, "cpu"),
+        "load_average_1m": round(os.getloadavg()[0], 2),
+        "cpus": os.cpu_count(),
         "records": args.records,
         "keys": args.keys,
         "batch": args.batch,

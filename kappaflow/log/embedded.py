@@ -81,6 +81,7 @@ from kappaflow.log.embedded_codec import (
     encode,
     encode_headers,
     first_bad,
+    lengths,
     partitions_for,
 )
 
@@ -563,8 +564,8 @@ class EmbeddedLog(Log):
             raise ValidationError(
                 f"topic {topic!r} record {i}: timestamp_ms: expected an int (ms since the epoch) or None, "
                 f"got {stamps[i]!r}") from None
-        klen = [-1 if k is None else len(k) for k in keys]
-        vlen = [-1 if v is None else len(v) for v in values]
+        klen = lengths(keys)
+        vlen = lengths(values)
         heads: list[bytes] | None = None
         if any(map(_headers_of, records)):
             heads = [encode_headers(r.headers, i) if r.headers else b"" for i, r in enumerate(records)]
@@ -624,9 +625,11 @@ class EmbeddedLog(Log):
             for p, idx in groups.items():
                 if idx is None:
                     g_keys, g_values, g_ts, g_heads, g_sizes = keys, values, ts_arr, heads, sizes
+                    g_klen, g_vlen = klen, vlen
                 else:
                     get = itemgetter(*idx) if len(idx) > 1 else (lambda s, i=idx[0]: (s[i],))
                     g_keys, g_values, g_sizes = list(get(keys)), list(get(values)), list(get(sizes))
+                    g_klen, g_vlen = list(get(klen)), list(get(vlen))
                     g_ts = array("q", get(ts_arr))
                     g_heads = None if heads is None else list(get(heads))
                 base = ends[p]
@@ -634,7 +637,8 @@ class EmbeddedLog(Log):
                 batches = []
                 for a, b in self._chunks(g_sizes):
                     batches.append(encode(None, base + a, g_keys[a:b], g_values[a:b], g_ts[a:b],
-                                          None if g_heads is None else g_heads[a:b]))
+                                          None if g_heads is None else g_heads[a:b],
+                                          klens=g_klen[a:b], vlens=g_vlen[a:b]))
                 rows.append((p, batches))
                 new_ends[p] = base + len(g_keys)
             try:
@@ -973,23 +977,23 @@ class EmbeddedLog(Log):
 
     def _background(self, interval: float) -> None:
         while not self._stop.wait(interval):
-            try:
-                topics = [t for t in list(self._topics.values()) if t.config.compacted]
-                for t in topics:
-                    if self._stop.is_set():
-                        return
-                    now = _now_ms()
-                    if (t.dirty > 0 and t.dirty >= _MIN_DIRTY_RATIO * t.kept) or (
-                            t.next_due_ms is not None and now >= t.next_due_ms):
-                        try:
-                            self.compact(t.name, now_ms=now)
-                        except UnknownTopicError:
-                            continue
-            except Exception as exc:  # keep compacting other topics later; surface the error
-                if self._closed:
+            for t in [t for t in list(self._topics.values()) if t.config.compacted]:
+                if self._stop.is_set():
                     return
-                _log.exception("background compaction of %s failed", self._path)
-                self.background_errors.append(exc)
+                now = _now_ms()
+                dirty = t.dirty > 0 and t.dirty >= _MIN_DIRTY_RATIO * t.kept
+                if not dirty and (t.next_due_ms is None or now < t.next_due_ms):
+                    continue
+                try:
+                    self.compact(t.name, now_ms=now)
+                except UnknownTopicError:
+                    continue
+                except Exception as exc:  # surface it, keep serving the other topics
+                    if self._closed:
+                        return
+                    _log.exception("background compaction of topic %r in %s failed", t.name, self._path)
+                    self.background_errors.append(exc)
+                    t.dirty, t.next_due_ms = 0, None  # retried after the next append, not every tick
             self.compaction_runs += 1
 
     # --- lifecycle ------------------------------------------------------------------------

@@ -111,6 +111,13 @@ def decode_headers(blob: bytes) -> Headers:
     return tuple(out)
 
 
+def lengths(items: Sequence[bytes | None]) -> list[int]:
+    """len() of each item, -1 for None."""
+    if None in items:
+        return [-1 if x is None else len(x) for x in items]
+    return list(map(len, items))  # type: ignore[arg-type]
+
+
 # --- encoding --------------------------------------------------------------------------------
 class Batch(NamedTuple):
     """One stored batch row."""
@@ -131,11 +138,14 @@ def encode(
     timestamps: Sequence[int],
     headers: Sequence[bytes] | None = None,
     crcs: Sequence[int] | None = None,
+    klens: Sequence[int] | None = None,
+    vlens: Sequence[int] | None = None,
 ) -> Batch:
     """Encode one batch. `offsets` None means consecutive offsets from `base`.
 
     `headers` are already-encoded header blobs (None: no record has headers); `crcs`
-    are the records' CRCs when re-encoding verified records (compaction).
+    are the records' CRCs when re-encoding verified records (compaction); `klens`/`vlens`
+    are the key/value lengths (-1 = None) when the caller has them already.
     """
     n = len(keys)
     if offsets is None:
@@ -145,8 +155,8 @@ def encode(
         base = offsets[0]
         last = offsets[-1]
         deltas = array("I", [o - base for o in offsets])
-    klen = array("i", [-1 if k is None else len(k) for k in keys])
-    vlen = array("i", [-1 if v is None else len(v) for v in values])
+    klen = array("i", lengths(keys) if klens is None else klens)
+    vlen = array("i", lengths(values) if vlens is None else vlens)
     if crcs is None:
         if headers is None:
             crcs = [_crc32(v or _E, _crc32(k or _E)) for k, v in zip(keys, values, strict=True)]
