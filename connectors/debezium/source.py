@@ -64,6 +64,9 @@ class DebeziumSource(Connector):
         self.skipped: dict[str, int] = {}
         self.dead_letters = 0
         self._topic_parts: dict[str, int] = {}
+        self.schema_topic = f"{name}.__schema"
+        self._schemas: dict[str, str] = {}
+        self._pending: dict[tuple[str, int | None], list[Record]] = {}
 
     @classmethod
     def from_config(cls, cfg: Any, log: Log, **options: Any) -> DebeziumSource:
@@ -120,6 +123,7 @@ class DebeziumSource(Connector):
         assert d.event is not None and d.schema is not None and d.topic is not None
         ev, schema, topic = d.event, d.schema, d.topic
         n = self._ensure(topic)
+        self._schema_record(topic, schema, ev.source.position.to_dict(), batch)
         ph = (POSITION_HEADER, orjson.dumps(ev.source.position.to_dict()))
         oph = (OP_HEADER, ev.op.value.encode())
         value = self.codec.encode_value(ev, schema)
@@ -134,7 +138,7 @@ class DebeziumSource(Connector):
                         continue
                     (live.discard if rec.value is None else live.add)(rec.key)
                 recs.extend(TrustedRecord(k, None, (oph, ph)) for k in sorted(live))
-                batch.add(topic, recs, p)
+                self._add(topic, recs, p)
             return
         if ev.key is None:
             raise ValidationError(f"key: table {schema.name!r} has no key columns (the Debezium record key is null); "
@@ -143,7 +147,34 @@ class DebeziumSource(Connector):
         recs = [TrustedRecord(key, value, (oph, ph))]
         if ev.op is Op.DELETE:
             recs.append(TrustedRecord(key, None, (oph, ph)))
-        batch.add(topic, recs)
+        self._add(topic, recs)
+
+    def _schema_record(self, topic: str, schema: Any, pos: dict[str, Any], batch: Batch) -> None:
+        """``<source>.__schema`` like kappaflow's own connectors: key ``"db.table"``, value the TableSchema."""
+        qualified = topic[len(self.name) + 1:]
+        fp = schema.fingerprint()
+        if self._schemas.get(qualified) == fp:
+            return
+        self._ensure(self.schema_topic, partitions=1)
+        value = dict(schema.to_dict())
+        value.update({"kf_pos": pos, "table": qualified, "ts_ms": int(time.time() * 1000), "change": "CREATE"
+                      if qualified not in self._schemas else "ALTER", "ddl": None})
+        self._add(self.schema_topic, [TrustedRecord(orjson.dumps(qualified), orjson.dumps(value))])
+        self._schemas[qualified] = fp
+
+    def _load_schemas(self) -> None:
+        from kappaflow.events import TableSchema
+
+        if self.schema_topic not in self.log.list_topics():
+            return
+        for rec in self.log.iter_partition(self.schema_topic, 0):
+            if rec.key is None:
+                continue
+            name = orjson.loads(rec.key)
+            if rec.value is None:
+                self._schemas.pop(name, None)
+            else:
+                self._schemas[name] = TableSchema.from_dict(orjson.loads(rec.value)).fingerprint()
 
     def _dead_letter(self, batch: Batch, msg: Any, reason: str) -> None:
         self._ensure(self.dead_letter_topic, compacted=False, partitions=1)
@@ -155,17 +186,26 @@ class DebeziumSource(Connector):
             "value": None if value is None else value.decode("utf-8", "replace"),
         }
         where = f"{msg.topic}/{msg.partition}/{msg.offset}".encode()
-        batch.add(self.dead_letter_topic, [TrustedRecord(msg.key, orjson.dumps(doc), (
+        self._add(self.dead_letter_topic, [TrustedRecord(msg.key, orjson.dumps(doc), (
             ("kf.error", reason.encode()[:500]), ("kf.source", where)))])
         self.dead_letters += 1
 
+    def _add(self, topic: str, recs: list[Record], partition: int | None = None) -> None:
+        self._pending.setdefault((topic, partition), []).extend(recs)
+
     def _flush(self, batch: Batch, writer: CaptureWriter, offsets: dict[str, Any] | None) -> None:
-        if batch.appends or offsets is not None:
-            moved = Batch(appends=list(batch.appends), offset=offsets, records=batch.records)
-            self.summary.records += batch.records
-            writer.submit(moved)
-            batch.appends.clear()
-            batch.records = 0
+        """Hand the pending records (schema records first) and then the offsets to the writer."""
+        pending, self._pending = self._pending, {}
+        if not pending and offsets is None:
+            return
+        out = Batch(offset=offsets)
+        schema = pending.pop((self.schema_topic, None), None)
+        if schema:
+            out.add(self.schema_topic, schema)
+        for (topic, partition), recs in pending.items():
+            out.add(topic, recs, partition)
+        self.summary.records += out.records
+        writer.submit(out)
 
     # -- the loop --------------------------------------------------------------------------
     def run(self, stop: StopSignal | None = None, *, until_caught_up: bool = False) -> CaptureSummary:
@@ -177,6 +217,7 @@ class DebeziumSource(Connector):
         if stored is not None and stored.get("kind") != "debezium":
             raise SourceError(f"source {self.name!r}: the stored offset is a {stored.get('kind')!r} offset, not a "
                               "Debezium one; use another source name")
+        self._load_schemas()
         consumer = self._consumer()
         writer = CaptureWriter(self.log, offsets, self.name, threaded=self.threaded_writer, fault=self.fault)
         position: dict[str, dict[str, int]] = {t: dict(v) for t, v in ((stored or {}).get("topics") or {}).items()}
@@ -221,7 +262,7 @@ class DebeziumSource(Connector):
             elif d.kind == "route":
                 assert d.topic is not None
                 self._ensure(d.topic, compacted=False, partitions=1)
-                batch.add(d.topic, [TrustedRecord(msg.key, msg.value, (("kf.source", f"{msg.topic}/{msg.partition}/"
+                self._add(d.topic, [TrustedRecord(msg.key, msg.value, (("kf.source", f"{msg.topic}/{msg.partition}/"
                                                                          f"{msg.offset}".encode()),))])
             else:
                 self.skipped[d.reason] = self.skipped.get(d.reason, 0) + 1
