@@ -75,6 +75,7 @@ from kappaflow.log.base import (
 from kappaflow.log.embedded_codec import (
     Batch,
     BatchDamaged,
+    build,
     decode,
     decode_fields,
     decode_index,
@@ -660,13 +661,13 @@ class EmbeddedLog(Log):
             t.dirty += n
         if parts is None:
             p = next(iter(groups))
-            return list(map(Appended, repeat(p, n), range(firsts[p], firsts[p] + n)))
+            return build(Appended, n, repeat(p, n), range(firsts[p], firsts[p] + n))
         offsets = np.empty(n, dtype=np.int64)
         for p, idx in groups.items():
             if idx is None:  # every record went to p
-                return list(map(Appended, repeat(p, n), range(firsts[p], firsts[p] + n)))
+                return build(Appended, n, repeat(p, n), range(firsts[p], firsts[p] + n))
             offsets[idx] = np.arange(firsts[p], firsts[p] + len(idx))
-        return list(map(Appended, parts, offsets.tolist()))
+        return build(Appended, n, parts, offsets.tolist())
 
     def _chunks(self, sizes: list[int]) -> list[tuple[int, int]]:
         """Split records into batches of at most batch_records records and ~batch_bytes bytes."""

@@ -406,3 +406,26 @@ def test_large_records_span_batches(tmp_path: Path) -> None:
         recs = [Record(b"k%d" % i, bytes([i]) * (i * 500)) for i in range(40)]
         log.append("t", recs)
         assert [(r.key, r.value) for r in log.read("t", 0, 0)] == [(r.key, r.value) for r in recs]
+
+
+def test_bulk_built_results_equal_constructed_ones() -> None:
+    from dataclasses import dataclass
+
+    from kappaflow.log.base import Appended
+    from kappaflow.log.embedded_codec import build
+
+    assert build(Appended, 3, [0, 1, 2], [7, 8, 9]) == [Appended(0, 7), Appended(1, 8), Appended(2, 9)]
+    rec = build(LogRecord, 1, ["t"], [1], [5], [b"k"], [None], [(("h", b"v"),)], [42])[0]
+    assert rec == LogRecord("t", 1, 5, b"k", None, (("h", b"v"),), 42)
+    assert hash(rec) == hash(LogRecord("t", 1, 5, b"k", None, (("h", b"v"),), 42)) and "offset=5" in repr(rec)
+
+    @dataclass(frozen=True, slots=True)
+    class Checked:
+        x: int
+
+        def __post_init__(self) -> None:
+            if self.x < 0:
+                raise ValueError("x")
+
+    with pytest.raises(ValueError):  # classes with validation are built through __init__
+        build(Checked, 1, [-1])
