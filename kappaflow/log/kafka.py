@@ -70,6 +70,7 @@ from kappaflow.log.base import (
 )
 from kappaflow.log.kafka_clients import (
     connect,
+    disable_auto_topic_creation,
     is_too_large,
     is_unknown_topic,
     map_error,
@@ -229,7 +230,9 @@ class KafkaLog(Log):
                         "delivery_timeout_ms": int(self._timeout_s * 1000) + self._linger_ms,
                         **self._options["producer"],
                     }
-                    self._producer = self._connect("connecting the producer", lambda: KafkaProducer(**opts))
+                    producer = self._connect("connecting the producer", lambda: KafkaProducer(**opts))
+                    disable_auto_topic_creation(producer)
+                    self._producer = producer
                 producer = self._producer
         return producer
 
@@ -244,6 +247,7 @@ class KafkaLog(Log):
             **self._options["consumer"],
         }
         consumer: KafkaConsumer = self._connect(f"connecting the {role} consumer", lambda: KafkaConsumer(**opts))
+        disable_auto_topic_creation(consumer)
         return consumer
 
     def _reader_client(self) -> KafkaConsumer:
@@ -372,6 +376,16 @@ class KafkaLog(Log):
 
     def delete_topic(self, name: str) -> None:
         _validate_topic_name(name)
+        # Detach our consumers first: a consumer still assigned to the topic keeps asking the
+        # broker about it, and tansu (like Kafka with auto.create.topics.enable) recreates it.
+        with self._read_lock:
+            if self._reader is not None and any(tp.topic == name for tp in self._reader.assignment()):
+                self._reader.unsubscribe()
+                self._reader_tp = None
+                self._reader_next = -1
+        with self._probe_lock:
+            if self._probe is not None and any(tp.topic == name for tp in self._probe.assignment()):
+                self._probe.unsubscribe()
         admin = self._admin_client()
         try:
             admin.delete_topics([name], timeout_ms=int(self._timeout_s * 1000))
@@ -381,20 +395,13 @@ class KafkaLog(Log):
             self._topics.pop(name, None)
             for tp in [tp for tp in self._highwater if tp.topic == name]:
                 del self._highwater[tp]
-        # Stop our consumers from tracking the deleted topic (metadata errors otherwise).
-        with self._read_lock:
-            if self._reader_tp is not None and self._reader_tp.topic == name and self._reader is not None:
-                self._reader.unsubscribe()
-                self._reader_tp = None
-                self._reader_next = -1
-        with self._probe_lock:
-            if self._probe is not None and any(tp.topic == name for tp in self._probe.assignment()):
-                self._probe.unsubscribe()
         # Deletion is asynchronous on Kafka: wait (bounded) until metadata no longer shows it.
         deadline = time.monotonic() + self._timeout_s
         while name in self._describe([name]):
             if time.monotonic() > deadline:
-                raise LogUnavailableError(f"topic {name!r} still listed {self._timeout_s:.0f}s after deletion")
+                raise LogUnavailableError(
+                    f"topic {name!r} still listed {self._timeout_s:.0f}s after deletion (a client still "
+                    "using it may have recreated it through auto topic creation)")
             time.sleep(0.05)
 
     def list_topics(self) -> dict[str, TopicConfig]:

@@ -89,6 +89,22 @@ def connect(make: Callable[[], T], *, bootstrap: str, what: str, attempts: int, 
     )
 
 
+def disable_auto_topic_creation(client: Any) -> None:
+    """Make the client's metadata requests say allow_auto_topic_creation=false.
+
+    kafka-python 3.0 accepts `allow_auto_create_topics=False` on producer and consumer but
+    builds their cluster metadata without it, so every Metadata request allows auto
+    creation; brokers that honour it (tansu always, Kafka with auto.create.topics.enable)
+    then recreate a topic that was just deleted while a client still tracks it.
+    """
+    clusters = [getattr(client, "_cluster", None), getattr(client, "_metadata", None),
+                getattr(getattr(client, "_manager", None), "cluster", None)]
+    for cluster in clusters:
+        config = getattr(cluster, "config", None)
+        if isinstance(config, dict) and "allow_auto_create_topics" in config:
+            config["allow_auto_create_topics"] = False
+
+
 def _brief(exc: BaseException | None) -> str:
     if exc is None:
         return "no error recorded"
