@@ -35,7 +35,7 @@ from kappaflow.projections.executor import LOAD_RESULT_DDL, FoldJob, fold_arrow_
 from kappaflow.projections.plan import Plan, fold_output_type
 from kappaflow.projections.runtime import Offsets, Runtime
 from kappaflow.projections.schemas import load_table_schemas
-from kappaflow.projections.sinks.base import DELETED, VERSION, Positions, Target, TopicPartition
+from kappaflow.projections.sinks.base import DELETED, VERSION, Positions, Sink, Target, TopicPartition
 
 log = logging.getLogger("kappaflow.projections")
 
@@ -122,7 +122,7 @@ def _dead_letter(rt: Runtime, plan: Plan, rows: list[dict[str, Any]]) -> int:
     return write_dead_letters(rt.log_url, rt.log_options, plan.spec.name, rows)
 
 
-def _fold_job(plan: Plan, version: int, rt: Runtime | None = None, target: Target | None = None) -> FoldJob:
+def _fold_job(plan: Plan, version: int, sink: Sink | None = None, target: Target | None = None) -> FoldJob:
     spec = plan.spec
     assert spec.cls is not None
     _pickle_by_value(spec.cls)
@@ -133,7 +133,7 @@ def _fold_job(plan: Plan, version: int, rt: Runtime | None = None, target: Targe
         out_schema=fold_arrow_schema(plan.view.arrow_schema()),
         view_columns=plan.view.column_names,
         version=version,
-        sink=rt.sink.config() if (rt is not None and target is not None) else None,
+        sink=sink.config() if (sink is not None and target is not None) else None,
         target=target,
     )
 
@@ -217,9 +217,13 @@ def _offset_filter(before: Positions) -> Any:
 
 
 def apply_batch(plan: Plan, rt: Runtime, target: Target, raws: dict[str, DataFrame], before: Positions,
-                known_end: Offsets | None = None) -> BatchResult:
-    """Fold `raws` (already bounded) into `target` in one sink transaction with the positions."""
+                known_end: Offsets | None = None, sink: Sink | None = None) -> BatchResult:
+    """Fold `raws` (already bounded) into `target` in one sink transaction with the positions.
+
+    `sink` defaults to ``rt.sink``; a follower passes its own (a sink's connection is not
+    shared between concurrently running micro-batches)."""
     spec = plan.spec
+    sink = sink or rt.sink
     partitions = _partition_counts(rt, spec.topics)
     cond = _offset_filter(before)
     observations: list[Observation] = []
@@ -239,7 +243,7 @@ def apply_batch(plan: Plan, rt: Runtime, target: Target, raws: dict[str, DataFra
     if isinstance(spec.fold, CustomFold):
         ev = plan.custom_events(observed)
         parts = int(rt.spark.conf.get("spark.sql.shuffle.partitions") or 4)
-        folded = plan.sorted_for_fold(ev, parts).mapInArrow(make_folder(_fold_job(plan, 0, rt, target)),
+        folded = plan.sorted_for_fold(ev, parts).mapInArrow(make_folder(_fold_job(plan, 0, sink, target)),
                                                             fold_output_type(plan))
         out = folded.toArrow()
         reasons = out.column("_kf_dl_reason")
@@ -279,20 +283,21 @@ def apply_batch(plan: Plan, rt: Runtime, target: Target, raws: dict[str, DataFra
     changed = {k: v for k, v in after.items() if before.get(k) != v}
     wm = watermark(after)
     if isinstance(spec.fold, GroupFold):
-        w = _with_retry("applying the batch", lambda: rt.sink.apply_grouped(target, tbl, wm, changed))  # type: ignore[attr-defined]
+        w = _with_retry("applying the batch", lambda: sink.apply_grouped(target, tbl, wm, changed))  # type: ignore[union-attr]
     else:
         if isinstance(spec.fold, CustomFold) and tbl.num_rows:
             tbl = tbl.set_column(tbl.schema.get_field_index(VERSION), VERSION,
                                  pa.array([wm] * tbl.num_rows, pa.int64()))
-        w = _with_retry("applying the batch", lambda: rt.sink.write(target, tbl, changed))
+        w = _with_retry("applying the batch", lambda: sink.write(target, tbl, changed))  # type: ignore[union-attr]
     res.upserted, res.deleted = w.upserted, w.deleted
     res.positions = after
     return res
 
 
-def apply_range(plan: Plan, rt: Runtime, target: Target, start: Offsets, end: Offsets) -> BatchResult:
+def apply_range(plan: Plan, rt: Runtime, target: Target, start: Offsets, end: Offsets,
+                sink: Sink | None = None) -> BatchResult:
     raws = {t: rt.raw(t, start, end) for t in plan.spec.topics}
-    return apply_batch(plan, rt, target, raws, flatten(start), known_end=end)
+    return apply_batch(plan, rt, target, raws, flatten(start), known_end=end, sink=sink)
 
 
 class ProjectionBusy(SinkError):

@@ -308,10 +308,17 @@ class Plan:
 
     def latest_changes(self, rows: DataFrame) -> DataFrame:
         """Follow: one upsert or delete per key touched by the batch."""
-        cols = [F.when(F.col("_kf_keep"), F.col(c)).alias(c) if c not in self.spec.key else F.col(c)
+        # Deletes and tombstones have no row: their key comes from the record key (the view
+        # key of a latest-row view is the source primary key).
+        schema = self.schemas[self.spec.topics[0]]
+        kj = F.from_json(F.col("_kf_key").cast("string"), key_struct(schema))
+        krow = converted_row(F.coalesce(kj["payload"], F.struct(*[kj[c].alias(c) for c in schema.key])),
+                             schema.key_schema())
+        cols = [F.when(F.col("_kf_keep"), F.col(c)).alias(c) if c not in self.spec.key
+                else F.coalesce(F.col(c), krow[c]).alias(c)
                 for c in self._view_value_columns(rows)]
         out = rows.select(*cols, F.col("_kf_offset").alias(VERSION), (~F.col("_kf_keep")).alias(DELETED))
-        # A key column NULL can only come from a row-less delete: take the key from the record key.
+        # Records without a usable key (e.g. a truncate marker) change no row.
         return out.where(" AND ".join(f"`{k}` IS NOT NULL" for k in self.spec.key))
 
     # --- declarative: grouped --------------------------------------------------------------

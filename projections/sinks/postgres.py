@@ -762,9 +762,10 @@ class PostgresSink(Sink):
                     # newest row per source key that is newer than the state
                     self.conn.execute(sql.SQL(
                         "CREATE TEMP TABLE {aff} ON COMMIT DROP AS "
-                        "SELECT {g} FROM {st} s JOIN pg_temp.{stg} c USING ({t}, {k}) WHERE c.{v} > s.{v} "
+                        "SELECT {sg} FROM {st} s JOIN pg_temp.{stg} c USING ({t}, {k}) WHERE c.{v} > s.{v} "
                         "UNION SELECT {g} FROM pg_temp.{stg} WHERE NOT {d}"
-                    ).format(aff=_q(affected), g=g, st=srel, stg=_q(stg), t=_q(STATE_TOPIC), k=_q(STATE_KEY),
+                    ).format(aff=_q(affected), g=g, sg=sql.SQL(", ").join(sql.SQL("s.{}").format(_q(c)) for c in gcols),
+                             st=srel, stg=_q(stg), t=_q(STATE_TOPIC), k=_q(STATE_KEY),
                              v=_q(VERSION), d=_q(DELETED)))
                     latest = sql.SQL(
                         "SELECT DISTINCT ON ({t}, {k}) * FROM pg_temp.{stg} ORDER BY {t}, {k}, {v} DESC"
