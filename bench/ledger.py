@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import multiprocessing as mp
+import os
 import random
 import statistics
 import sys
@@ -74,8 +75,8 @@ def seed_accounts(dsn: str, n: int) -> None:
                                              ExpectedVersion.NO_STREAM) for a in range(start, min(n, start + 100))])
 
 
-def transfer_worker(dsn: str, seed: int, accounts: int, start_at: float, stop_at: float,
-                    out: Any) -> None:
+def transfer_worker(dsn: str, seed: int, accounts: int, seconds: float, ready: Any, go: Any,
+                    out: Any, finish: Any) -> None:
     from examples.bank.bank import Bank
     from examples.bank.events import registry
     from kappaflow.ledger import Ledger
@@ -94,42 +95,77 @@ def transfer_worker(dsn: str, seed: int, accounts: int, start_at: float, stop_at
             finally:
                 append_lat.append((time.perf_counter() - t) * 1000)
 
-        ledger.append_many = timed  # type: ignore[method-assign]
+        setattr(ledger, "append_many", timed)  # noqa: B010 - time the ledger call inside Bank
         bank = Bank(ledger)
         for a in range(accounts):  # warm the cache (initial full reads are not what we measure)
             bank.account(str(a))
         append_lat.clear()
-        while time.time() < start_at:
-            time.sleep(0.001)
-        while time.time() < stop_at:
+        ready.put(seed)
+        go.wait()
+        stop_at = time.perf_counter() + seconds
+        cpu0 = time.process_time()
+        while time.perf_counter() < stop_at:
             a, b = rnd.sample(range(accounts), 2)
             t = time.perf_counter()
             bank.transfer(str(a), str(b), rnd.randint(1, 100), transfer_id=uuid.uuid4().hex)
             transfer_lat.append((time.perf_counter() - t) * 1000)
             done += 1
-    out.put({"done": done, "append_lat": append_lat, "transfer_lat": transfer_lat, "conflicts": bank.conflicts})
+        out.put({"done": done, "append_lat": append_lat, "transfer_lat": transfer_lat,
+                 "conflicts": bank.conflicts, "cpu": time.process_time() - cpu0})
+        finish.wait(600)  # keep the connection (and its server process's CPU count) until measured
+
+
+def server_cpu_seconds(dsn: str) -> float:
+    """CPU time used so far by the PostgreSQL server's processes (Linux /proc; 0 if unknown)."""
+    import os
+
+    import psycopg
+
+    with psycopg.connect(dsn) as conn:
+        row = conn.execute("select pg_postmaster_start_time(), current_setting('data_directory')").fetchone()
+    pid_file = Path(str(row[1] if row else ""), "postmaster.pid")
+    try:
+        postmaster = int(pid_file.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 0.0
+    tick = os.sysconf("SC_CLK_TCK")
+    total = 0.0
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(entry.name) == postmaster or int(fields[1]) == postmaster:
+            total += (int(fields[11]) + int(fields[12])) / tick  # utime + stime
+    return total
 
 
 def transfers(dsn: str, writers: int, accounts: int, seconds: float) -> dict[str, Any]:
     ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    # the warm-up (cache loading) takes a moment per writer; everyone starts at the same instant
-    start_at = time.time() + 4.0 + accounts / 400
-    stop_at = start_at + seconds
-    procs = [ctx.Process(target=transfer_worker, args=(dsn, s, accounts, start_at, stop_at, q))
+    q, ready, go, finish = ctx.Queue(), ctx.Queue(), ctx.Event(), ctx.Event()
+    procs = [ctx.Process(target=transfer_worker, args=(dsn, s, accounts, seconds, ready, go, q, finish))
              for s in range(writers)]
     for p in procs:
         p.start()
-    results = [q.get(timeout=600) for _ in procs]
+    for _ in procs:  # every writer has loaded its account cache: start them at the same instant
+        ready.get(timeout=600)
+    cpu0 = server_cpu_seconds(dsn)
+    go.set()
+    results = [q.get(timeout=seconds + 600) for _ in procs]
+    server_cpu = server_cpu_seconds(dsn) - cpu0
+    finish.set()
     for p in procs:
         p.join(60)
-    if time.time() > stop_at + 60:
-        raise RuntimeError("transfer writers overran")
     done = sum(r["done"] for r in results)
     append_lat = [x for r in results for x in r["append_lat"]]
     transfer_lat = [x for r in results for x in r["transfer_lat"]]
+    client_cpu = sum(r["cpu"] for r in results)
     return {"transfers": done, "transfers_per_s": done / seconds, "append_lat": append_lat,
-            "transfer_lat": transfer_lat, "conflicts": sum(r["conflicts"] for r in results)}
+            "transfer_lat": transfer_lat, "conflicts": sum(r["conflicts"] for r in results),
+            "client_cpu_ms_per_transfer": 1000 * client_cpu / max(done, 1),
+            "server_cpu_ms_per_transfer": 1000 * server_cpu / max(done, 1)}
 
 
 def main() -> None:
@@ -161,7 +197,7 @@ def main() -> None:
         import psycopg
 
         with psycopg.connect(dsn) as conn:
-            settings = {k: conn.execute(f"show {k}").fetchone()[0]  # type: ignore[index]
+            settings = {k: str(conn.execute(f"show {k}").fetchone()[0])  # type: ignore[index]
                         for k in ("fsync", "synchronous_commit", "server_version")}
         rate, batch_lat = batched(dsn, args.batches, args.batch_size)
         print(f"batched appends: {rate:,.0f} events/s (batch p50 {statistics.median(batch_lat):.1f} ms)",
@@ -190,6 +226,9 @@ def main() -> None:
             "single_append_latency_p50_ms": round(pct(single, .5), 3),
             "single_append_latency_p99_ms": round(pct(single, .99), 3),
             "batch_1000_latency_p50_ms": round(statistics.median(batch_lat), 2),
+            "transfer_cpu_ms_client": round(tr["client_cpu_ms_per_transfer"], 3),
+            "transfer_cpu_ms_server": round(tr["server_cpu_ms_per_transfer"], 3),
+            "load_avg_1m": round(os.getloadavg()[0], 2), "cpus": os.cpu_count(),
             "writers": args.writers, "accounts": args.accounts, "transfers": tr["transfers"],
             "conflicts_retried": tr["conflicts"],
             "verify_ok": report.ok, "verify_events": report.checked,

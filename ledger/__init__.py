@@ -37,10 +37,16 @@ from kappaflow.ledger.events import (
     stream_category,
 )
 from kappaflow.ledger.hashing import VerifyReport, verify
+from kappaflow.ledger.relay import LedgerRelay
 from kappaflow.ledger.schema import DEFAULT_SCHEMA, install
 from kappaflow.ledger.store import AppendResult, Head, Ledger, LedgerStats, StreamAppend
 from kappaflow.ledger.tail import TailReader
-from kappaflow.ledger.wait import PostgresProjectionPositions, ProjectionPositions, wait_for_projection
+from kappaflow.ledger.wait import (
+    LogProjectionPositions,
+    PostgresProjectionPositions,
+    ProjectionPositions,
+    wait_for_projection,
+)
 
 __all__ = [
     "DEFAULT_MAX_EVENT_BYTES",
@@ -57,8 +63,10 @@ __all__ = [
     "Ledger",
     "LedgerError",
     "LedgerNotInstalledError",
+    "LedgerRelay",
     "LedgerStats",
     "LedgerUnavailableError",
+    "LogProjectionPositions",
     "NewEvent",
     "PostgresProjectionPositions",
     "ProjectionPositions",

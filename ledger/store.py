@@ -151,24 +151,30 @@ class Ledger:
         self.group_commit = group_commit
         self._pool = ConnectionPool(dsn, max_size=pool_size, connect_timeout=connect_timeout)
         t = self.tables
-        self._append_sql = sql.SQL(
+        self._append_sql: Any = sql.SQL(
             "select first_position, last_position, stream_ids, versions, recorded_at, duplicate "
             "from {fn}(%s::text[], %s::text[], %s::bigint[], %s::bigint[], %s::int[], %s::text[], "
             "%s::int[], %s::text[], %s::text[], %s::text, %s::bytea, %s::boolean)"
         ).format(fn=t.append_fn)
-        self._barrier_sql = sql.SQL(
+        self._barrier_sql: Any = sql.SQL(
             "insert into {} as b (pid, n) values (pg_backend_pid(), 1) "
             "on conflict (pid) do update set n = b.n + 1").format(t.table("durability_barrier"))
         cols = sql.SQL(", ").join(sql.Identifier(c) for c in EVENT_COLUMNS)
-        self._read_stream_sql = sql.SQL(
+        self._read_stream_sql: Any = sql.SQL(
             "select {cols} from {events} where stream_id = %s and stream_version >= %s "
             "order by stream_version limit %s").format(cols=cols, events=t.events)
-        self._read_all_sql = sql.SQL(
+        self._read_all_sql: Any = sql.SQL(
             "select {cols} from {events} where position >= %s order by position limit %s"
         ).format(cols=cols, events=t.events)
-        self._read_all_types_sql = sql.SQL(
+        self._read_all_types_sql: Any = sql.SQL(
             "select {cols} from {events} where position >= %s and stream_type = any(%s::text[]) "
             "order by position limit %s").format(cols=cols, events=t.events)
+        # Rendered once: composing identifiers on every call costs more than the round trip.
+        self._append_sql = self._append_sql.as_bytes(None)
+        self._barrier_sql = self._barrier_sql.as_bytes(None)
+        self._read_stream_sql = self._read_stream_sql.as_bytes(None)
+        self._read_all_sql = self._read_all_sql.as_bytes(None)
+        self._read_all_types_sql = self._read_all_types_sql.as_bytes(None)
 
     # --- lifecycle ----------------------------------------------------------
     def close(self) -> None:

@@ -73,7 +73,7 @@ def test_positions_source_filter_and_next_to_read(positions_table: str) -> None:
 
 def test_any_protocol_object_and_bad_arguments(ledger_dsn: str) -> None:
     class InMemory:
-        def processed(self, projection: str) -> int | None:
+        def processed(self, projection: str, position: int) -> int | None:
             return {"p": 5}.get(projection)
 
     assert wait_for_projection(InMemory(), "p", 5, timeout=0) == 5
