@@ -50,7 +50,7 @@ def test_relay_publishes_every_event_once_in_stream_order(ledger: Ledger, embedd
     assert sorted(r[2] for r in recs) == list(range(1, 41))
     assert {r[0] for r in recs} == {"bank.account", "bank.audit"}
     assert embedded_log.topic_config("bank.account").cleanup_policy.value == "delete"
-    for topic, p, _, key in recs:
+    for _topic, p, _, key in recs:
         assert p == partition_for(key, 3)
     by_stream: dict[bytes, list[int]] = {}
     for _, _, pos, key in sorted(recs, key=lambda r: (r[0], r[1])):
