@@ -609,12 +609,11 @@ class EmbeddedLog(Log):
                     pos += c
             if len(groups) == 1:
                 groups = dict.fromkeys(groups)
-        return self._write(t, groups, parts, n, keys, values, ts_arr, heads, klen, vlen, sizes, partition)
+        return self._write(t, groups, parts, n, keys, values, ts_arr, heads, klen, vlen, sizes)
 
     def _write(self, t: _Topic, groups: dict[int, list[int] | None], parts: list[int] | None, n: int,
                keys: list[bytes | None], values: list[bytes | None], ts_arr: array,
-               heads: list[bytes] | None, klen: list[int], vlen: list[int], sizes: list[int],
-               fixed: int | None) -> list[Appended]:
+               heads: list[bytes] | None, klen: list[int], vlen: list[int], sizes: list[int]) -> list[Appended]:
         with t.wlock:
             self._check_open()
             conn = self._wconn(t)

@@ -212,7 +212,7 @@ def test_kill_9_mid_append_is_all_or_nothing(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 def test_kill_9_many_trials(tmp_path: Path) -> None:
-    _kill_trials(tmp_path / "log", seed=7, trials=25)
+    _kill_trials(tmp_path / "log", seed=7, trials=15)
 
 
 # --- damaged files ----------------------------------------------------------------------------
