@@ -94,7 +94,8 @@ class CaptureEngine:
     def __init__(self, *, name: str, log: Log, args: ConnectArgs, server: ServerInfo, tracker: SchemaTracker,
                  offset: MySQLOffset, codec: EventCodec, partitions: int, replica_server_id: int,
                  batch_records: int = 20_000, flush_interval_s: float = 0.5, heartbeat_s: float = 1.0,
-                 offsets: OffsetStore | None = None, threaded: bool = True, fault: FaultHook | None = None) -> None:
+                 offsets: OffsetStore | None = None, threaded: bool = True, fault: FaultHook | None = None,
+                 fast_rows: bool = True) -> None:
         self.name = name
         self.log = log
         self.args = args
@@ -103,6 +104,7 @@ class CaptureEngine:
         self.offset = offset
         self.codec = codec
         self.replica_server_id = replica_server_id
+        self.fast_rows = fast_rows
         self.batch_records = batch_records
         self.flush_interval_s = flush_interval_s
         self.heartbeat_s = heartbeat_s
@@ -170,7 +172,8 @@ class CaptureEngine:
             use_gtid = True
         self.reader = BinlogReader(self.args, server_id=self.replica_server_id, flavor=self.server.flavor,
                                    tracker=self.tracker, start=StreamStart(file, pos, gtid),
-                                   heartbeat_s=self.heartbeat_s, use_gtid=use_gtid, ctl_refresh=self.refresh_hints)
+                                   heartbeat_s=self.heartbeat_s, use_gtid=use_gtid, ctl_refresh=self.refresh_hints,
+                                   decimal_mode=self.codec.decimal_mode if self.fast_rows else None)
         return self.reader.items()
 
     def next_item(self) -> Item:
@@ -228,7 +231,7 @@ class CaptureEngine:
             self._txn_index = 0
         touched = self.touched.get((state.db, state.table)) if self.touched is not None else None
         self._txn_index = self.writer.add_rows(state, item.op, item.rows, file, tpos, self._txn_index, item.gtid,
-                                               self.server.server_id, item.ts_ms, now_ms(), touched)
+                                               self.server.server_id, item.ts_ms, now_ms(), touched, item.json)
         if self.writer.buffered >= self.batch_records:
             self.checkpoint()
 

@@ -60,6 +60,7 @@ class TableState:
     zero_defaults: dict[str, Any] = field(init=False)
     nullable: frozenset[str] = field(init=False)
     _json_plans: dict[str, Any] = field(init=False, default_factory=dict)
+    _decoders: dict[str, Any] = field(init=False, default_factory=dict)
 
     def __post_init__(self) -> None:
         self.schema = table_schema(self.topic, self.specs, self.key)
@@ -85,6 +86,18 @@ class TableState:
                     if src == "empty set" or (src != "null" and name not in self.nullable):
                         values[name] = dflt
         return values
+
+    def row_decoder(self, table_columns: list[Any], mode: str) -> Any:
+        """The compiled binlog -> JSON row decoder (``rowdecoder.py``), or None for the library's path."""
+        if mode in self._decoders:
+            return self._decoders[mode]
+        from kappaflow.connectors.mysql.rowdecoder import compile_decoder
+        from kappaflow.events.values import make_encoder
+
+        encoders = {c.name: make_encoder(c, mode) for c in self.schema.columns}
+        dec = compile_decoder(table_columns, self.specs, mode, encoders)
+        self._decoders[mode] = dec
+        return dec
 
     def json_converter(self, mode: str) -> Any:
         """A function turning a mysql-replication row (values, none_sources) into its JSON form, in place."""

@@ -72,6 +72,7 @@ class RowsItem:
     first_row: int  # row index (within the transaction) of rows[0]
     gtid: str | None
     ts_ms: int
+    json: bool = False  # rows already in JSON form (rowdecoder.py), no none_sources
 
 
 @dataclass(slots=True)
@@ -119,7 +120,8 @@ class BinlogReader:
 
     def __init__(self, args: ConnectArgs, *, server_id: int, flavor: str, tracker: SchemaTracker,
                  start: StreamStart, heartbeat_s: float = 1.0, blocking: bool = True,
-                 use_gtid: bool = False, ctl_refresh: Callable[[str, str], None] | None = None) -> None:
+                 use_gtid: bool = False, ctl_refresh: Callable[[str, str], None] | None = None,
+                 decimal_mode: str | None = None) -> None:
         self.args = args
         self.server_id = server_id
         self.flavor = flavor
@@ -129,6 +131,7 @@ class BinlogReader:
         self.blocking = blocking
         self.use_gtid = use_gtid
         self.ctl_refresh = ctl_refresh
+        self.decimal_mode = decimal_mode  # set: decode rows straight to JSON form where possible
         self.gtid = GtidState(flavor, start.gtid)
         # where the reader is: the end of the last event read (= the next event's start)
         self.file: str | None = start.file
@@ -183,6 +186,7 @@ class BinlogReader:
         tracker = self.tracker
         captured = tracker.tables
         table_states: dict[int, TableState] = {}
+        decoders: dict[int, Any] = {}
         in_txn = False  # inside BEGIN ... COMMIT/XID
         txn_pos: int | None = None
         txn_gtid: str | None = None
@@ -202,10 +206,14 @@ class BinlogReader:
                         continue  # not a captured table
                     if txn_pos is None:  # rows without BEGIN/GTID seen (started mid-way): use the event's own start
                         txn_pos = end - ev.event_size
-                    rows = ev.rows
+                    dec = decoders.get(ev.table_id)
+                    rows = dec.decode_rows(ev, cls is UpdateRowsEvent) if dec is not None else None
+                    is_json = rows is not None
+                    if rows is None:
+                        rows = ev.rows
                     if rows:
                         op = op_insert if cls is WriteRowsEvent else op_update if cls is UpdateRowsEvent else op_delete
-                        yield RowsItem(state, op, rows, file, txn_pos, row, txn_gtid, ev.timestamp * 1000)
+                        yield RowsItem(state, op, rows, file, txn_pos, row, txn_gtid, ev.timestamp * 1000, is_json)
                         row += len(rows)
                 elif cls is TableMapEvent:
                     if (ev.schema, ev.table) not in captured:
@@ -213,6 +221,8 @@ class BinlogReader:
                         continue
                     state = tracker.from_table_map(ev)
                     table_states[ev.table_id] = state
+                    if self.decimal_mode is not None:
+                        decoders[ev.table_id] = state.row_decoder(ev.columns, self.decimal_mode)
                     known = tracker.states.get((state.db, state.table))
                     if known is not state and (known is None or
                                                known.schema.fingerprint() != state.schema.fingerprint()):
@@ -266,6 +276,7 @@ class BinlogReader:
                     if txn_pos is None:
                         self.file, self.next_pos = file, ev.position
                     table_states.clear()
+                    decoders.clear()
                 elif cls is HeartbeatLogEvent:
                     yield TickItem(self.file, self.next_pos)
         except pymysql.MySQLError as exc:

@@ -142,7 +142,7 @@ class ChangeBatcher:
 
     def add_rows(self, state: TableState, op: Op, rows: Iterable[dict[str, Any]], file: str, tpos: int,
                  index: int, gtid: str | None, server_id: int, ts_ms: int, now: int,
-                 touched: set[tuple[Any, ...]] | None = None) -> int:
+                 touched: set[tuple[Any, ...]] | None = None, json_rows: bool = False) -> int:
         """The changes of one binlog rows event, encoded on the fast path; returns the next row index.
 
         Values go from mysql-replication's form straight to their JSON form, and the bytes are
@@ -154,7 +154,7 @@ class ChangeBatcher:
         """
         topic = state.topic
         keycols = state.key
-        to_json = state.json_converter(self.codec.decimal_mode)
+        to_json = _already_json if json_rows else state.json_converter(self.codec.decimal_mode)
         dumps = orjson.dumps
         fq = dumps(file)
         g = b"null" if gtid is None else dumps(gtid)
@@ -174,8 +174,8 @@ class ChangeBatcher:
         n = 0
         for r in rows:
             if op is Op.UPDATE:
-                jb = to_json(r["before_values"], r["before_none_sources"])
-                ja = to_json(r["after_values"], r["after_none_sources"])
+                jb = to_json(r["before_values"], r.get("before_none_sources"))
+                ja = to_json(r["after_values"], r.get("after_none_sources"))
                 if single is not None:
                     if jb[single] != ja[single]:
                         index, n = self._key_change(state, jb, ja, head, tail, ph_head, ph_tail, index, n, append,
@@ -188,10 +188,10 @@ class ChangeBatcher:
                 krow = ja
                 before, after = dumps(jb), dumps(ja)
             elif op is Op.CREATE:
-                krow = to_json(r["values"], r["none_sources"])
+                krow = to_json(r["values"], r.get("none_sources"))
                 before, after = b"null", dumps(krow)
             else:
-                krow = to_json(r["values"], r["none_sources"])
+                krow = to_json(r["values"], r.get("none_sources"))
                 before, after = dumps(krow), b"null"
             i = index
             index += 1
@@ -334,6 +334,10 @@ class ChangeBatcher:
 
 
 _OPB = {o: o.value.encode() for o in Op}
+
+
+def _already_json(values: dict[str, Any], none_sources: Any) -> dict[str, Any]:
+    return values
 
 
 def _source_parts(version: str, source: str, db: str, table: str, ts_ms: int, server_id: int, gtid: bytes,
