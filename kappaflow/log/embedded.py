@@ -221,12 +221,15 @@ class EmbeddedLog(Log):
                 (self._path / "topics").mkdir(exist_ok=True)
                 self._acquire_writer_lock()
                 self._meta = self._connect(self._path / "meta.db", create=True, writer=True)
-                self._meta.executescript(
-                    "CREATE TABLE IF NOT EXISTS topics(name TEXT PRIMARY KEY, id TEXT NOT NULL, "
-                    "partitions INTEGER NOT NULL, cleanup_policy TEXT NOT NULL, "
-                    "delete_retention_ms INTEGER NOT NULL, max_record_bytes INTEGER NOT NULL, "
-                    "created_ms INTEGER NOT NULL);"
-                )
+                try:
+                    self._meta.execute(
+                        "CREATE TABLE IF NOT EXISTS topics(name TEXT PRIMARY KEY, id TEXT NOT NULL, "
+                        "partitions INTEGER NOT NULL, cleanup_policy TEXT NOT NULL, "
+                        "delete_retention_ms INTEGER NOT NULL, max_record_bytes INTEGER NOT NULL, "
+                        "created_ms INTEGER NOT NULL)"
+                    )
+                except sqlite3.Error as exc:
+                    raise self._db_error(exc, self._path / "meta.db") from None
                 self._groups_conn()
             self._load_topics()
             if not read_only:
@@ -323,11 +326,15 @@ class EmbeddedLog(Log):
         if self._groups is None:
             path = self._path / "groups.db"
             conn = self._connect(path, create=True, writer=True)
-            conn.execute(
-                "CREATE TABLE IF NOT EXISTS offsets(grp TEXT NOT NULL, topic TEXT NOT NULL, "
-                "topic_id TEXT NOT NULL, partition INTEGER NOT NULL, next_offset INTEGER NOT NULL, "
-                "committed_ms INTEGER NOT NULL, PRIMARY KEY (grp, topic, partition)) WITHOUT ROWID"
-            )
+            try:
+                conn.execute(
+                    "CREATE TABLE IF NOT EXISTS offsets(grp TEXT NOT NULL, topic TEXT NOT NULL, "
+                    "topic_id TEXT NOT NULL, partition INTEGER NOT NULL, next_offset INTEGER NOT NULL, "
+                    "committed_ms INTEGER NOT NULL, PRIMARY KEY (grp, topic, partition)) WITHOUT ROWID"
+                )
+            except sqlite3.Error as exc:
+                conn.close()
+                raise self._db_error(exc, path) from None
             self._groups = conn
         return self._groups
 

@@ -429,3 +429,15 @@ def test_bulk_built_results_equal_constructed_ones() -> None:
 
     with pytest.raises(ValueError):  # classes with validation are built through __init__
         build(Checked, 1, [-1])
+
+
+@pytest.mark.parametrize("name", ["meta.db", "groups.db"])
+def test_damaged_meta_or_groups_file_is_named(tmp_path: Path, name: str) -> None:
+    with EmbeddedLog(tmp_path) as log:
+        log.create_topic("t")
+    for suffix in ("-wal", "-shm"):
+        (tmp_path / f"{name}{suffix}").unlink(missing_ok=True)
+    (tmp_path / name).write_bytes(b"garbage, not SQLite" * 500)
+    with pytest.raises(CorruptLogError) as info:
+        EmbeddedLog(tmp_path)
+    assert info.value.path == str(tmp_path / name) and name in str(info.value)
