@@ -84,7 +84,6 @@ CREATE TABLE {S}.events (
     hash            bytea NOT NULL,
     CONSTRAINT events_stream_version_key UNIQUE (stream_id, stream_version)
 );
-CREATE INDEX events_stream_type_position ON {S}.events (stream_type, position);
 
 CREATE TABLE {S}.idempotency_keys (
     key            text PRIMARY KEY,
