@@ -9,7 +9,13 @@
                            idempotency_key="transfer-77")
         ledger.read_stream("account-1"); ledger.read_all(from_position=r.position)
         ledger.verify()                            # hash chain, dense positions, stream versions
-    wait_for_projection(dsn, "balances", r.position, timeout=5)
+    wait_for_projection(positions, "balances", r.position, timeout=5)   # read-your-writes
+
+Into the log: the PostgreSQL connector captures ``<schema>.events`` and maps rows with
+`kappaflow.ledger.logmap.to_log_record` (topic ``<source>.<stream_type>``, key = stream id, value =
+the domain event); without logical decoding, `LedgerRelay` follows the ledger instead.
+Modules: `store` (Ledger, the gap-safe ordering argument), `events` (typing, upcasting),
+`errors`, `hashing` (chain encoding, verify), `tail` (TailReader), `wait`, `logmap`, `relay`.
 """
 
 from kappaflow.ledger.errors import (

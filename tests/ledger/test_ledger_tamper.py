@@ -132,3 +132,16 @@ def test_external_anchor_catches_a_rewritten_suffix(ledger: Ledger, ledger_dsn: 
     assert not report.ok and report.first_bad_position == 4 and "anchor" in (report.reason or "")
     result = CliRunner().invoke(ledger_cli, ["verify", "--dsn", ledger_dsn, "--anchor", f"4:{anchor[1].hex()}"])
     assert result.exit_code == 1 and "FAILED at position 4" in result.output
+
+
+def test_tail_reader_stops_at_a_hole_and_names_it(ledger: Ledger, ledger_dsn: str) -> None:
+    from kappaflow.ledger import CorruptLedgerError, TailReader
+
+    fill(ledger, 3)  # positions 1..6
+    superuser(ledger_dsn, f"delete from {E} where position = 3")
+    reader = TailReader(ledger, hole_timeout=0.2)
+    assert [e.position for e in reader.poll()] == [1, 2]
+    with pytest.raises(CorruptLedgerError) as err:
+        reader.poll(timeout=5)
+    assert err.value.position == 3 and "position 3 is missing" in str(err.value)
+    assert reader.next_position == 3  # never moved past the hole
