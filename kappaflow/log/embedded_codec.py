@@ -320,6 +320,10 @@ def decode(
     Raises BatchDamaged carrying the verified records before the damage.
     """
     base, last, n, idx, data, crc = row
+    if n == 1 and base >= start and limit >= 1:
+        single = _decode_single(topic, partition, row)
+        if single is not None:
+            return [single]
     try:
         d = decode_index(base, last, n, idx, crc)
     except (ValueError, struct.error) as exc:
@@ -343,6 +347,30 @@ def decode(
         return _records(topic, partition, d, keys, values, heads, lo, hi)
     good = _records(topic, partition, d, keys[: bad - lo], values[: bad - lo], heads[: bad - lo], lo, bad)
     raise BatchDamaged(reason, d.offsets[bad], good)
+
+
+_SINGLE = struct.Struct("<BqqIIqiiiI")  # the whole index of a one-record batch
+
+
+def _decode_single(topic: str, partition: int, row: tuple[int, int, int, bytes, bytes, int]) -> LogRecord | None:
+    """Fast path for one-record batches (small appends); None: take the general path,
+    which also produces the precise damage report."""
+    base, last, _, idx, data, crc = row
+    if len(idx) != _SINGLE.size or _crc32(idx) != crc:
+        return None
+    version, hbase, hlast, hn, delta, ts, kl, vl, hl, rcrc = _SINGLE.unpack(idx)
+    if (version, hbase, hlast, hn, delta) != (FORMAT_VERSION, base, last, 1, 0) or base != last:
+        return None
+    k_end = max(kl, 0)
+    v_end = k_end + max(vl, 0)
+    if v_end + hl != len(data):
+        return None
+    key = data[:k_end] if kl >= 0 else None
+    value = data[k_end:v_end] if vl >= 0 else None
+    head = data[v_end:]
+    if _crc32(head, _crc32(value or _E, _crc32(key or _E))) != rcrc:
+        return None
+    return LogRecord(topic, partition, base, key, value, decode_headers(head) if hl else (), ts)
 
 
 def _records(topic: str, partition: int, d: Decoded, keys: Sequence[bytes | None],

@@ -441,3 +441,22 @@ def test_damaged_meta_or_groups_file_is_named(tmp_path: Path, name: str) -> None
     with pytest.raises(CorruptLogError) as info:
         EmbeddedLog(tmp_path)
     assert info.value.path == str(tmp_path / name) and name in str(info.value)
+
+
+def test_bit_flip_in_a_one_record_batch(tmp_path: Path) -> None:
+    path = tmp_path / "log"
+    with EmbeddedLog(path) as log:
+        log.create_topic("t")
+        for i in range(10):  # small appends: one record per stored batch (the fast read path)
+            log.append("t", [Record(b"k", b"VALUE-%08d-" % i, headers=(("i", b"%d" % i),))])
+    file = _topic_file(path, "t")
+    blob = bytearray(file.read_bytes())
+    blob[blob.index(b"VALUE-00000005-") + 7] ^= 0x04
+    file.write_bytes(bytes(blob))
+    with EmbeddedLog(path, read_only=True) as log:
+        good = log.read("t", 0, 0)
+        assert [r.headers for r in good] == [(("i", b"%d" % i),) for i in range(5)]
+        with pytest.raises(CorruptLogError, match="offset 5") as info:
+            log.read("t", 0, 5)
+        assert info.value.offset == 5
+        assert [r.offset for r in log.read("t", 0, 6)] == [6, 7, 8, 9]
