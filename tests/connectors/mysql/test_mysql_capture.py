@@ -187,3 +187,48 @@ def test_snapshot_watermarks_keep_concurrent_changes(mariadb_server: Any, mariad
     assert calls["n"] >= 8
     state = {orjson.loads(k)["id"]: v["v"] for k, v in mh.compacted(embedded_log, f"src.{db}.t").items()}
     assert state == {r["id"]: r["v"] for r in mh.table_rows(mariadb_server, db, "t")}
+
+
+def test_resume_by_gtid_when_the_binlog_file_is_purged(tmp_path: Any, mh: Any) -> None:
+    """The stored file is gone: the capture continues from the stored GTID set; when changes it
+    still needed were purged too, it stops with a clear terminal error instead of skipping them."""
+    import time
+
+    from kappaflow.errors import SourceError
+    from kappaflow.log.embedded import EmbeddedLog
+    from kappaflow.testing.servers.mariadb import PrivateMariaDB
+
+    def purge_to_current() -> str:
+        (current,) = [r[0] for r in server.execute("SHOW MASTER STATUS")]
+        deadline = time.monotonic() + 20
+        # MariaDB keeps a file until its binlog checkpoint (crash recovery) is done: purge until it is gone
+        while len(server.execute(f"PURGE BINARY LOGS TO '{current}'", "SHOW BINARY LOGS")) > 1:
+            assert time.monotonic() < deadline, "the server never let the old binlog files be purged"
+            time.sleep(0.1)
+        return str(current)
+
+    server = PrivateMariaDB().start()  # its own server: purging binary logs must not disturb other tests
+    try:
+        server.execute("CREATE DATABASE d", "CREATE TABLE d.t (id INT PRIMARY KEY, v INT)")
+        with EmbeddedLog(tmp_path / "log") as log:
+            conn = mh.connector(server, "d", log, ["d.t"])
+            conn.run(until_caught_up=True)
+            first = OffsetStore(log).load("src")["file"]
+            server.execute("FLUSH BINARY LOGS", "INSERT INTO d.t VALUES (1, 1)", "FLUSH BINARY LOGS")
+            (kept,) = [r[0] for r in server.execute("SHOW BINARY LOGS") if r[0] != first][:1]
+            deadline = time.monotonic() + 20
+            while first in [r[0] for r in server.execute(f"PURGE BINARY LOGS TO '{kept}'", "SHOW BINARY LOGS")]:
+                assert time.monotonic() < deadline, "the server never let the old binlog file be purged"
+                time.sleep(0.1)
+            conn.run(until_caught_up=True)  # the offset's file is gone; its GTID set leads to insert 1
+            assert [d["after"]["id"] for d in mh.events(log, "src.d.t")] == [1]
+            assert OffsetStore(log).load("src")["file"] != first
+
+            # now the changes themselves are purged before the capture saw them
+            server.execute("INSERT INTO d.t VALUES (2, 2)", "FLUSH BINARY LOGS")
+            purge_to_current()
+            with pytest.raises(SourceError, match="Could not find GTID state") as err:
+                conn.run(until_caught_up=True)
+            assert "start a new snapshot" in str(err.value) and not err.value.transient
+    finally:
+        server.stop()
