@@ -66,7 +66,8 @@ class OffsetStore:
         self.topic = topic
         self._compact_every = compact_every
         self._saves = 0
-        log.create_topic(topic, TopicConfig(partitions=1, cleanup_policy=CleanupPolicy.COMPACT), exist_ok=True)
+        if topic not in log.list_topics():
+            log.create_topic(topic, TopicConfig(partitions=1, cleanup_policy=CleanupPolicy.COMPACT), exist_ok=True)
 
     def load(self, source: str) -> dict[str, Any] | None:
         """The latest offset dict saved for ``source``, or None (never saved, or deleted)."""

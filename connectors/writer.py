@@ -144,6 +144,8 @@ class CaptureWriter:
         t0 = time.perf_counter()
         for name, cfg in batch.creates:  # step 1
             self.log.create_topic(name, cfg, exist_ok=True)
+        if self._fault is not None:
+            self._fault("before_records")
         for topic, partition, records in batch.appends:  # step 2
             self.log.append(topic, records, partition=partition)
             self.per_topic[topic] = self.per_topic.get(topic, 0) + len(records)

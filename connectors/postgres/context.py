@@ -83,13 +83,16 @@ class PgCapture:
         self.fault = fault
         self._writer_threaded = writer_threaded
         self.writer: CaptureWriter | None = None
+        self._existing: dict[str, TopicConfig] = {}
 
     # -- startup -------------------------------------------------------------------------
     def prepare_log(self) -> None:
         """Create topics, load stored schemas and the tail positions (before the writer starts)."""
         log = self.log
-        log.create_topic(self.schema_topic, TopicConfig(partitions=1, cleanup_policy=CleanupPolicy.COMPACT),
-                         exist_ok=True)
+        self._existing = log.list_topics()
+        if self.schema_topic not in self._existing:
+            log.create_topic(self.schema_topic, TopicConfig(partitions=1, cleanup_policy=CleanupPolicy.COMPACT),
+                             exist_ok=True)
         for info in self.tables.values():
             self._ensure_topic(self.topic_of(info))
         for rec in log.iter_partition(self.schema_topic, 0):
@@ -110,9 +113,10 @@ class PgCapture:
         return f"{self.source}.{info.schema}.{info.name}"
 
     def _ensure_topic(self, topic: str) -> int:
+        """Partition count of a table topic; created (compacted) when missing, else used as it is."""
         n = self.topic_partitions.get(topic)
         if n is None:
-            cfg = self.log.create_topic(topic, self.topic_cfg, exist_ok=True)
+            cfg = self._existing.get(topic) or self.log.create_topic(topic, self.topic_cfg, exist_ok=True)
             n = self.topic_partitions[topic] = cfg.partitions
         return n
 
@@ -130,8 +134,10 @@ class PgCapture:
             info = slots.load_table(self.conn, schema, name, keys)
             self.tables[qualified] = info
             topic = self.topic_of(info)
-            self.pending.creates.append((topic, self.topic_cfg))
-            self.topic_partitions[topic] = self.partitions
+            existing = self._existing.get(topic)
+            if existing is None:  # created by the writer thread, before this batch's records
+                self.pending.creates.append((topic, self.topic_cfg))
+            self.topic_partitions[topic] = existing.partitions if existing else self.partitions
         return info
 
     def codec_for(self, info: TableInfo, position: PgPosition) -> TableCodec:

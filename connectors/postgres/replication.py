@@ -126,6 +126,9 @@ def _classify(message: str, sqlstate: str | None, what: str, dsn: str) -> Source
             or "timeout expired" in msg or "server closed the connection" in msg:
         return SourceError(f"{what}: cannot reach PostgreSQL at {where}: {msg.splitlines()[0] if msg else ''}",
                            retry=Retry.TRANSIENT)
+    if (sqlstate or "").startswith(("57", "53", "40")) or "terminating connection" in msg:
+        # operator intervention (shutdown, backend terminated), resources, serialization: try again
+        return SourceError(f"{what}: {msg} [{where}]", retry=Retry.TRANSIENT)
     return SourceError(f"{what}: {msg} [{where}]", retry=Retry.TERMINAL if sqlstate else Retry.TRANSIENT)
 
 

@@ -316,7 +316,7 @@ class SlotInfo:
     confirmed_flush_lsn: int | None
     restart_lsn: int | None
     wal_status: str | None  # reserved | extended | unreserved | lost
-    lag_bytes: int | None  # pg_current_wal_lsn() - confirmed_flush_lsn
+    lag_bytes: int | None  # pg_current_wal_insert_lsn() - confirmed_flush_lsn
     current_lsn: int = 0
     extra: dict[str, object] = field(default_factory=dict)
 
@@ -335,7 +335,7 @@ def _lsn_or_none(v: object) -> int | None:
 def slot_info(conn: psycopg.Connection, name: str) -> SlotInfo | None:
     row = conn.execute(
         "SELECT slot_name, plugin, database, active, active_pid, confirmed_flush_lsn::text, restart_lsn::text, "
-        "wal_status, (pg_current_wal_lsn() - confirmed_flush_lsn)::bigint, pg_current_wal_lsn()::text "
+        "wal_status, (pg_current_wal_insert_lsn() - confirmed_flush_lsn)::bigint, pg_current_wal_insert_lsn()::text "
         "FROM pg_replication_slots WHERE slot_name = %s",
         (name,),
     ).fetchone()
@@ -391,6 +391,6 @@ def emit_heartbeat(conn: psycopg.Connection, slot: str, content: str = "") -> in
 
 
 def current_lsn(conn: psycopg.Connection) -> int:
-    row = conn.execute("SELECT pg_current_wal_lsn()::text").fetchone()
+    row = conn.execute("SELECT pg_current_wal_insert_lsn()::text").fetchone()
     assert row is not None
     return _lsn_or_none(row[0]) or 0

@@ -119,7 +119,7 @@ class PgSnapshotSource(SnapshotSource):
             if self.snapshot_name:
                 self._exec(pg, b"SET TRANSACTION SNAPSHOT '" + self.snapshot_name.encode() + b"'")
             if snap.lsn < 0:  # initial_only without a slot: stamp positions with the current LSN
-                res = self._exec(pg, b"SELECT pg_current_wal_lsn()::text")
+                res = self._exec(pg, b"SELECT pg_current_wal_insert_lsn()::text")
                 snap.lsn = slots._lsn_or_none((res.get_value(0, 0) or b"0/0").decode()) or 0
                 offset.lsn = snap.lsn
             # continue after the largest snapshot index already in the log (re-read chunks get new positions)

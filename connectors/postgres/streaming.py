@@ -297,6 +297,14 @@ class PgStreamingSource(StreamingSource):
                     off.lsn = end_lsn
                     off.last_commit_lsn = commit_lsn
                     self.complete_end = end_lsn
+                    if pending.count + count >= self.batch_records:  # a full batch: hand it over now
+                        self.index = index
+                        self.events = events
+                        pending.count += count
+                        count = 0
+                        self._flush()
+                        pending = cap.pending
+                        by_topic = pending.by_topic
                     continue
             # everything else: write the counters back, take the general path, reload
             self.index = index

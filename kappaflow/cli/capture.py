@@ -61,6 +61,21 @@ def source_status(config: Any, log: Log) -> dict[str, Any]:
     return make_connector(config, log).status()
 
 
+def open_log_for(settings: Settings) -> Log:
+    """The configured log. Kafka client settings go to KafkaLog's ``client_options``."""
+    cfg = settings.log
+    if cfg.is_kafka:
+        from kappaflow.log.kafka import KafkaLog
+
+        opts = cfg.kafka.client_options()
+        client_id = opts.pop("client_id", "kappaflow")
+        timeout_ms = opts.pop("request_timeout_ms", 30_000)
+        return KafkaLog(cfg.url.removeprefix("kafka://"), client_id=client_id,
+                        request_timeout_s=timeout_ms / 1000, client_options=opts)
+    log: Log = cfg.open(settings.base_dir)
+    return log
+
+
 @contextmanager
 def _stop_on_signals(stop: StopSignal, on_signal: Callable[[str], None] | None = None) -> Iterator[None]:
     """First SIGINT/SIGTERM: clean stop. Second: leave at once (KeyboardInterrupt)."""
@@ -102,7 +117,7 @@ def capture_command(name: str, until_caught_up: bool = False, config_path: Path 
     delay = 1.0
     with _stop_on_signals(stop, lambda sig: say(f"{sig}: finishing the current batch, then stopping")):
         while True:
-            log = settings.log.open(settings.base_dir)
+            log = open_log_for(settings)
             try:
                 connector = make_connector(source, log, partitions=settings.log.partitions, progress=progress)
                 summary = connector.run(stop, until_caught_up=until_caught_up)
@@ -141,3 +156,31 @@ def capture(
         f"position {summary.position}, acknowledged {summary.acknowledged or '-'}; "
         f"{summary.stopped_reason} after {took:.1f}s"
     )
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m kappaflow.cli.capture NAME [--config PATH] [--until-caught-up]`` (same as ``kappaflow capture``)."""
+    from kappaflow.cli.common import fail
+
+    standalone = typer.Typer(add_completion=False, pretty_exceptions_enable=False)
+
+    @standalone.command()
+    def _main(
+        ctx: typer.Context,
+        name: Annotated[str, typer.Argument()],
+        config: Annotated[Path | None, typer.Option("--config", "-c")] = None,
+        profile: Annotated[str | None, typer.Option("--profile")] = None,
+        until_caught_up: Annotated[bool, typer.Option("--until-caught-up")] = False,
+        progress: Annotated[bool | None, typer.Option("--progress/--no-progress")] = None,
+    ) -> None:
+        ctx.obj = {"config": config, "profile": profile}
+        try:
+            capture(ctx, name, until_caught_up, progress)
+        except KappaflowError as exc:
+            fail(str(exc), transient=exc.transient)
+
+    standalone(argv)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,240 @@
+"""kill -9 the capture process at seeded random moments while a writer runs; then check exactness.
+
+The capture runs as a real process (``python -m kappaflow.cli.capture NAME --config ...``).
+Each trial kills it during the snapshot (first trials) or while streaming, and starts it
+again. At the end, with the writer stopped and one clean ``--until-caught-up`` run:
+
+* the compacted log equals the tables, row for row;
+* no record was written twice (positions are unique per topic);
+* every committed change is present exactly once: per transaction and table, the log
+  holds as many streamed events as an independent slot (created before the capture's)
+  decodes from the WAL.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import orjson
+import psycopg
+import pytest
+from pg_helpers import compacted, positions, table_state, wait_for
+
+from kappaflow.connectors.offsets import OFFSETS_TOPIC, find_last
+from kappaflow.connectors.postgres.decoder import Begin, Delete, Insert, PgOutputDecoder, Update
+from kappaflow.events import PgPosition
+from kappaflow.log import open_log
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+TABLES = ["public.acct", "public.audit"]
+
+
+def _write_config(tmp: Path, name: str, dsn: str, log_url: str) -> Path:
+    path = tmp / "kappaflow.toml"
+    path.write_text(
+        f'[log]\nurl = "{log_url}"\npartitions = 3\n\n'
+        f'[sources.{name}]\nkind = "postgres"\ndsn = "{dsn}"\ntables = {orjson.dumps(TABLES).decode()}\n'
+        "snapshot_chunk_rows = 250\nheartbeat_interval_s = 0.5\n"
+    )
+    return path
+
+
+def _start(config: Path, *extra: str) -> subprocess.Popen[bytes]:
+    return subprocess.Popen([sys.executable, "-m", "kappaflow.cli.capture", config.read_text().split("sources.")[1]
+                             .split("]")[0], "--config", str(config), "--no-progress", *extra],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, cwd=str(config.parent))
+
+
+def _stored_offset(log_url: str, name: str, kafka: bool) -> dict[str, Any] | None:
+    try:
+        log = open_log(log_url) if kafka else open_log(log_url, read_only=True)
+    except Exception:
+        return None  # not created yet
+    try:
+        if OFFSETS_TOPIC not in log.list_topics():
+            return None
+        key = orjson.dumps({"source": name})
+        rec = find_last(log, OFFSETS_TOPIC, 0, lambda r: r.key == key)
+        return None if rec is None or rec.value is None else orjson.loads(rec.value)["offset"]
+    finally:
+        log.close()
+
+
+class Writer(threading.Thread):
+    """Random transactions: transfers with an audit row, new accounts, closures, renumbering."""
+
+    def __init__(self, dsn: str, seed: int) -> None:
+        super().__init__(daemon=True)
+        self.dsn = dsn
+        self.rng = random.Random(seed)
+        self.stop_flag = threading.Event()
+        self.commits = 0
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        try:
+            with psycopg.connect(self.dsn, autocommit=True) as conn:
+                next_id = 100_000
+                while not self.stop_flag.is_set():
+                    r = self.rng.random()
+                    a, b = self.rng.randint(1, 6000), self.rng.randint(1, 6000)
+                    with conn.transaction():
+                        if r < 0.7:
+                            conn.execute("UPDATE acct SET balance = balance - 1 WHERE id = %s", (a,))
+                            conn.execute("UPDATE acct SET balance = balance + 1 WHERE id = %s", (b,))
+                            conn.execute("INSERT INTO audit (src, dst, amount) VALUES (%s, %s, 1)", (a, b))
+                        elif r < 0.8:
+                            conn.execute("INSERT INTO acct VALUES (%s, 0, 'new') ON CONFLICT DO NOTHING", (next_id,))
+                            next_id += 1
+                        elif r < 0.9:
+                            conn.execute("DELETE FROM acct WHERE id = %s", (a,))
+                        else:
+                            conn.execute("UPDATE acct SET id = %s WHERE id = %s", (next_id, a))
+                            next_id += 1
+                    self.commits += 1
+        except BaseException as exc:  # reported by the test
+            self.error = exc
+
+
+def _expected_streamed(dsn: str, slot: str, publication: str, from_lsn: int) -> Counter[tuple[str, int]]:
+    """(table, commit LSN) -> change events, decoded from an independent slot's WAL."""
+    dec = PgOutputDecoder()
+    expected: Counter[tuple[str, int]] = Counter()
+    commit = 0
+    with psycopg.connect(dsn) as conn:
+        rows = conn.execute(
+            "SELECT data FROM pg_logical_slot_peek_binary_changes(%s, NULL, NULL, 'proto_version', '1', "
+            "'publication_names', %s)", (slot, publication)).fetchall()
+    for (data,) in rows:
+        msg = dec.decode(bytes(data))
+        if isinstance(msg, Begin):
+            commit = msg.final_lsn
+        elif isinstance(msg, Insert | Update | Delete) and commit >= from_lsn:
+            table = dec.relations[msg.relid].name
+            key_change = isinstance(msg, Update) and msg.old_kind == "K"
+            expected[(table, commit)] += 2 if key_change else 1
+    return expected
+
+
+def _trials(tmp_path: Path, dsn: str, name: str, log_url: str, kafka: bool, kills: int, seed: int) -> None:
+    rng = random.Random(seed)
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute("CREATE TABLE acct (id int PRIMARY KEY, balance int NOT NULL, note text)")
+        conn.execute("CREATE TABLE audit (id bigserial PRIMARY KEY, src int, dst int, amount int)")
+        conn.execute("INSERT INTO acct SELECT i, 1000, repeat('x', i % 50) FROM generate_series(1, 6000) i")
+        conn.execute(f'CREATE PUBLICATION "kappaflow_{name}" FOR TABLE acct, audit')
+        conn.execute("SELECT pg_create_logical_replication_slot('verify', 'pgoutput')")
+    config = _write_config(tmp_path, name, dsn, log_url)
+    writer = Writer(dsn, seed)
+    writer.start()
+    phases = []
+    try:
+        for trial in range(kills):
+            before = _stored_offset(log_url, name, kafka)
+            proc = _start(config)
+            try:
+                alive = proc.poll
+                if trial < 3:  # during the snapshot: once it made progress in this run
+                    def progressed(before: dict[str, Any] | None = before) -> bool:
+                        off = _stored_offset(log_url, name, kafka)
+                        return off is not None and off != before
+                    wait_for(lambda alive=alive: progressed() or alive() is not None, 60, "snapshot progress")
+                    time.sleep(rng.uniform(0, 0.05))
+                else:  # while streaming
+                    wait_for(lambda alive=alive: ((o := _stored_offset(log_url, name, kafka)) is not None
+                             and o["phase"] == "streaming") or alive() is not None, 60, "streaming")
+                    time.sleep(rng.uniform(0.05, 0.6))
+                assert proc.poll() is None, proc.stdout.read().decode() if proc.stdout else ""
+                phases.append((_stored_offset(log_url, name, kafka) or {}).get("phase"))
+                os.kill(proc.pid, signal.SIGKILL)
+            finally:
+                proc.wait()
+    finally:
+        writer.stop_flag.set()
+        writer.join()
+    assert writer.error is None, writer.error
+    assert writer.commits > 50
+    assert "snapshot" in phases and "streaming" in phases, phases
+    done = subprocess.run([sys.executable, "-m", "kappaflow.cli.capture", name, "--config", str(config),
+                           "--until-caught-up", "--no-progress"], capture_output=True, timeout=120,
+                          cwd=str(config.parent))
+    assert done.returncode == 0, done.stdout.decode() + done.stderr.decode()
+
+    log = open_log(log_url) if kafka else open_log(log_url, read_only=True)
+    try:
+        final = _stored_offset(log_url, name, kafka)
+        assert final is not None and final["snapshot"]["completed"]
+        seen: Counter[tuple[str, int]] = Counter()
+        for table in ("acct", "audit"):
+            topic = f"{name}.public.{table}"
+            assert compacted(log, topic) == table_state(dsn, f"public.{table}", name), f"{table} differs"
+            pos = positions(log, topic)
+            twice = [p for p, n in Counter(pos).items() if n > 1]
+            assert not twice, f"written twice in {topic}: {twice[:5]}"
+            for p, tomb in pos:
+                assert isinstance(p, PgPosition)
+                if not tomb and not p.snapshot:
+                    seen[(table, p.lsn)] += 1
+        expected = _expected_streamed(dsn, "verify", f"kappaflow_{name}", final["snapshot"]["lsn"])
+        assert seen == expected
+    finally:
+        log.close()
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            conn.execute("SELECT pg_drop_replication_slot('verify')")
+
+
+def test_kill_9_during_snapshot_and_streaming_embedded(tmp_path: Path, pg_dsn: str, source_name: str) -> None:
+    _trials(tmp_path, pg_dsn, source_name, str(tmp_path / "log"), kafka=False, kills=11, seed=1234)
+
+
+def test_kill_9_kafka(tmp_path: Path, pg_dsn: str, source_name: str, kafka_broker: Any) -> None:
+    _trials(tmp_path, pg_dsn, source_name, f"kafka://{kafka_broker.bootstrap}", kafka=True, kills=5, seed=99)
+
+
+def test_sigterm_stops_cleanly_and_acknowledges(tmp_path: Path, pg_dsn: str, source_name: str) -> None:
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        conn.execute("CREATE TABLE acct (id int PRIMARY KEY, balance int NOT NULL, note text)")
+        conn.execute("CREATE TABLE audit (id bigserial PRIMARY KEY, src int, dst int, amount int)")
+        conn.execute("INSERT INTO acct SELECT i, 0, 'n' FROM generate_series(1, 100) i")
+    log_url = str(tmp_path / "log")
+    config = _write_config(tmp_path, source_name, pg_dsn, log_url)
+    proc = _start(config)
+    try:
+        wait_for(lambda: (o := _stored_offset(log_url, source_name, False)) is not None
+                 and o["phase"] == "streaming", 60, "streaming")
+        with psycopg.connect(pg_dsn, autocommit=True) as conn:
+            conn.execute("UPDATE acct SET balance = 1 WHERE id <= 10")
+            end = conn.execute("SELECT pg_current_wal_insert_lsn()::text").fetchone()[0]  # type: ignore[index]
+        hi, lo = end.split("/")
+        target = (int(hi, 16) << 32) | int(lo, 16)
+        wait_for(lambda: ((_stored_offset(log_url, source_name, False) or {}).get("lsn", 0)) >= target, 60,
+                 "the update to be captured")
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0, out.decode()
+    assert b"SIGTERM received" in out
+    with psycopg.connect(pg_dsn) as conn:
+        confirmed = conn.execute("SELECT confirmed_flush_lsn::text, active FROM pg_replication_slots "
+                                 "WHERE slot_name = %s", (f"kappaflow_{source_name}",)).fetchone()
+    assert confirmed is not None and confirmed[1] is False  # released
+    hi, lo = confirmed[0].split("/")
+    assert (int(hi, 16) << 32) | int(lo, 16) >= target  # everything durable was acknowledged before exit
+    log = open_log(log_url, read_only=True)
+    try:
+        assert compacted(log, f"{source_name}.public.acct") == table_state(pg_dsn, "public.acct", source_name)
+    finally:
+        log.close()
