@@ -285,5 +285,11 @@ class DebeziumSource(Connector):
         return True
 
     def status(self) -> dict[str, Any]:
-        return {"source": self.name, "connector": "debezium", "offset": OffsetStore(self.log).load(self.name),
-                "topics": self.topics, "bootstrap": self.bootstrap}
+        """Stored Kafka offsets per input partition and the kappaflow topics' end offsets (read-only log ok)."""
+        from kappaflow.connectors.offsets import OFFSETS_TOPIC
+
+        topics = self.log.list_topics()
+        stored = OffsetStore(self.log).load(self.name) if OFFSETS_TOPIC in topics else None
+        return {"source": self.name, "connector": "debezium", "offset": stored, "input_topics": self.topics,
+                "bootstrap": self.bootstrap,
+                "topics": {t: sum(self.log.end_offsets(t).values()) for t in topics if t.startswith(f"{self.name}.")}}

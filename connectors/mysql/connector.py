@@ -616,8 +616,18 @@ class MySQLConnector(Connector):
         return summary
 
     def status(self) -> dict[str, Any]:
-        stored = OffsetStore(self.log).load(self.name)
-        out: dict[str, Any] = {"source": self.name, "connector": "mysql", "offset": stored}
+        """Stored offset, the server's binlog position, lag in bytes (same file), topic end offsets.
+
+        Works on a read-only log (a running capture holds the embedded log's writer lock).
+        """
+        from kappaflow.connectors.offsets import OFFSETS_TOPIC
+
+        topics = self.log.list_topics()
+        stored = OffsetStore(self.log).load(self.name) if OFFSETS_TOPIC in topics else None
+        out: dict[str, Any] = {"source": self.name, "connector": "mysql", "offset": stored,
+                               "events_captured": 0 if stored is None else stored.get("events", 0),
+                               "topics": {t: sum(self.log.end_offsets(t).values()) for t in topics
+                                          if t.startswith(f"{self.name}.")}}
         try:
             conn = connect(self.args, what="status", autocommit=True)
             try:
