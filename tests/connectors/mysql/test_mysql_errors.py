@@ -97,3 +97,24 @@ def test_missing_table_and_missing_key(mariadb_server: Any, mariadb_db: str, emb
     s = mh.connector(mariadb_server, db, embedded_log, [f"{db}.k"], key_columns={f"{db}.k": ["a"]},
                      name="src3").run(until_caught_up=True)
     assert s.snapshot_rows == 1
+
+
+def test_built_from_the_config_models(embedded_log: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The CLI's factory builds the connectors from kappaflow.config models (no server contacted)."""
+    from kappaflow.config import DebeziumSourceConfig, MySQLSourceConfig, SnapshotMode
+    from kappaflow.connectors.debezium import DebeziumSource
+    from kappaflow.connectors.mysql.connector import MySQLConnector
+
+    monkeypatch.setenv("KAPPAFLOW_SOURCE_SHOP_PASSWORD", "pw")
+    cfg = MySQLSourceConfig(name="shop", dsn="mysql://app@db.example:3307/shop", tables=["shop.orders"],
+                            snapshot_mode=SnapshotMode.INITIAL_ONLY, decimal_mode="precise", server_id=6000)
+    conn = MySQLConnector.from_config(cfg, embedded_log, partitions=3)
+    assert (conn.args.host, conn.args.port, conn.args.user, conn.args.password) == ("db.example", 3307, "app", "pw")
+    assert conn.snapshot_mode == "initial_only" and conn.codec.decimal_mode == "precise" and conn.server_id == 6000
+    assert conn.partitions == 3 and conn.table_names == ["shop.orders"]
+    dcfg = DebeziumSourceConfig(name="dbz", bootstrap="k1:9092,k2:9092", topics=["srv.inv.customers"],
+                                schemas_enabled=True)
+    src = DebeziumSource.from_config(dcfg, embedded_log, partitions=2)
+    assert src.topics == ["srv.inv.customers"] and src.decoder.schemas_enabled is True and src.partitions == 2
+    with pytest.raises(ConfigError, match="snapshot_mode"):
+        MySQLConnector(name="x", log=embedded_log, dsn="mysql://a@b/c", snapshot_mode="sometimes")
