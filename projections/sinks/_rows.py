@@ -21,7 +21,7 @@ import base64
 import datetime as _dt
 import decimal
 import uuid
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import orjson
@@ -226,3 +226,43 @@ class RowDecoder:
 def sort_key(key: tuple[Any, ...]) -> tuple[Any, ...]:
     """Order keys like a database would (NULLs last) without comparing None to values."""
     return tuple((v is None, v) for v in key)
+
+
+# --- leases: one replay/follow per projection, without a session-bound lock in the store ---------------
+class Lease:
+    """A lock held by renewing it: ``acquire`` once, a daemon thread calls ``renew`` every
+    ``ttl_s / 3``; a holder killed with -9 stops renewing and the lock expires after ``ttl_s``.
+
+    Stores without session-bound locks (Redis, search servers) implement the three callables;
+    PostgreSQL uses an advisory lock instead.
+    """
+
+    def __init__(self, name: str, ttl_s: float, renew: Callable[[], bool], release: Callable[[], None]) -> None:
+        import threading
+
+        self.name = name
+        self.ttl_s = ttl_s
+        self._renew = renew
+        self._release = release
+        self._stop = threading.Event()
+        self.lost = False
+        self._thread = threading.Thread(target=self._run, name=f"kappaflow-lease-{name}", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        import logging
+
+        while not self._stop.wait(self.ttl_s / 3):
+            try:
+                if not self._renew():
+                    self.lost = True
+                    logging.getLogger(__name__).error("lease %s was lost (expired and taken?)", self.name)
+                    return
+            except Exception as exc:  # a store hiccup: try again next round, the lease still has time
+                logging.getLogger(__name__).warning("renewing lease %s failed: %s", self.name, exc)
+
+    def release(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+        if not self.lost:
+            self._release()

@@ -70,6 +70,7 @@ from kappaflow.projections.sinks._rows import (
     DUMPS_OPTS,
     MAX_VERSION,
     Change,
+    Lease,
     RowDecoder,
     SinkStateLostError,
     check_batch,
@@ -187,6 +188,16 @@ redis.call('SET', KEYS[1], ARGV[1])
 return old
 """
 
+# Leases: KEYS[1] = the lock key, ARGV[1] = the holder's token, ARGV[2] = TTL in ms.
+_RENEW = r"""
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('PEXPIRE', KEYS[1], ARGV[2]) end
+return 0
+"""
+_RELEASE = r"""
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
+return 0
+"""
+
 # KEYS[1] = pointer; ARGV[1] = 'kf:{view}:', ARGV[2] = a build to read ('' = the pointer's),
 # ARGV[3..] = row key suffixes. Returns false (no view) or {build, entry per key}; an entry is
 # false or {type, payload}.
@@ -215,7 +226,7 @@ def _sha1(text: str) -> str:
 
 
 _SCRIPTS = {"json": _WRITE_JSON, "hash": _WRITE_HASH, "positions": _STORE_POSITIONS, "switch": _SWITCH,
-            "read": _READ}
+            "read": _READ, "renew": _RENEW, "release": _RELEASE}
 _SHAS = {name: _sha1(src) for name, src in _SCRIPTS.items()}
 
 
@@ -261,6 +272,8 @@ class RedisSinkOptions(BaseModel):
     max_retries: int = Field(8, ge=0)
     backoff_initial_s: float = Field(0.1, gt=0)
     backoff_max_s: float = Field(10.0, gt=0)
+    lock_ttl_s: float = Field(30.0, ge=1)
+    """Lease of the projection lock (try_lock): renewed every third of it, expires after a kill -9."""
 
 
 def _ms(seconds: float | None) -> bytes:
@@ -298,6 +311,7 @@ class RedisSink(Sink):
             raise ConfigError(f"redis sink option 'prefix': expected letters, digits, '_', '.', '-', got "
                               f"{self.options.prefix!r}")
         self._sleep: Callable[[float], None] = time.sleep
+        self._leases: dict[str, Lease] = {}
 
     @classmethod
     def from_config(cls, views: Any, **kwargs: Any) -> RedisSink:
@@ -312,10 +326,36 @@ class RedisSink(Sink):
         return RedisSinkConfig(self._url, self.options.model_dump())
 
     def close(self) -> None:
+        for name in list(self._leases):
+            self.unlock(name)
         try:
             self.client.close()
         except Exception:  # closing is best effort
             pass
+
+    # --- the projection lock (one replay or follow at a time) ------------------------------
+    def _lock_key(self, projection: str) -> str:
+        return f"{self.options.prefix}:~lock:{projection}"  # '~' never occurs in view names
+
+    def try_lock(self, projection: str) -> bool:
+        """Take the projection's lock if free: a lease (``lock_ttl_s``) renewed in the background, so a
+        holder killed with -9 releases it when the lease runs out."""
+        if projection in self._leases:
+            return False
+        key, token = self._lock_key(projection), secrets.token_hex(16)
+        ttl_ms = int(self.options.lock_ttl_s * 1000)
+        if not self._retrying("take lock", lambda: self.client.set(key, token, nx=True, px=ttl_ms)):
+            return False
+        self._leases[projection] = Lease(
+            f"redis:{projection}", self.options.lock_ttl_s,
+            renew=lambda: bool(_evalsha(self.client, "renew", [key], [token, ttl_ms])),
+            release=lambda: _evalsha(self.client, "release", [key], [token]))
+        return True
+
+    def unlock(self, projection: str) -> None:
+        lease = self._leases.pop(projection, None)
+        if lease is not None:
+            lease.release()
 
     # --- names and per-view options -------------------------------------------------
     def view_options(self, view: ViewSpec) -> RedisSinkOptions:

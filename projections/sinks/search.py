@@ -73,6 +73,7 @@ from kappaflow.errors import ConfigError, Retry, SinkError
 from kappaflow.projections.sinks._rows import (
     MAX_VERSION,
     Change,
+    Lease,
     RowDecoder,
     SinkStateLostError,
     check_batch,
@@ -308,6 +309,18 @@ class SearchClient:
     def mget(self, index: str, ids: list[str]) -> list[dict[str, Any]]:
         raise NotImplementedError
 
+    def get_doc_meta(self, index: str, doc_id: str) -> tuple[dict[str, Any], int, int] | None:
+        """(source, seq_no, primary_term) of a document, or None."""
+        raise NotImplementedError
+
+    def put_doc_cas(self, index: str, doc_id: str, doc: dict[str, Any], *, create: bool = False,
+                    seq: tuple[int, int] | None = None) -> tuple[int, int]:
+        """Index only if absent (create) or unchanged since `seq` (seq_no, primary_term); 409 otherwise."""
+        raise NotImplementedError
+
+    def delete_doc_cas(self, index: str, doc_id: str, seq: tuple[int, int]) -> None:
+        raise NotImplementedError
+
     def search(self, index: str, body: dict[str, Any]) -> dict[str, Any]:
         raise NotImplementedError
 
@@ -394,6 +407,29 @@ class OpenSearchClient(SearchClient):
     def mget(self, index: str, ids: list[str]) -> list[dict[str, Any]]:
         return list(self._call(self.client.mget, index=index, body={"ids": ids})["docs"])
 
+    def get_doc_meta(self, index: str, doc_id: str) -> tuple[dict[str, Any], int, int] | None:
+        try:
+            d = self._call(self.client.get, index=index, id=doc_id)
+        except _HttpError as exc:
+            if exc.status == 404 and exc.kind != "index_not_found_exception":
+                return None
+            raise
+        return dict(d["_source"]), int(d["_seq_no"]), int(d["_primary_term"])
+
+    def put_doc_cas(self, index: str, doc_id: str, doc: dict[str, Any], *, create: bool = False,
+                    seq: tuple[int, int] | None = None) -> tuple[int, int]:
+        params: dict[str, str] = {"require_alias": "true"}
+        if create:
+            params["op_type"] = "create"
+        if seq is not None:
+            params.update(if_seq_no=str(seq[0]), if_primary_term=str(seq[1]))
+        r = self._call(self.client.index, index=index, id=doc_id, body=doc, params=params)
+        return int(r["_seq_no"]), int(r["_primary_term"])
+
+    def delete_doc_cas(self, index: str, doc_id: str, seq: tuple[int, int]) -> None:
+        self._call(self.client.delete, index=index, id=doc_id,
+                   params={"if_seq_no": str(seq[0]), "if_primary_term": str(seq[1])})
+
     def search(self, index: str, body: dict[str, Any]) -> dict[str, Any]:
         return dict(self._call(self.client.search, index=index, body=body))
 
@@ -475,6 +511,28 @@ class ElasticsearchClient(SearchClient):
     def mget(self, index: str, ids: list[str]) -> list[dict[str, Any]]:
         return list(self._call(self.client.mget, index=index, ids=ids)["docs"])
 
+    def get_doc_meta(self, index: str, doc_id: str) -> tuple[dict[str, Any], int, int] | None:
+        try:
+            d = self._call(self.client.get, index=index, id=doc_id)
+        except _HttpError as exc:
+            if exc.status == 404 and exc.kind != "index_not_found_exception":
+                return None
+            raise
+        return dict(d["_source"]), int(d["_seq_no"]), int(d["_primary_term"])
+
+    def put_doc_cas(self, index: str, doc_id: str, doc: dict[str, Any], *, create: bool = False,
+                    seq: tuple[int, int] | None = None) -> tuple[int, int]:
+        kwargs: dict[str, Any] = {"require_alias": True}
+        if create:
+            kwargs["op_type"] = "create"
+        if seq is not None:
+            kwargs.update(if_seq_no=seq[0], if_primary_term=seq[1])
+        r = self._call(self.client.index, index=index, id=doc_id, document=doc, **kwargs)
+        return int(r["_seq_no"]), int(r["_primary_term"])
+
+    def delete_doc_cas(self, index: str, doc_id: str, seq: tuple[int, int]) -> None:
+        self._call(self.client.delete, index=index, id=doc_id, if_seq_no=seq[0], if_primary_term=seq[1])
+
     def search(self, index: str, body: dict[str, Any]) -> dict[str, Any]:
         return dict(self._call(self.client.search, index=index, **body))
 
@@ -485,7 +543,8 @@ class ElasticsearchClient(SearchClient):
 def connect(url: str | Sequence[str], flavor: Flavor = "opensearch", *, timeout_s: float = 60.0,
             **client_options: Any) -> SearchClient:
     """A client for `flavor`. Client-level retries are off: the sink retries with its own backoff
-    (it must look at every bulk item, and notice a server that lost its data)."""
+    (it must look at every bulk item, and notice a server that lost its data). `client_options` go to
+    the client's constructor as given (auth, TLS, ``timeout`` / ``request_timeout``, ...)."""
     hosts = [url] if isinstance(url, str) else list(url)
     if flavor == "opensearch":
         try:
@@ -493,16 +552,16 @@ def connect(url: str | Sequence[str], flavor: Flavor = "opensearch", *, timeout_
         except ImportError:  # pragma: no cover - a core dependency
             raise ConfigError("views.search_flavor = 'opensearch' needs opensearch-py: pip install opensearch-py") \
                 from None
-        return OpenSearchClient(OpenSearch(hosts=hosts, timeout=timeout_s, max_retries=0, retry_on_timeout=False,
-                                           **client_options))
+        opts = {"timeout": timeout_s, "max_retries": 0, "retry_on_timeout": False, **client_options}
+        return OpenSearchClient(OpenSearch(hosts=hosts, **opts))
     if flavor == "elasticsearch":
         try:
             from elasticsearch import Elasticsearch
         except ImportError:  # pragma: no cover - a core dependency
             raise ConfigError("views.search_flavor = 'elasticsearch' needs elasticsearch-py: "
                               "pip install elasticsearch") from None
-        return ElasticsearchClient(Elasticsearch(hosts=hosts, request_timeout=timeout_s, max_retries=0,
-                                                 retry_on_timeout=False, **client_options))
+        opts = {"request_timeout": timeout_s, "max_retries": 0, "retry_on_timeout": False, **client_options}
+        return ElasticsearchClient(Elasticsearch(hosts=hosts, **opts))
     raise ConfigError(f"views.search_flavor: expected 'opensearch' or 'elasticsearch', got {flavor!r}")
 
 
@@ -543,6 +602,8 @@ class SearchSinkOptions(BaseModel):
     backoff_initial_s: float = Field(0.2, gt=0)
     backoff_max_s: float = Field(20.0, gt=0)
     positions_index: str = "kappaflow-positions"
+    lock_ttl_s: float = Field(30.0, ge=1)
+    """Lease of the projection lock (try_lock): renewed every third of it, expires after a kill -9."""
 
 
 @dataclass(frozen=True)
@@ -589,6 +650,7 @@ class SearchSink(Sink):
         self._client_options = dict(client_options or {})
         self._sleep: Callable[[float], None] = time.sleep
         self._positions_ready = False
+        self._leases: dict[str, Lease] = {}
 
     @classmethod
     def from_config(cls, views: Any, **kwargs: Any) -> SearchSink:
@@ -603,10 +665,67 @@ class SearchSink(Sink):
         return SearchSinkConfig(self._url, self.flavor, self.options.model_dump(), self._client_options)
 
     def close(self) -> None:
+        for name in list(self._leases):
+            self.unlock(name)
         try:
             self.client.close()
         except Exception:  # closing is best effort
             pass
+
+    # --- the projection lock (one replay or follow at a time) ---------------------------
+    def try_lock(self, projection: str) -> bool:
+        """Take the projection's lock if free: a lease document in the positions index, created only if
+        absent and renewed with compare-and-set in the background; an expired lease (its holder was
+        killed) is taken over."""
+        if projection in self._leases:
+            return False
+        self._ensure_positions_index()
+        index, doc_id = self.options.positions_index, f"~lock:{projection}"
+        ttl = self.options.lock_ttl_s
+        token = secrets.token_hex(16)
+
+        def doc() -> dict[str, Any]:
+            return {"lock": projection, "token": token, "expires_ms": int((time.time() + ttl) * 1000)}
+
+        try:
+            seq = self._retrying("take lock", lambda: self.client.put_doc_cas(index, doc_id, doc(), create=True))
+        except _HttpError as exc:
+            if exc.status != 409:
+                raise SinkError(f"search sink: taking the lock of {projection!r}: {exc}") from None
+            held = self._call("read lock", lambda: self.client.get_doc_meta(index, doc_id))
+            if held is not None and held[0].get("expires_ms", 0) > time.time() * 1000:
+                return False
+            try:  # expired (or vanished meanwhile): take it over, unless someone else is faster
+                seq = self._retrying("take over lock", lambda: self.client.put_doc_cas(
+                    index, doc_id, doc(), create=held is None, seq=None if held is None else held[1:]))
+            except _HttpError as exc2:
+                if exc2.status == 409:
+                    return False
+                raise SinkError(f"search sink: taking the lock of {projection!r}: {exc2}") from None
+        state = {"seq": seq}
+
+        def renew() -> bool:
+            try:
+                state["seq"] = self.client.put_doc_cas(index, doc_id, doc(), seq=state["seq"])
+                return True
+            except _HttpError as exc:
+                if exc.status in (404, 409):
+                    return False
+                raise
+
+        def release() -> None:
+            try:
+                self.client.delete_doc_cas(index, doc_id, state["seq"])
+            except (_HttpError, _Unavailable) as exc:
+                log.warning("search sink: releasing the lock of %s: %s (it expires on its own)", projection, exc)
+
+        self._leases[projection] = Lease(f"search:{projection}", ttl, renew, release)
+        return True
+
+    def unlock(self, projection: str) -> None:
+        lease = self._leases.pop(projection, None)
+        if lease is not None:
+            lease.release()
 
     # --- per-view settings ---------------------------------------------------
     def view_options(self, view: ViewSpec) -> SearchSinkOptions:

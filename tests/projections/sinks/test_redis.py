@@ -297,3 +297,19 @@ def test_config_opens_an_equivalent_sink(redis_server: Any) -> None:
         assert sink.count(target) == 25
     finally:
         other.close()
+
+
+def test_projection_lock_is_exclusive_and_expires_after_its_holder_dies(redis_server: Any) -> None:
+    a = RedisSink(redis_server.url, options={"lock_ttl_s": 1})
+    b = RedisSink(redis_server.url, options={"lock_ttl_s": 1})
+    name = f"p_{uuid.uuid4().hex[:6]}"
+    try:
+        assert a.try_lock(name)
+        assert not b.try_lock(name) and not a.try_lock(name)
+        a.unlock(name)
+        assert b.try_lock(name)
+        b._leases.pop(name)._stop.set()  # the holder "dies": no more renewals, no release
+        wait_for(lambda: a.try_lock(name), timeout=10, what="the dead holder's lease to expire")
+    finally:
+        a.close()
+        b.close()

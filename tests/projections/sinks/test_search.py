@@ -397,3 +397,20 @@ def test_parallel_bulk_requests_and_config_round_trip(search_server: Any) -> Non
                                                                                             for e in events[:5]])
     finally:
         other.close()
+
+
+@pytest.mark.integration
+def test_projection_lock_is_exclusive_and_expires_after_its_holder_dies(search_server: Any) -> None:
+    a = SearchSink(search_server.url, options={"lock_ttl_s": 1})
+    b = SearchSink(search_server.url, options={"lock_ttl_s": 1})
+    name = f"p_{uuid.uuid4().hex[:6]}"
+    try:
+        assert a.try_lock(name)
+        assert not b.try_lock(name) and not a.try_lock(name)
+        a.unlock(name)
+        assert b.try_lock(name)
+        b._leases.pop(name)._stop.set()  # the holder "dies": no more renewals, no release
+        wait_for(lambda: a.try_lock(name), timeout=10, what="the dead holder's lease to expire")
+    finally:
+        a.close()
+        b.close()
