@@ -89,23 +89,33 @@ class KafkaClientConfig(_Model):
 class LogConfig(_Model):
     url: str = ".kappaflow/log"
     partitions: int = Field(4, ge=1, le=10_000)
-    replication_factor: int = Field(1, ge=1)
+    replication_factor: int = Field(-1, ge=-1)  # -1: the broker default
     kafka: KafkaClientConfig = Field(default_factory=KafkaClientConfig)
 
     @property
     def is_kafka(self) -> bool:
         return self.url.startswith("kafka://")
 
-    def open(self, base_dir: Path | None = None) -> Any:
-        """Open the configured log (relative embedded paths resolve against `base_dir`)."""
+    def open(self, base_dir: Path | None = None, *, read_only: bool = False, **options: Any) -> Any:
+        """Open the configured log (relative embedded paths resolve against `base_dir`).
+
+        `read_only` opens the embedded log as a reader, which never conflicts with a running
+        capture (the single writer); Kafka clients are always shared. Kafka client security
+        and tuning settings reach KafkaLog as `client_options`.
+        """
         from kappaflow.log import open_log
 
         if self.is_kafka:
-            return open_log(self.url, **self.kafka.client_options())
+            opts = self.kafka.client_options()
+            client_id = opts.pop("client_id")
+            timeout_ms = opts.pop("request_timeout_ms")
+            opts.update(self.kafka.producer)
+            return open_log(self.url, client_id=client_id, request_timeout_s=timeout_ms / 1000,
+                            replication_factor=self.replication_factor, client_options=opts, **options)
         path = Path(self.url.removeprefix("file:"))
         if not path.is_absolute() and base_dir is not None:
             path = base_dir / path
-        return open_log(str(path))
+        return open_log(str(path), read_only=read_only, **options)
 
 
 class _SourceBase(_Model):
@@ -304,8 +314,8 @@ class Settings(_Model):
         p = Path(path)
         return p if p.is_absolute() else self.base_dir / p
 
-    def open_log(self) -> Any:
-        return self.log.open(self.base_dir)
+    def open_log(self, *, read_only: bool = False) -> Any:
+        return self.log.open(self.base_dir, read_only=read_only)
 
 
 def format_validation_error(exc: pydantic.ValidationError, where: str) -> str:

@@ -19,7 +19,7 @@ from kappaflow.config import (
     Settings,
     redact,
 )
-from kappaflow.errors import KappaflowError
+from kappaflow.errors import KappaflowError, LogUnavailableError
 
 
 class Status(str, Enum):
@@ -51,15 +51,24 @@ def _warn(area: str, check: str, detail: str, fix: str) -> Finding:
 
 def check_log(settings: Settings) -> Iterator[Finding]:
     area = "log"
+    embedded_dir = settings.resolve(settings.log.url.removeprefix("file:"))
+    if not settings.log.is_kafka and not (embedded_dir / "meta.db").exists():
+        yield _ok(area, "reachable", f"{settings.log.url}: not created yet (the first capture creates it)")
+        return
     try:
-        log = settings.open_log()
+        # A reader: never contends with a running capture for the embedded log's writer lock.
+        log = settings.open_log(read_only=True)
     except KappaflowError as exc:
         fix = ("start the broker or correct log.url / KAPPAFLOW_LOG__URL" if settings.log.is_kafka
                else "make log.url a writable directory")
         yield _fail(area, "reachable", f"{settings.log.url}: {exc}", fix)
         return
     try:
-        topics = log.list_topics()
+        try:
+            topics = log.list_topics()
+        except LogUnavailableError as exc:
+            yield _fail(area, "reachable", str(exc), "start the broker or correct log.url / KAPPAFLOW_LOG__URL")
+            return
         yield _ok(area, "reachable", f"{settings.log.url}: {len(topics)} topics")
         prefixes = tuple(f"{name}." for name in settings.sources)
         for topic, cfg in sorted(topics.items()):

@@ -9,6 +9,8 @@ from typing import Annotated, Any
 import typer
 from typer.core import TyperGroup
 
+from kappaflow.cli import capture as capture_cli
+from kappaflow.cli import ledger as ledger_cli
 from kappaflow.cli import log as log_cli
 from kappaflow.cli import sources as sources_cli
 from kappaflow.cli.common import console, fail
@@ -37,6 +39,8 @@ app = typer.Typer(
 app.add_typer(sources_cli.app, name="source")
 app.add_typer(log_cli.app, name="log")
 app.command("doctor")(doctor)
+app.command("capture")(capture_cli.capture)
+app.add_typer(ledger_cli.app, name="ledger")
 
 
 @app.callback()

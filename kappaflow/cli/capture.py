@@ -62,17 +62,8 @@ def source_status(config: Any, log: Log) -> dict[str, Any]:
 
 
 def open_log_for(settings: Settings) -> Log:
-    """The configured log. Kafka client settings go to KafkaLog's ``client_options``."""
-    cfg = settings.log
-    if cfg.is_kafka:
-        from kappaflow.log.kafka import KafkaLog
-
-        opts = cfg.kafka.client_options()
-        client_id = opts.pop("client_id", "kappaflow")
-        timeout_ms = opts.pop("request_timeout_ms", 30_000)
-        return KafkaLog(cfg.url.removeprefix("kafka://"), client_id=client_id,
-                        request_timeout_s=timeout_ms / 1000, client_options=opts)
-    log: Log = cfg.open(settings.base_dir)
+    """The configured log (kept as a seam for tests and the runners)."""
+    log: Log = settings.open_log()
     return log
 
 

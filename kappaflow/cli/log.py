@@ -16,7 +16,7 @@ app = typer.Typer(help="Inspect and maintain the log.", no_args_is_help=True)
 def topics(ctx: typer.Context) -> None:
     """Topics with partitions, cleanup policy and end offsets."""
     s = settings(ctx)
-    with s.open_log() as log:
+    with s.open_log(read_only=True) as log:
         table = Table("topic", "partitions", "cleanup", "end offsets")
         for name, cfg in sorted(log.list_topics().items()):
             ends = log.end_offsets(name)
@@ -35,7 +35,7 @@ def tail(
 ) -> None:
     """Print records of a topic (key and value as text)."""
     s = settings(ctx)
-    with s.open_log() as log:
+    with s.open_log(read_only=True) as log:
         parts = [partition] if partition is not None else range(log.partitions(topic))
         for p in parts:
             for rec in log.read(topic, p, start, limit):

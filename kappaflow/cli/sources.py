@@ -98,3 +98,20 @@ def remove(ctx: typer.Context, name: str) -> None:
     del s.sources[name]
     s.save()
     console.print(f"source [bold]{name}[/] removed (log topics kept)")
+
+
+@app.command("status")
+def status(ctx: typer.Context, name: str) -> None:
+    """Source lag (slot / binlog), confirmed position, events captured, topic end offsets."""
+    import json
+
+    from kappaflow.cli.capture import source_status
+
+    s = settings(ctx)
+    src = s.source(name)
+    with s.open_log(read_only=True) as log:
+        info = source_status(src, log)
+    table = Table("field", "value")
+    for key, value in info.items():
+        table.add_row(str(key), value if isinstance(value, str) else json.dumps(value, default=str))
+    console.print(table)
