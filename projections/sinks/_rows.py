@@ -28,7 +28,7 @@ import orjson
 import pyarrow as pa
 
 from kappaflow.errors import Retry, SinkError
-from kappaflow.projections.sinks.base import DELETED, VERSION, ViewSpec
+from kappaflow.projections.sinks.base import DELETED, VERSION, Target, ViewSpec
 
 MAX_VERSION = (1 << 63) - 1
 
@@ -153,6 +153,18 @@ def iter_changes(view: ViewSpec, batch: pa.Table, *, slice_rows: int = 4096) -> 
             for i, vals in enumerate(zip(*values, strict=True)):
                 key = tuple(kc[i] for kc in kcols)
                 yield key, key_str(key), (None if deleted[i] else dict(zip(names, vals, strict=True))), versions[i]
+
+
+def log_rejected(sink: str, target: Target, rejected: list[tuple[tuple[Any, ...], str]]) -> None:
+    """Bulk loads return only a count (``Sink.load``): name every refused row in the log instead of
+    dropping it silently (the write path hands them back in ``WriteResult.rejected``)."""
+    import logging
+
+    logger = logging.getLogger("kappaflow.projections.sinks")
+    for key, reason in rejected[:100]:
+        logger.error("%s: loading %s: refused key %s: %s", sink, target.name, key, reason)
+    if len(rejected) > 100:
+        logger.error("%s: loading %s: %d more refused rows", sink, target.name, len(rejected) - 100)
 
 
 # --- decoding stored JSON back to the view's types ----------------------------------------

@@ -78,6 +78,7 @@ from kappaflow.projections.sinks._rows import (
     iter_changes,
     json_default,
     key_str,
+    log_rejected,
     sort_key,
 )
 from kappaflow.projections.sinks.base import (
@@ -312,6 +313,7 @@ class RedisSink(Sink):
                               f"{self.options.prefix!r}")
         self._sleep: Callable[[float], None] = time.sleep
         self._leases: dict[str, Lease] = {}
+        self.rejected_in_load: list[tuple[tuple[Any, ...], str]] = []
 
     @classmethod
     def from_config(cls, views: Any, **kwargs: Any) -> RedisSink:
@@ -771,6 +773,18 @@ class RedisSink(Sink):
             result.upserted += ups
             result.deleted += dels
             result.skipped += stale
+
+    def load(self, target: Target, batches: Iterable[pa.Table | pa.RecordBatch]) -> int:
+        """Bulk-load a replay's rows (one Spark partition) batch by batch; refused rows are logged by key
+        and reason (``load`` returns a count only), the rest is loaded."""
+        n = 0
+        for b in batches:
+            res = self.write(target, b if isinstance(b, pa.Table) else pa.Table.from_batches([b]))
+            n += res.upserted
+            if res.rejected:
+                self.rejected_in_load.extend(res.rejected)
+                log_rejected("redis sink", target, res.rejected)
+        return n
 
     # --- reads -----------------------------------------------------------------------------
     def _decode(self, view: ViewSpec, dec: RowDecoder, raw: Any, kind: str) -> dict[str, Any] | None:

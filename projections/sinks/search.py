@@ -60,7 +60,7 @@ import random
 import re
 import secrets
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -80,6 +80,7 @@ from kappaflow.projections.sinks._rows import (
     encode_json,
     iter_changes,
     key_str,
+    log_rejected,
     sort_key,
 )
 from kappaflow.projections.sinks.base import (
@@ -651,6 +652,7 @@ class SearchSink(Sink):
         self._sleep: Callable[[float], None] = time.sleep
         self._positions_ready = False
         self._leases: dict[str, Lease] = {}
+        self.rejected_in_load: list[tuple[tuple[Any, ...], str]] = []
 
     @classmethod
     def from_config(cls, views: Any, **kwargs: Any) -> SearchSink:
@@ -1135,6 +1137,18 @@ class SearchSink(Sink):
                                     retry=Retry.TRANSIENT)
                 self._sleep(delay * (0.5 + random.random()))
                 delay = min(delay * 2, opts.backoff_max_s)
+
+    def load(self, target: Target, batches: Iterable[pa.Table | pa.RecordBatch]) -> int:
+        """Bulk-load a replay's rows (one Spark partition) batch by batch; refused rows are logged by key
+        and reason (``load`` returns a count only), the rest is loaded."""
+        n = 0
+        for b in batches:
+            res = self.write(target, b if isinstance(b, pa.Table) else pa.Table.from_batches([b]))
+            n += res.upserted
+            if res.rejected:
+                self.rejected_in_load.extend(res.rejected)
+                log_rejected("search sink", target, res.rejected)
+        return n
 
     # --- reads ---------------------------------------------------------------------
     def _read_index(self, target: Target) -> str:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import threading
 import uuid
 from typing import Any
@@ -161,7 +162,8 @@ def test_positions_never_move_backwards(redis_server: Any) -> None:
     assert sink.read_positions(target) == {(TOPIC, 0): 50, (TOPIC, 1): 100}
 
 
-def test_key_longer_than_allowed_is_rejected_and_the_rest_proceeds(redis_server: Any) -> None:
+def test_key_longer_than_allowed_is_rejected_and_the_rest_proceeds(redis_server: Any,
+                                                                   caplog: pytest.LogCaptureFixture) -> None:
     view = customer_view(f"long_{uuid.uuid4().hex[:6]}")
     sink = RedisSink(redis_server.url, options={"max_key_bytes": 256})
     target = sink.ensure(view)
@@ -181,6 +183,12 @@ def test_key_longer_than_allowed_is_rejected_and_the_rest_proceeds(redis_server:
     res = sink2.write(str_target, batch_from_rows(str_view, [{"code": "y" * 70_000, "_kf_version": 4}]))
     assert res.upserted == 0 and "max_key_bytes=65536" in res.rejected[0][1]
     assert sink.count(target) == 0
+    # a replay's bulk load returns a count only: refused rows are named in the log, never dropped silently
+    with caplog.at_level(logging.ERROR, logger="kappaflow.projections.sinks"):
+        loaded = sink.load(str_target, [batch_from_rows(str_view, [{"code": "z" * 300, "_kf_version": 5},
+                                                                   {"code": "ok-3", "_kf_version": 6}])])
+    assert loaded == 1 and sink.rejected_in_load == [(("z" * 300,), sink.rejected_in_load[0][1])]
+    assert "refused key" in caplog.text and "max_key_bytes=256" in caplog.text
 
 
 def test_ttl_for_rows_and_tombstones(redis_server: Any, client: Any) -> None:
