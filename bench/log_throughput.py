@@ -120,24 +120,26 @@ def bench_kafka(records: list[Record], bootstrap: str, batch: int, partitions: i
             topic = _kafka_topic("bench-kafka")
             log.create_topic(topic, TopicConfig(partitions=partitions, cleanup_policy=CleanupPolicy.COMPACT))
             try:
-                start = time.perf_counter()
+                start, cpu = time.perf_counter(), time.process_time()
                 for i in range(0, len(records), batch):
                     log.append(topic, records[i : i + batch])
-                append_s = time.perf_counter() - start
-                start = time.perf_counter()
+                append_s, append_cpu = time.perf_counter() - start, time.process_time() - cpu
+                start, cpu = time.perf_counter(), time.process_time()
                 count = 0
                 for p in range(partitions):
                     for _ in log.iter_partition(topic, p):
                         count += 1
-                read_s = time.perf_counter() - start
+                read_s, read_cpu = time.perf_counter() - start, time.process_time() - cpu
             finally:
                 log.delete_topic(topic)
             if count != len(records):
                 raise AssertionError(f"kafka read {count} records, appended {len(records)}")
             best_append = max(best_append, len(records) / append_s)
             best_read = max(best_read, count / read_s)
-            print(f"kafka round {round_no + 1}: append {len(records) / append_s:,.0f}/s, "
-                  f"read {count / read_s:,.0f}/s", file=sys.stderr)
+            # cpu: this process only (all client threads), not the broker's: the client's own cost
+            print(f"kafka round {round_no + 1}: append {len(records) / append_s:,.0f}/s "
+                  f"(client cpu {len(records) / append_cpu:,.0f}/s), read {count / read_s:,.0f}/s "
+                  f"(client cpu {count / read_cpu:,.0f}/s)", file=sys.stderr)
     return best_append, best_read
 
 
@@ -165,17 +167,18 @@ def bench_kafka_raw(records: list[Record], bootstrap: str, batch: int, partition
                                      max_request_size=8 * 1024 * 1024)
             try:
                 producer.partitions_for(topic)  # topic metadata before timing (one round trip)
-                start = time.perf_counter()
+                start, cpu = time.perf_counter(), time.process_time()
                 send = producer.send
                 for r in records:
                     send(topic, key=r.key, value=r.value, timestamp_ms=r.timestamp_ms)
                 producer.flush()
-                elapsed = time.perf_counter() - start
+                elapsed, used = time.perf_counter() - start, time.process_time() - cpu
             finally:
                 producer.close()  # before deleting: its metadata refresh would recreate the topic
                 admin.delete_topics([topic])
             best = max(best, len(records) / elapsed)
-            print(f"kafka raw round {round_no + 1}: produce {len(records) / elapsed:,.0f}/s", file=sys.stderr)
+            print(f"kafka raw round {round_no + 1}: produce {len(records) / elapsed:,.0f}/s "
+                  f"(client cpu {len(records) / used:,.0f}/s)", file=sys.stderr)
     finally:
         admin.close()
     return best
