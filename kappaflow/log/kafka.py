@@ -551,8 +551,8 @@ class KafkaLog(Log):
             consumer.seek(tp, offset)
             self._reader_next = offset
         end: int | None = None
-        hw = consumer.highwater(tp)
-        if hw is None or hw <= offset:
+        hw = max(consumer.highwater(tp) or -1, self._highwater.get(tp, -1))
+        if hw <= offset:
             # Possibly at the end: ask the broker now rather than waiting out a fetch.
             end = self._end_offsets(tp.topic, [tp.partition])[tp.partition]
             if offset >= end:
