@@ -449,9 +449,16 @@ class RedisSink(Sink):
 
     def live(self, view: ViewSpec) -> Target | None:
         build = self.live_build(view)
-        if build is None or not self._marker(view, build):
-            return None
-        return Target(view, self.base(view))
+        for _ in range(10):
+            if build is None:
+                return None
+            if self._marker(view, build):
+                return Target(view, self.base(view))
+            again = self.live_build(view)  # switched meanwhile (the old marker goes first)? look again
+            if again == build:
+                return None  # the live build lost its marker: the view is gone (see ensure)
+            build = again
+        return None
 
     def ensure(self, view: ViewSpec) -> Target:
         """Create the pointer and a first, empty build if missing; else check the live build fits the view.
@@ -815,11 +822,21 @@ class RedisSink(Sink):
                         out[key] = row
         return out
 
-    def _iter_rows(self, target: Target) -> Iterator[dict[str, Any]]:
+    def _rows(self, target: Target) -> list[dict[str, Any]]:
+        """All rows of a target. For the live view, a scan that overlapped a pointer switch (the old
+        namespace may have been half removed under it) is repeated on the new build."""
+        for _ in range(10):
+            build = self._build_of(target)
+            if build is None:
+                return []
+            rows = list(self._iter_rows(target, build))
+            if target.shadow or self.live_build(target.view) == build:
+                return rows
+        raise SinkError(f"redis sink: view {target.view.name!r} was switched during every scan attempt",
+                        retry=Retry.TRANSIENT)
+
+    def _iter_rows(self, target: Target, build: str) -> Iterator[dict[str, Any]]:
         view = target.view
-        build = self._build_of(target)
-        if build is None:
-            return
         dec = RowDecoder(view)
         fmt = self._marker(view, build).get("format", self.view_options(view).value_format)
         pattern = _glob_escape(f"{self.base(view)}:{build}:") + "*"
@@ -846,10 +863,10 @@ class RedisSink(Sink):
     def scan(self, target: Target) -> Iterator[dict[str, Any]]:
         """Every row in key order (SCAN, then sorted in memory: Redis keeps no key order)."""
         dec = RowDecoder(target.view)
-        yield from sorted(self._iter_rows(target), key=lambda r: sort_key(dec.key(r)))
+        yield from sorted(self._rows(target), key=lambda r: sort_key(dec.key(r)))
 
     def count(self, target: Target) -> int:
-        return sum(1 for _ in self._iter_rows(target))
+        return len(self._rows(target))
 
     # --- positions ---------------------------------------------------------------------------
     def read_positions(self, target: Target) -> dict[TopicPartition, int]:

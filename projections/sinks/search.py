@@ -245,6 +245,10 @@ class _Unavailable(Exception):
     """Connection refused / reset / timed out."""
 
 
+class _IndexGone(Exception):
+    """The index being read was deleted (swapped out) meanwhile."""
+
+
 def _error_parts(info: Any, fallback: str) -> tuple[str, str]:
     if isinstance(info, Mapping):
         err = info.get("error", info)
@@ -1170,23 +1174,48 @@ class SearchSink(Sink):
         return out
 
     def scan(self, target: Target) -> Iterator[dict[str, Any]]:
-        """Every document in key order (sorted by the key fields on the server, paged with search_after)."""
-        view = target.view
+        """Every document in key order (sorted by the key fields on the server, paged with search_after).
+
+        Pages of one scan must come from one index: the live view is scanned through its physical
+        index, and a scan whose index was swapped out and deleted under it starts again on the new one.
+        """
+        if target.shadow:
+            yield from self._scan_index(target.view, target.name)
+            return
+        for _ in range(10):
+            index = self._live_index(target.view)
+            if index is None:
+                return
+            try:
+                rows = list(self._scan_index(target.view, index))
+            except _IndexGone:
+                continue
+            yield from rows
+            return
+        raise SinkError(f"search sink: view {target.view.name!r} was swapped during every scan attempt",
+                        retry=Retry.TRANSIENT)
+
+    def _scan_index(self, view: ViewSpec, index: str) -> Iterator[dict[str, Any]]:
         dec = RowDecoder(view)
-        index = self._read_index(target)
-        self._call("refresh", lambda: self.client.refresh(index))
         sort = [{k: "asc"} for k in view.key]
         after: list[Any] | None = None
-        while True:
-            body: dict[str, Any] = {"size": 1000, "sort": sort, "version": True, "query": {"match_all": {}}}
-            if after is not None:
-                body["search_after"] = after
-            hits = self._call("search", lambda b=body: self.client.search(index, b))["hits"]["hits"]  # type: ignore[misc]
-            if not hits:
-                return
-            for h in hits:
-                yield dec.row(h["_source"], h.get("_version"))
-            after = hits[-1]["sort"]
+        try:
+            self._retrying("refresh", lambda: self.client.refresh(index))
+            while True:
+                body: dict[str, Any] = {"size": 1000, "sort": sort, "version": True, "query": {"match_all": {}}}
+                if after is not None:
+                    body["search_after"] = after
+                hits = self._retrying("search", lambda b=body: self.client.search(index, b))[  # type: ignore[misc]
+                    "hits"]["hits"]
+                if not hits:
+                    return
+                for h in hits:
+                    yield dec.row(h["_source"], h.get("_version"))
+                after = hits[-1]["sort"]
+        except _HttpError as exc:
+            if exc.status == 404 and exc.kind == "index_not_found_exception":
+                raise _IndexGone(index) from None
+            raise SinkError(f"search sink: scanning {index!r}: {exc}") from None
 
     def count(self, target: Target) -> int:
         index = self._read_index(target)

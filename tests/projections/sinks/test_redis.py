@@ -16,6 +16,7 @@ from kappaflow.errors import ConfigError
 from kappaflow.projections.sinks._rows import SinkStateLostError
 from kappaflow.projections.sinks.base import ViewColumn, ViewSchemaMismatch, ViewSpec, batch_from_rows
 from kappaflow.projections.sinks.redis import RedisSink, get, get_many
+from kappaflow.projections.sinks.testing import SinkContract
 
 pytestmark = pytest.mark.integration
 
@@ -321,3 +322,11 @@ def test_projection_lock_is_exclusive_and_expires_after_its_holder_dies(redis_se
     finally:
         a.close()
         b.close()
+
+
+class TestRedisSinkContract(SinkContract):
+    @pytest.fixture(params=["json", "hash"])
+    def sink(self, redis_server: Any, request: pytest.FixtureRequest) -> Any:
+        s = RedisSink(redis_server.url, options={"value_format": request.param})
+        yield s
+        s.close()

@@ -23,6 +23,7 @@ from kappaflow.projections.sinks.search import (
     _HttpError,
     derive_mapping,
 )
+from kappaflow.projections.sinks.testing import SinkContract
 
 
 def _view(**options: Any) -> ViewSpec:
@@ -414,3 +415,12 @@ def test_projection_lock_is_exclusive_and_expires_after_its_holder_dies(search_s
     finally:
         a.close()
         b.close()
+
+
+@pytest.mark.integration
+class TestSearchSinkContract(SinkContract):
+    @pytest.fixture
+    def sink(self, search_server: Any) -> Any:
+        s = SearchSink(search_server.url)
+        yield s
+        s.close()
