@@ -107,7 +107,7 @@ def kafka_raw_produce(bootstrap: str, n: int, key_size: int, value_size: int) ->
     admin.create_topics([NewTopic(topic, num_partitions=4, replication_factor=1)])
     admin.close()
     producer = KafkaProducer(bootstrap_servers=bootstrap, acks="all", linger_ms=20, batch_size=512 * 1024,
-                             max_request_size=8 * 1024 * 1024, buffer_memory=256 * 1024 * 1024)
+                             max_request_size=8 * 1024 * 1024)
     value = b"v" * value_size
     keys = [(b"%0*d" % (key_size, i))[-key_size:] for i in range(n)]
     t0 = time.perf_counter()

@@ -28,12 +28,14 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+import psycopg
+
 from kappaflow.config import PostgresSourceConfig, SnapshotMode
 from kappaflow.connectors.base import CaptureSummary, Connector, StopSignal
 from kappaflow.connectors.postgres import slots
 from kappaflow.connectors.postgres.context import PgCapture, schema_topic
 from kappaflow.connectors.postgres.offset import PgOffset, SnapshotProgress
-from kappaflow.connectors.postgres.replication import ReplicationConnection, lsn_str, redact_dsn
+from kappaflow.connectors.postgres.replication import ReplicationConnection, _classify, lsn_str, redact_dsn
 from kappaflow.connectors.postgres.snapshot import PgSnapshotSource
 from kappaflow.connectors.postgres.streaming import PgStreamingSource
 from kappaflow.connectors.writer import FaultHook
@@ -85,7 +87,11 @@ class PostgresConnector(Connector):
 
     def run(self, stop: StopSignal | None = None, *, until_caught_up: bool = False) -> CaptureSummary:
         with gc_tuned_for_capture():
-            return self._run(stop, until_caught_up=until_caught_up)
+            try:
+                return self._run(stop, until_caught_up=until_caught_up)
+            except psycopg.OperationalError as exc:  # the catalog/heartbeat connection broke mid-run
+                raise _classify(str(exc), getattr(exc, "sqlstate", None), f"source {self.name!r}",
+                                self.config.dsn) from None
 
     def _run(self, stop: StopSignal | None, *, until_caught_up: bool) -> CaptureSummary:
         stop = stop or StopSignal()

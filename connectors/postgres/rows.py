@@ -20,6 +20,7 @@ byte-identical to ``EventCodec.encode_value`` of the equivalent ``ChangeEvent``
 from __future__ import annotations
 
 import datetime as _dt
+import re
 import struct
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -39,6 +40,8 @@ from kappaflow.events.values import _enc_json, make_encoder
 __all__ = ["ColumnCodec", "TableCodec", "column_codec"]
 
 _u32 = struct.Struct(">I").unpack_from
+# bytes that JSON strings must escape (orjson escapes exactly these; it writes other UTF-8 raw)
+_JSON_ESCAPE = re.compile(rb'[\x00-\x1f"\\]')
 _EPOCH = _dt.datetime(1970, 1, 1)
 _US = _dt.timedelta(microseconds=1)
 _EPOCH_ORDINAL = 719163
@@ -117,6 +120,39 @@ def _js_json(b: bytes) -> str:
     if len(b) < 19 or not t._BIGINT.search(b):
         return orjson.dumps(orjson.loads(b)).decode()
     return _enc_json(t._json(b))
+
+
+def _json_fragment(b: bytes) -> bytes:
+    """json/jsonb text -> ``orjson.dumps(_js_json(b))`` without the intermediate str.
+
+    orjson's compact output has no raw control characters, so quoting it as a JSON
+    string only needs backslashes and quotes escaped.
+    """
+    if len(b) < 19 or not t._BIGINT.search(b):
+        compact = orjson.dumps(orjson.loads(b))
+        return b'"' + compact.replace(b"\\", b"\\\\").replace(b'"', b'\\"') + b'"'
+    return orjson.dumps(_js_json(b))
+
+
+def _fragment(conv: Converter, *, cache: bool) -> Converter:
+    """text -> the value's JSON bytes; optionally remembering the last one (repeated timestamps)."""
+    dumps = orjson.dumps
+    if not cache:
+        def frag(b: bytes) -> bytes:
+            return dumps(conv(b))
+
+        return frag
+    last: list[Any] = [None, None]
+
+    def cached(b: bytes) -> bytes:
+        if b == last[0]:
+            return last[1]
+        v = dumps(conv(b))
+        last[0] = b
+        last[1] = v
+        return v
+
+    return cached
 
 
 def _compose(enc: Callable[[Any], Any], py: Converter) -> Converter:
@@ -309,6 +345,7 @@ class TableCodec:
         self._single_key = len(self.key_idx) == 1
         self.ident_idx: tuple[int, ...] = self.key_idx
         self.fast = self._build_fast()
+        self.fast_json = self._build_fast_json()
         head = orjson.dumps({"version": SOURCE_VERSION, "connector": "postgresql", "name": source})[:-1]
         self._src_head = head + b',"ts_ms":'
         self._src_mid = b',"db":' + orjson.dumps(db) + b',"sequence":null,"schema":' + orjson.dumps(schema) + \
@@ -401,6 +438,68 @@ class TableCodec:
         lines.append(f"    return {{{items}}}, pos, big")
         exec(compile("\n".join(lines), f"<pgoutput row parser {self.qualified}>", "exec"), env)
         return env["fast"]
+
+    def _build_fast_json(self) -> Callable[[bytes, int], tuple[bytes, bytes, int, bool] | None]:
+        """Generate a parser that goes straight from TupleData to the row's JSON bytes.
+
+        Returns ``(row_json, key_json, end, big)``: exactly ``orjson.dumps(json_row(raw))``
+        and ``key_of(...)``, without building the dict. Integers, numerics (string mode)
+        and plain ASCII text need no conversion at all: their PostgreSQL text is already
+        their JSON text (quoted for strings). Same fallbacks as :meth:`_build_fast`.
+        """
+        n = len(self.names)
+        env: dict[str, Any] = {"_u32": _u32, "_dumps": orjson.dumps, "_esc": _JSON_ESCAPE.search}
+        toast = dict(self.toast)
+        lines = ["def fast_json(buf, pos):",
+                 f"    if buf[pos] != {n >> 8} or buf[pos + 1] != {n & 0xFF}:",
+                 "        return None",
+                 "    pos += 2",
+                 "    big = False"]
+        decimal_string = self.codec.decimal_mode == "string"
+        for i, (conv, col) in enumerate(zip(self.js, self.columns, strict=True)):
+            ft = col.column.type
+            raw = "buf[pos + 5:e]"
+            if conv is int:
+                expr = [f"        f{i} = {raw}"]
+            elif conv is t._text and ft in (FieldType.STRING, FieldType.ENUM, FieldType.UUID):
+                expr = [f"        r = {raw}",
+                        f"        f{i} = b'\"' + r + b'\"' if r.isascii() and not _esc(r) else _dumps(r.decode())"]
+            elif conv is t._text and decimal_string and ft in (FieldType.DECIMAL, FieldType.VARIABLE_DECIMAL):
+                expr = [f"        f{i} = b'\"' + {raw} + b'\"'"]
+            elif conv is t._bool:
+                expr = [f"        f{i} = b'true' if buf[pos + 5] == 116 else b'false'"]
+            elif conv is _js_json:
+                env[f"c{i}"] = _json_fragment
+                expr = [f"        f{i} = c{i}({raw})"]
+            else:
+                env[f"c{i}"] = _fragment(conv, cache=ft in (FieldType.DATE, FieldType.TIMESTAMP,
+                                                           FieldType.TIMESTAMPTZ, FieldType.TIME))
+                expr = [f"        f{i} = c{i}({raw})"]
+            lines += ["    k = buf[pos]",
+                      "    if k == 116:",
+                      "        e = pos + 5 + _u32(buf, pos + 1)[0]",
+                      *expr]
+            if i in toast:
+                lines += [f"        if e - pos - 5 > {toast[i]}:", "            big = True"]
+            lines += ["        pos = e",
+                      "    elif k == 110:",
+                      f"        f{i} = b'null'",
+                      "        pos += 1",
+                      "    else:",
+                      "        return None"]
+        parts = []
+        for i, name in enumerate(self.names):
+            env[f"n{i}"] = (b"{" if i == 0 else b",") + orjson.dumps(name) + b":"
+            parts += [f"n{i}", f"f{i}"]
+        env["close"] = b"}"
+        key_parts = []
+        for j, i in enumerate(self.key_idx):
+            env[f"k{j}"] = (b"{" if j == 0 else b",") + orjson.dumps(self.names[i]) + b":"
+            key_parts += [f"k{j}", f"f{i}"]
+        lines.append(f"    return b''.join(({', '.join(parts)}, close)), "
+                     f"b''.join(({', '.join(key_parts)}, close)), pos, big")
+        exec(compile("\n".join(lines), f"<pgoutput JSON row parser {self.qualified}>", "exec"), env)
+        return env["fast_json"]
 
     def same_shape(self, rel_columns: Sequence[RelColumn]) -> bool:
         return len(rel_columns) == len(self.names) and all(

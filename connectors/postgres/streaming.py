@@ -216,7 +216,6 @@ class PgStreamingSource(StreamingSource):
         other method runs.
         """
         rels = self.rels
-        dumps = orjson.dumps
         cap = self.cap
         pending = cap.pending
         by_topic = pending.by_topic
@@ -238,16 +237,15 @@ class PgStreamingSource(StreamingSource):
                     r = None
                     if tc is not _MISSING and m[30] == 78:
                         try:
-                            r = tc.fast(m, 31)
+                            r = tc.fast_json(m, 31)
                         except Exception:
                             r = None
-                    if r is not None and r[1] == len(m):
-                        js = r[0]
-                        key = tc.key_of(js)
+                    if r is not None and r[2] == len(m):
+                        after, key, _end, big = r
                         state = tc.toast_state
                         if state is not None:
-                            if r[2] and len(m) >= TOAST_ROW_MIN:
-                                tc.remember_all(key, js)
+                            if big and len(m) >= TOAST_ROW_MIN:
+                                tc.remember_all(key, tc.fast(m, 31)[0])
                             elif state and tag == 85:
                                 state.pop(key, None)
                         idx = index
@@ -264,12 +262,12 @@ class PgStreamingSource(StreamingSource):
                         if tag == 73:
                             value = (b'{"before":null,"after":%s,"source":%s%d,"snapshot":false}},"op":"c","ts_ms":%d,'
                                      b'"transaction":{"id":"%s","total_order":%d,"data_collection_order":%d}}' % (
-                                         dumps(js), prefix, idx, now_ms, tx_id, idx + 1, d))
+                                         after, prefix, idx, now_ms, tx_id, idx + 1, d))
                             headers = _HEADERS_C
                         else:
                             value = (b'{"before":null,"after":%s,"source":%s%d,"snapshot":false}},"op":"u","ts_ms":%d,'
                                      b'"transaction":{"id":"%s","total_order":%d,"data_collection_order":%d}}' % (
-                                         dumps(js), prefix, idx, now_ms, tx_id, idx + 1, d))
+                                         after, prefix, idx, now_ms, tx_id, idx + 1, d))
                             headers = _HEADERS_U
                         recs = by_topic.get(topic)
                         if recs is None:
@@ -303,6 +301,7 @@ class PgStreamingSource(StreamingSource):
                         pending.count += count
                         count = 0
                         self._flush()
+                        events = self.events
                         pending = cap.pending
                         by_topic = pending.by_topic
                     continue

@@ -332,3 +332,21 @@ def test_snapshot_modes_and_status(pg_dsn: str, sql: Any, source_name: str, embe
     assert status["events_captured"] == 1 + 11
     assert status["slot_state"]["active"] is False and status["lag_bytes"] >= 0
     assert status["topics"][f"{never_name}.public.m"] == 12
+
+
+def test_all_tables_source_picks_up_new_tables(pg_dsn: str, sql: Any, source_name: str, embedded_log: Log,
+                                               capfd: pytest.CaptureFixture[str]) -> None:
+    sql("CREATE TABLE one (id int PRIMARY KEY, v text)")
+    sql("INSERT INTO one SELECT i, 'x' FROM generate_series(1, 50) i")
+    cfg = config(pg_dsn, source_name, [], snapshot_chunk_rows=10)  # no tables listed: FOR ALL TABLES
+    first = capture(cfg, embedded_log, progress=True)
+    assert first.snapshot_rows == 50
+    err = capfd.readouterr().err
+    assert "public.one" in err and "rows/s" in err  # the snapshot progress bar, on request
+    sql("CREATE TABLE two (id int PRIMARY KEY, v text)")
+    sql("INSERT INTO two VALUES (1, 'new table')")
+    sql("UPDATE one SET v = 'y' WHERE id = 1")
+    second = capture(cfg, embedded_log)
+    assert second.events == 2
+    assert compacted(embedded_log, f"{source_name}.public.two") == table_state(pg_dsn, "public.two")
+    assert "public.two" in schemas(embedded_log, source_name)

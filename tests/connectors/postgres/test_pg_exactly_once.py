@@ -123,3 +123,18 @@ def positions_in(log: Log, topic: str, partition: int) -> list[tuple[Any, bool]]
     from kappaflow.connectors.base import record_position
 
     return [(record_position(r), r.value is None) for r in log.iter_partition(topic, partition)]
+
+
+def test_counts_with_many_small_batches(pg_dsn: str, sql: Any, source_name: str, embedded_log: Log) -> None:
+    sql("CREATE TABLE a (id int PRIMARY KEY, v text)")
+    sql("CREATE TABLE b (id int PRIMARY KEY, v text)")
+    sql("INSERT INTO a SELECT i, 'a' FROM generate_series(1, 10) i")
+    sql("INSERT INTO b SELECT i, 'b' FROM generate_series(1, 10) i")
+    cfg = config(pg_dsn, source_name, ["public.a", "public.b"])
+    capture(cfg, embedded_log)
+    streamed = _changes(pg_dsn)
+    summary = capture(cfg, embedded_log, batch_records=2, linger_s=0)
+    assert summary.events == streamed and summary.records == streamed + 5  # + one tombstone per delete
+    stored = OffsetStore(embedded_log).load(source_name)
+    assert stored is not None and stored["events"] == 20 + streamed
+    _assert_exact(embedded_log, source_name, pg_dsn, streamed)

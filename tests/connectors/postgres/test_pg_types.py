@@ -117,6 +117,9 @@ def _codec() -> TableCodec:
         column_codec("active", t.BOOL, -1),
         column_codec("doc", t.JSONB, -1),
         column_codec("tags", 1009, -1),  # text[]
+        column_codec("f", t.FLOAT8, -1),
+        column_codec("u", t.UUID, -1),
+        column_codec("vc", t.VARCHAR, -1),
     ]
     return TableCodec(source="src", db="db", schema="public", table="t", columns=cols, key=["id"],
                       codec=EventCodec())
@@ -125,9 +128,13 @@ def _codec() -> TableCodec:
 def test_generated_parser_matches_generic_path() -> None:
     tc = _codec()
     rows = [
-        [b"1", b"a", b"1.25", b"2024-01-02 03:04:05+00", b"t", b'{"k": [1, 2]}', b'{x,"y z"}'],
-        [b"2", None, None, None, None, None, None],
-        [b"3", "é".encode() * 40, b"-0.50", b"2024-01-02 03:04:05.000001+00", b"f", b"null", b"{}"],
+        [b"1", b"a", b"1.25", b"2024-01-02 03:04:05+00", b"t", b'{"k": [1, 2]}', b'{x,"y z"}', b"1e+100",
+         b"a0eebc99-9c0b-4ef8-bb6d-6bb9bd380a11", b"plain"],
+        [b"2", None, None, None, None, None, None, None, None, None],
+        [b"3", "é".encode() * 40, b"-0.50", b"2024-01-02 03:04:05.000001+00", b"f", b"null", b"{}", b"NaN",
+         None, 'tab\t "q" \\ \x01 \u2028 é'.encode()],
+        [b"-9223372036854775808", b'\x7f', b"NaN", b"infinity", b"t", b'"s"', rb'{"\\"}', b"-Infinity", None,
+         b"x" * 300],
     ]
     for raw in rows:
         buf = b"xx" + _tuple_bytes(raw)
@@ -136,24 +143,30 @@ def test_generated_parser_matches_generic_path() -> None:
         generic, end = parse_tuple(buf, 2)
         assert fast[0] == tc.json_row(generic)
         assert fast[1] == end == len(buf)
+        fj = tc.fast_json(buf, 2)
+        assert fj is not None
+        assert fj[0] == orjson.dumps(tc.json_row(generic))  # the same bytes as the dict path
+        assert fj[1] == tc.key_of(tc.json_row(generic))
+        assert fj[2] == len(buf)
     # unchanged TOAST and other shapes are left to the generic path
-    assert tc.fast(b"xx" + _tuple_bytes([b"1", UNCHANGED, None, None, None, None, None]), 2) is None
-    assert tc.fast(b"xx" + _tuple_bytes([b"1"]), 2) is None
+    unchanged = b"xx" + _tuple_bytes([b"1", UNCHANGED, None, None, None, None, None, None, None, None])
+    assert tc.fast(unchanged, 2) is None and tc.fast_json(unchanged, 2) is None
+    assert tc.fast(b"xx" + _tuple_bytes([b"1"]), 2) is None and tc.fast_json(b"xx" + _tuple_bytes([b"1"]), 2) is None
 
 
 def test_bad_value_names_the_column() -> None:
     tc = _codec()
     with pytest.raises(ValidationError, match=r"column 'id' \(int8\): cannot convert 'x1'"):
-        tc.json_row((b"x1", b"a", b"1", None, None, None, None))
+        tc.json_row((b"x1", b"a", b"1", None, None, None, None, None, None, None))
     with pytest.raises(ValidationError, match=r"column 'tags' \(_text\): cannot convert '\{a'"):
-        tc.json_row((b"1", b"a", b"1", None, None, None, b"{a"))
+        tc.json_row((b"1", b"a", b"1", None, None, None, b"{a", None, None, None))
 
 
 def test_envelope_bytes_equal_the_event_codec() -> None:
     tc = _codec()
     codec = EventCodec()
     raw = (b"7", b'quote " and \\', b"10.00", b"2024-01-02 03:04:05.5+00", b"t", b'{"b": 1, "a": [true]}',
-           b'{"a b",NULL}')
+           b'{"a b",NULL}', b"0.25", b"a0eebc99-9c0b-4ef8-bb6d-6bb9bd380a11", None)
     py = tc.py_row(raw)
     assert py["amount"] == Decimal("10.00")
     pos = PgPosition(0x1234, 3)
