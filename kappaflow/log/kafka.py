@@ -122,6 +122,8 @@ class KafkaLog(Log):
         `connect_timeout_s` each, sleeping `connect_backoff_s` (doubling) in between.
       client_options: extra kafka-python options (SASL/SSL, client_rack, ...), routed to
         the producer, consumers and admin client that accept each one.
+      read_only: refuse append and topic creation/deletion (a reader, as for the embedded
+        log); committing consumer offsets stays allowed.
     """
 
     supports_on_demand_compaction: ClassVar[bool] = False
@@ -140,8 +142,12 @@ class KafkaLog(Log):
         connect_backoff_s: float = 0.25,
         connect_timeout_s: float = 1.0,
         client_options: Mapping[str, Any] | None = None,
+        read_only: bool = False,
     ) -> None:
         self._bootstrap = parse_bootstrap(bootstrap)
+        if not isinstance(read_only, bool):
+            raise ConfigError(f"kafka log 'read_only': expected true or false, got {read_only!r}")
+        self._read_only = read_only
         if not isinstance(client_id, str) or not client_id:
             raise ConfigError(f"kafka log 'client_id': expected a non-empty string, got {client_id!r}")
         self._client_id = client_id
@@ -180,11 +186,19 @@ class KafkaLog(Log):
         self._closed = False
 
     def __repr__(self) -> str:
-        return f"KafkaLog({self._bootstrap!r})"
+        return f"KafkaLog({self._bootstrap!r}{', read_only=True' if self._read_only else ''})"
 
     @property
     def bootstrap(self) -> str:
         return self._bootstrap
+
+    @property
+    def read_only(self) -> bool:
+        return self._read_only
+
+    def _require_writer(self, what: str) -> None:
+        if self._read_only:
+            raise LogError(f"{what}: {self!r} is read-only; open it without read_only=True to write")
 
     # --- clients --------------------------------------------------------------------------
     def _common(self, role: str) -> dict[str, Any]:
@@ -330,6 +344,7 @@ class KafkaLog(Log):
         return config
 
     def create_topic(self, name: str, config: TopicConfig | None = None, *, exist_ok: bool = True) -> TopicConfig:
+        self._require_writer(f"creating topic {name!r}")
         _validate_topic_name(name)
         if config is not None and not isinstance(config, TopicConfig):
             raise ConfigError(f"topic {name!r} config: expected a TopicConfig, got {type(config).__name__}")
@@ -375,6 +390,7 @@ class KafkaLog(Log):
         return existing
 
     def delete_topic(self, name: str) -> None:
+        self._require_writer(f"deleting topic {name!r}")
         _validate_topic_name(name)
         # Detach our consumers first: a consumer still assigned to the topic keeps asking the
         # broker about it, and tansu (like Kafka with auto.create.topics.enable) recreates it.
@@ -418,6 +434,7 @@ class KafkaLog(Log):
 
     # --- write ----------------------------------------------------------------------------
     def append(self, topic: str, records: Sequence[Record], *, partition: int | None = None) -> list[Appended]:
+        self._require_writer(f"appending to topic {topic!r}")
         config = self._topic(topic)
         n = len(records)
         if n == 0:

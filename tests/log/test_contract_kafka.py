@@ -32,4 +32,4 @@ class TestKafkaLogContract(LogContract):
 
     def reader_factory(self, log: Log) -> Callable[[], Log]:
         assert isinstance(log, KafkaLog)
-        return functools.partial(KafkaLog, log.bootstrap)
+        return functools.partial(KafkaLog, log.bootstrap, read_only=True)

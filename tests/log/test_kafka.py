@@ -274,6 +274,17 @@ def test_bad_options_name_the_field(kwargs: dict[str, Any], field: str) -> None:
         KafkaLog("127.0.0.1:9092", **kwargs)
 
 
+def test_read_only_refuses_writes() -> None:
+    log = KafkaLog("127.0.0.1:9092", read_only=True)
+    assert log.read_only and "read_only=True" in repr(log)
+    for call in (lambda: log.append("t", [Record(b"k", b"v")]), lambda: log.create_topic("t"),
+                 lambda: log.delete_topic("t")):
+        with pytest.raises(LogError, match="read-only"):
+            call()
+    with pytest.raises(ConfigError, match="read_only"):
+        KafkaLog("127.0.0.1:9092", read_only="yes")  # type: ignore[arg-type]
+
+
 def test_client_options_reach_the_clients_that_know_them() -> None:
     log = KafkaLog("127.0.0.1:9092", client_options={"client_rack": "r1", "security_protocol": "PLAINTEXT"})
     assert log._options["consumer"] == {"client_rack": "r1", "security_protocol": "PLAINTEXT"}
