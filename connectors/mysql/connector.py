@@ -300,11 +300,14 @@ class CaptureEngine:
 class MySQLSnapshotSource(SnapshotSource):
     """Chunked, resumable, lock-free snapshot (watermarks; see the module docstring)."""
 
-    def __init__(self, engine: CaptureEngine, *, chunk_rows: int, progress_cb: Any = None) -> None:
+    def __init__(self, engine: CaptureEngine, *, chunk_rows: int, progress_cb: Any = None,
+                 display: Any = None) -> None:
         self.engine = engine
         self.chunk_rows = chunk_rows
         self.progress_cb = progress_cb
+        self.display = display  # a SnapshotProgressDisplay (rows, rows/s, ETA per table) or None
         self.rows_written = 0
+        self._shown: set[str] = set()
 
     def execute(self, offset: Any, stop: StopSignal) -> MySQLOffset:
         eng = self.engine
@@ -418,6 +421,11 @@ class MySQLSnapshotSource(SnapshotSource):
         self.rows_written += written
         qual = prog.tables[prog.index]
         prog.table_rows[qual] = prog.table_rows.get(qual, 0) + written
+        if self.display is not None:
+            if qual not in self._shown:
+                self._shown.add(qual)
+                self.display.add(qual, self._estimate(state), prog.table_rows[qual] - written)
+            self.display.advance(qual, written, finished=len(rows) < self.chunk_rows)
         if len(rows) < self.chunk_rows:
             self._next_table(prog)
         else:
@@ -430,6 +438,17 @@ class MySQLSnapshotSource(SnapshotSource):
         eng.checkpoint(force_save=True)
         if self.progress_cb is not None:
             self.progress_cb(qual, prog.table_rows.get(qual, 0), prog)
+
+    def _estimate(self, state: TableState) -> int | None:
+        """The server's row estimate for the progress bar (information_schema.TABLES.TABLE_ROWS)."""
+        try:
+            with self.engine.ctl.cursor() as cur:
+                cur.execute("SELECT TABLE_ROWS FROM information_schema.TABLES WHERE TABLE_SCHEMA=%s AND "
+                            "TABLE_NAME=%s", (state.db, state.table))
+                row = cur.fetchone()
+            return int(row[0]) if row and row[0] is not None else None
+        except Exception:
+            return None
 
     @staticmethod
     def _next_table(prog: SnapshotProgress) -> None:
@@ -484,7 +503,7 @@ class MySQLConnector(Connector):
                  server_id: int = 5401, snapshot_mode: str = "initial", snapshot_chunk_rows: int = 10_000,
                  heartbeat_interval_s: float = 10.0, decimal_mode: str = "string", partitions: int | None = None,
                  batch_records: int = 20_000, flush_interval_s: float = 0.5, progress_cb: Any = None,
-                 threaded_writer: bool = True, fault: FaultHook | None = None) -> None:
+                 threaded_writer: bool = True, fault: FaultHook | None = None, progress: bool | None = False) -> None:
         self.name = name
         self.log = log
         self.args = parse_dsn(dsn, password)
@@ -505,6 +524,7 @@ class MySQLConnector(Connector):
         self.progress_cb = progress_cb
         self.threaded_writer = threaded_writer
         self.fault = fault
+        self.progress = progress  # snapshot progress bar on stderr (None: when stderr is a terminal)
         self.summary = CaptureSummary(source=name, connector="mysql")
 
     @classmethod
@@ -588,9 +608,13 @@ class MySQLConnector(Connector):
         self.engine = engine
         try:
             if offset.phase == "snapshot":
+                from kappaflow.connectors.postgres.snapshot import SnapshotProgressDisplay
+
                 summary.phase = "snapshot"
-                snap = MySQLSnapshotSource(engine, chunk_rows=self.chunk_rows, progress_cb=self.progress_cb)
-                offset = snap.execute(offset, stop)
+                with SnapshotProgressDisplay(self.progress) as display:
+                    snap = MySQLSnapshotSource(engine, chunk_rows=self.chunk_rows, progress_cb=self.progress_cb,
+                                               display=display)
+                    offset = snap.execute(offset, stop)
                 summary.snapshot_rows += snap.rows_written
                 if offset.phase == "streaming" and mode == "initial_only":
                     offset.phase = "done"

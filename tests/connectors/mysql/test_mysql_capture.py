@@ -157,7 +157,8 @@ def test_snapshot_modes(mariadb_server: Any, mariadb_db: str, tmp_path: Any, mh:
         mh.connector(mariadb_server, db, log, [f"{db}.t"], snapshot_mode="never").run(until_caught_up=True)
         assert mh.events(log, f"src.{db}.t") == []
     with EmbeddedLog(tmp_path / "only") as log:
-        c = mh.connector(mariadb_server, db, log, [f"{db}.t"], snapshot_mode="initial_only", snapshot_chunk_rows=2)
+        c = mh.connector(mariadb_server, db, log, [f"{db}.t"], snapshot_mode="initial_only", snapshot_chunk_rows=2,
+                         progress=True)  # the progress bar (stderr) must not disturb anything
         s = c.run(until_caught_up=True)
         assert s.snapshot_rows == 3 and OffsetStore(log).load("src")["phase"] == "done"
         docs = mh.events(log, f"src.{db}.t")
