@@ -211,7 +211,8 @@ class DebeziumSource(Connector):
     def run(self, stop: StopSignal | None = None, *, until_caught_up: bool = False) -> CaptureSummary:
         stop = stop or StopSignal()
         started = time.monotonic()
-        summary = self.summary
+        summary = self.summary = CaptureSummary(source=self.name, connector="debezium")  # this run's
+        self.skipped, self.dead_letters = {}, 0
         offsets = OffsetStore(self.log)
         stored = offsets.load(self.name)
         if stored is not None and stored.get("kind") != "debezium":

@@ -566,7 +566,7 @@ class MySQLConnector(Connector):
 
     def run(self, stop: StopSignal | None = None, *, until_caught_up: bool = False) -> CaptureSummary:
         stop = stop or StopSignal()
-        summary = self.summary
+        summary = self.summary = CaptureSummary(source=self.name, connector="mysql")  # this run's
         started = time.monotonic()
         offsets = OffsetStore(self.log)
         stored = offsets.load(self.name)
