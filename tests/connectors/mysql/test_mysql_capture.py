@@ -113,14 +113,18 @@ def test_stop_and_resume_without_duplicates(mariadb_server: Any, mariadb_db: str
 
 
 @pytest.mark.parametrize("crash_at", ["after_records", "after_offset"])
-def test_commit_order_crash_between_steps(mariadb_server: Any, mariadb_db: str, embedded_log: Any, mh: Any,
+def test_commit_order_crash_between_steps(mariadb_server: Any, mariadb_db: str, any_log: Any, mh: Any,
                                           crash_at: str) -> None:
-    """Step 1 (records) then step 2 (offset): a crash between them re-reads, and nothing is written twice."""
+    """Step 1 (records) then step 2 (offset): a crash between them re-reads, and nothing is written twice.
+
+    On both log backends (embedded, and Kafka through the tansu broker)."""
     db = mariadb_db
+    embedded_log = any_log
+    name = "src" + db[-6:]
     mariadb_server.execute("CREATE TABLE t (id INT PRIMARY KEY, v INT)", db=db)
-    conn = mh.connector(mariadb_server, db, embedded_log, [f"{db}.t"], snapshot_mode="never")
+    conn = mh.connector(mariadb_server, db, embedded_log, [f"{db}.t"], snapshot_mode="never", name=name)
     conn.run(until_caught_up=True)
-    before = OffsetStore(embedded_log).load("src")
+    before = OffsetStore(embedded_log).load(name)
     mariadb_server.execute("BEGIN", "INSERT INTO t VALUES (1,1),(2,2)", "UPDATE t SET v=3 WHERE id=1", "COMMIT",
                            db=db)
 
@@ -132,17 +136,17 @@ def test_commit_order_crash_between_steps(mariadb_server: Any, mariadb_db: str, 
             raise Crash(step)
 
     crashing = mh.connector(mariadb_server, db, embedded_log, [f"{db}.t"], snapshot_mode="never", fault=fault,
-                            threaded_writer=False)
+                            threaded_writer=False, name=name)
     with pytest.raises(Crash):
         crashing.run(until_caught_up=True)
-    after_crash = OffsetStore(embedded_log).load("src")
+    after_crash = OffsetStore(embedded_log).load(name)
     if crash_at == "after_records":
         assert after_crash == before  # the offset did not move: the records are not acknowledged
     else:
         assert after_crash != before
-    assert len(mh.events(embedded_log, f"src.{db}.t")) == 3  # the records are durable either way
+    assert len(mh.events(embedded_log, f"{name}.{db}.t")) == 3  # the records are durable either way
     s = conn.run(until_caught_up=True)
-    docs = mh.events(embedded_log, f"src.{db}.t")
+    docs = mh.events(embedded_log, f"{name}.{db}.t")
     assert [d["op"] for d in docs] == ["c", "c", "u"]
     if crash_at == "after_records":
         assert s.duplicates_skipped == 3
