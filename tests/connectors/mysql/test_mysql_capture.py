@@ -237,3 +237,21 @@ def test_resume_by_gtid_when_the_binlog_file_is_purged(tmp_path: Any, mh: Any) -
             assert "start a new snapshot" in str(err.value) and not err.value.transient
     finally:
         server.stop()
+
+
+def test_snapshot_chunks_on_composite_typed_keys(mariadb_server: Any, mariadb_db: str, embedded_log: Any,
+                                                 mh: Any) -> None:
+    """Chunk boundaries on a (varchar, datetime, decimal, timestamp) key: every row exactly once."""
+    db = mariadb_db
+    rows = [(f"k{i % 3}", f"2024-01-0{1 + i % 2} 00:00:0{i % 5}.5", f"{i % 4}.25", f"2024-06-01 00:00:{i:02d}")
+            for i in range(23)]
+    mariadb_server.execute(
+        "CREATE TABLE t (a VARCHAR(5), b DATETIME(6), c DECIMAL(6,2), d TIMESTAMP(0) NOT NULL DEFAULT "
+        "'2024-01-01', v INT, PRIMARY KEY (a, b, c, d))",
+        "SET time_zone='+00:00'",
+        "INSERT IGNORE INTO t VALUES " + ",".join(f"('{a}','{b}',{c},'{d}',1)" for a, b, c, d in rows), db=db)
+    s = mh.connector(mariadb_server, db, embedded_log, [f"{db}.t"], snapshot_chunk_rows=4).run(until_caught_up=True)
+    table = mh.table_rows(mariadb_server, db, "t")
+    assert s.snapshot_rows == len(table) == 23
+    keys = [orjson.loads(k) for k in mh.compacted(embedded_log, f"src.{db}.t")]
+    assert len(keys) == 23 and set(keys[0]) == {"a", "b", "c", "d"}
