@@ -73,6 +73,9 @@ def _debezium_records(db: str) -> list[tuple[str, bytes | None, bytes | None]]:
         (prod, b'{"id":8}', orjson.dumps(no_scale)),  # a decimal without its scale
         (prod, b'{"id":7}', orjson.dumps(product)),
         (f"__debezium-heartbeat.{PREFIX}", b'{"serverName":"mysql-server-1"}', b'{"ts_ms": 1714564377000}'),
+        # a PostgreSQL connector's snapshot row, then a TRUNCATE of its table
+        ("PostgreSQL_server.public.customers", b'{"id":1}', (FIXTURES / "pg_customers_read.json").read_bytes()),
+        ("PostgreSQL_server.public.customers", None, (FIXTURES / "pg_truncate.json").read_bytes()),
     ]
 
 
@@ -145,7 +148,11 @@ def test_debezium_topics_decode_like_kappaflows_own_capture(mariadb_server: Any,
     with EmbeddedLog(tmp_path / "dbz") as log:
         src = DebeziumSource(name="dbz", log=log, bootstrap=kafka_broker.bootstrap, topics=topics, partitions=1)
         summary = src.run(until_caught_up=True)
-        assert summary.events == 4
+        assert summary.events == 6
+        # the truncate: an op=t marker, then the tombstone of every key the topic held
+        pg = [(r.key, None if r.value is None else orjson.loads(r.value)["op"])
+              for r in log.iter_partition("dbz.public.customers", 0)]
+        assert pg == [(b'{"id":1}', "r"), (b"{}", "t"), (b'{"id":1}', None)]
         assert _decoded(log, "dbz", f"{db}.customers") == own_customers
         assert _decoded(log, "dbz", f"{db}.products") == own_products
         assert own_products[0][3]["seen"] == dt.datetime(2024, 1, 2, 3, 4, 5, 654321, tzinfo=dt.UTC)
