@@ -167,8 +167,8 @@ class CaptureEngine:
             if not gtid:
                 raise SourceError(
                     f"source {self.name!r}: binlog file {file!r} (resume point {file}:{pos}) is no longer on the "
-                    f"server (it has {files[:1]}..{files[-1:]}) and no GTID set was recorded; start a new snapshot "
-                    "(snapshot_mode=always, or `kappaflow source reset`)")
+                    f"server (it has {files[:1]}..{files[-1:]}) and no GTID set was recorded; take a new snapshot "
+                    "(snapshot_mode=always re-snapshots and streams from the current position)")
             use_gtid = True
         self.reader = BinlogReader(self.args, server_id=self.replica_server_id, flavor=self.server.flavor,
                                    tracker=self.tracker, start=StreamStart(file, pos, gtid),
@@ -574,6 +574,7 @@ class MySQLConnector(Connector):
         try:
             server = check_server(conn, self.args.where())
             tables = self._resolve_tables(conn, strict=stored is None)
+            files = binlog_files(conn)
         finally:
             conn.close()
         tracker = SchemaTracker(self.name, tables, self.key_columns)
@@ -594,6 +595,10 @@ class MySQLConnector(Connector):
         elif mode == "always" and offset.phase != "snapshot":
             offset.phase = "snapshot"
             offset.snapshot = SnapshotProgress(qualified)
+            if offset.file not in files:  # the old resume point is purged: stream from now, the snapshot covers it
+                offset.file, offset.pos, offset.gtid = server.binlog_file, server.binlog_pos, server.gtid_executed
+                offset.stream_start = {"file": server.binlog_file, "pos": server.binlog_pos,
+                                       "gtid": server.gtid_executed}
         partitions = self.partitions
         if partitions is None:
             partitions = 4

@@ -300,8 +300,9 @@ class BinlogReader:
                                f"GRANT REPLICATION SLAVE ON *.* TO '{self.args.user}'@'%'", retry=Retry.TERMINAL)
         if code == 1236:  # ER_MASTER_FATAL_ERROR_READING_BINLOG: purged file, unknown GTID, bad position
             return SourceError(f"binlog stream {where}: the server cannot continue from {self.describe_start()}: "
-                               f"{msg}. The binlog was probably purged; start a new snapshot "
-                               "(snapshot_mode=always, or delete the source's offset)", retry=Retry.TERMINAL)
+                               f"{msg}. The binlog was probably purged; take a new snapshot "
+                               "(snapshot_mode=always re-snapshots and streams from the current position)",
+                               retry=Retry.TERMINAL)
         return source_error(exc, "binlog stream", where)
 
     def reached(self, file: str, pos: int) -> bool:
