@@ -346,6 +346,7 @@ class TableCodec:
         self.ident_idx: tuple[int, ...] = self.key_idx
         self.fast = self._build_fast()
         self.fast_json = self._build_fast_json()
+        self.values_json = self._build_values_json()
         head = orjson.dumps({"version": SOURCE_VERSION, "connector": "postgresql", "name": source})[:-1]
         self._src_head = head + b',"ts_ms":'
         self._src_mid = b',"db":' + orjson.dumps(db) + b',"sequence":null,"schema":' + orjson.dumps(schema) + \
@@ -439,54 +440,35 @@ class TableCodec:
         exec(compile("\n".join(lines), f"<pgoutput row parser {self.qualified}>", "exec"), env)
         return env["fast"]
 
-    def _build_fast_json(self) -> Callable[[bytes, int], tuple[bytes, bytes, int, bool] | None]:
-        """Generate a parser that goes straight from TupleData to the row's JSON bytes.
+    def _fragment_code(self, env: dict[str, Any]) -> list[str]:
+        """Per column, one Python expression turning its text ``r`` into its JSON bytes.
 
-        Returns ``(row_json, key_json, end, big)``: exactly ``orjson.dumps(json_row(raw))``
-        and ``key_of(...)``, without building the dict. Integers, numerics (string mode)
-        and plain ASCII text need no conversion at all: their PostgreSQL text is already
-        their JSON text (quoted for strings). Same fallbacks as :meth:`_build_fast`.
+        Integers, numerics (string mode) and plain ASCII text need no conversion at all:
+        their PostgreSQL text already is their JSON text (quoted for strings).
         """
-        n = len(self.names)
-        env: dict[str, Any] = {"_u32": _u32, "_dumps": orjson.dumps, "_esc": _JSON_ESCAPE.search}
-        toast = dict(self.toast)
-        lines = ["def fast_json(buf, pos):",
-                 f"    if buf[pos] != {n >> 8} or buf[pos + 1] != {n & 0xFF}:",
-                 "        return None",
-                 "    pos += 2",
-                 "    big = False"]
+        env.update({"_dumps": orjson.dumps, "_esc": _JSON_ESCAPE.search})
         decimal_string = self.codec.decimal_mode == "string"
+        out = []
         for i, (conv, col) in enumerate(zip(self.js, self.columns, strict=True)):
             ft = col.column.type
-            raw = "buf[pos + 5:e]"
             if conv is int:
-                expr = [f"        f{i} = {raw}"]
+                out.append("r")
             elif conv is t._text and ft in (FieldType.STRING, FieldType.ENUM, FieldType.UUID):
-                expr = [f"        r = {raw}",
-                        f"        f{i} = b'\"' + r + b'\"' if r.isascii() and not _esc(r) else _dumps(r.decode())"]
+                out.append("b'\"' + r + b'\"' if r.isascii() and not _esc(r) else _dumps(r.decode())")
             elif conv is t._text and decimal_string and ft in (FieldType.DECIMAL, FieldType.VARIABLE_DECIMAL):
-                expr = [f"        f{i} = b'\"' + {raw} + b'\"'"]
+                out.append("b'\"' + r + b'\"'")
             elif conv is t._bool:
-                expr = [f"        f{i} = b'true' if buf[pos + 5] == 116 else b'false'"]
+                out.append("b'true' if r == b't' else b'false'")
             elif conv is _js_json:
                 env[f"c{i}"] = _json_fragment
-                expr = [f"        f{i} = c{i}({raw})"]
+                out.append(f"c{i}(r)")
             else:
                 env[f"c{i}"] = _fragment(conv, cache=ft in (FieldType.DATE, FieldType.TIMESTAMP,
                                                            FieldType.TIMESTAMPTZ, FieldType.TIME))
-                expr = [f"        f{i} = c{i}({raw})"]
-            lines += ["    k = buf[pos]",
-                      "    if k == 116:",
-                      "        e = pos + 5 + _u32(buf, pos + 1)[0]",
-                      *expr]
-            if i in toast:
-                lines += [f"        if e - pos - 5 > {toast[i]}:", "            big = True"]
-            lines += ["        pos = e",
-                      "    elif k == 110:",
-                      f"        f{i} = b'null'",
-                      "        pos += 1",
-                      "    else:",
-                      "        return None"]
+                out.append(f"c{i}(r)")
+        return out
+
+    def _join_code(self, env: dict[str, Any]) -> tuple[str, str]:
         parts = []
         for i, name in enumerate(self.names):
             env[f"n{i}"] = (b"{" if i == 0 else b",") + orjson.dumps(name) + b":"
@@ -496,10 +478,60 @@ class TableCodec:
         for j, i in enumerate(self.key_idx):
             env[f"k{j}"] = (b"{" if j == 0 else b",") + orjson.dumps(self.names[i]) + b":"
             key_parts += [f"k{j}", f"f{i}"]
-        lines.append(f"    return b''.join(({', '.join(parts)}, close)), "
-                     f"b''.join(({', '.join(key_parts)}, close)), pos, big")
+        return f"b''.join(({', '.join(parts)}, close))", f"b''.join(({', '.join(key_parts)}, close))"
+
+    def _build_fast_json(self) -> Callable[[bytes, int], tuple[bytes, bytes, int, bool] | None]:
+        """Generate a parser that goes straight from TupleData to the row's JSON bytes.
+
+        Returns ``(row_json, key_json, end, big)``: exactly ``orjson.dumps(json_row(raw))``
+        and ``key_of(...)``, without building the dict. Same fallbacks as :meth:`_build_fast`.
+        """
+        n = len(self.names)
+        env: dict[str, Any] = {"_u32": _u32}
+        exprs = self._fragment_code(env)
+        toast = dict(self.toast)
+        lines = ["def fast_json(buf, pos):",
+                 f"    if buf[pos] != {n >> 8} or buf[pos + 1] != {n & 0xFF}:",
+                 "        return None",
+                 "    pos += 2",
+                 "    big = False"]
+        for i, expr in enumerate(exprs):
+            lines += ["    k = buf[pos]",
+                      "    if k == 116:",
+                      "        e = pos + 5 + _u32(buf, pos + 1)[0]",
+                      "        r = buf[pos + 5:e]",
+                      f"        f{i} = {expr}"]
+            if i in toast:
+                lines += [f"        if e - pos - 5 > {toast[i]}:", "            big = True"]
+            lines += ["        pos = e",
+                      "    elif k == 110:",
+                      f"        f{i} = b'null'",
+                      "        pos += 1",
+                      "    else:",
+                      "        return None"]
+        row, key = self._join_code(env)
+        lines.append(f"    return {row}, {key}, pos, big")
         exec(compile("\n".join(lines), f"<pgoutput JSON row parser {self.qualified}>", "exec"), env)
         return env["fast_json"]
+
+    def _build_values_json(self) -> Callable[[Sequence[bytes | None]], tuple[bytes, bytes, bool]]:
+        """Like :meth:`_build_fast_json`, from a sequence of text values (None = NULL): snapshot rows."""
+        env: dict[str, Any] = {}
+        exprs = self._fragment_code(env)
+        toast = dict(self.toast)
+        lines = ["def values_json(vals):", "    big = False"]
+        for i, expr in enumerate(exprs):
+            lines += [f"    r = vals[{i}]",
+                      "    if r is None:",
+                      f"        f{i} = b'null'",
+                      "    else:",
+                      f"        f{i} = {expr}"]
+            if i in toast:
+                lines += [f"        if len(r) > {toast[i]}:", "            big = True"]
+        row, key = self._join_code(env)
+        lines.append(f"    return {row}, {key}, big")
+        exec(compile("\n".join(lines), f"<snapshot JSON row builder {self.qualified}>", "exec"), env)
+        return env["values_json"]
 
     def same_shape(self, rel_columns: Sequence[RelColumn]) -> bool:
         return len(rel_columns) == len(self.names) and all(

@@ -265,9 +265,12 @@ class TypeCatalog:
 # -- publication -----------------------------------------------------------------------------
 
 def ensure_publication(conn: psycopg.Connection, name: str, tables: Iterable[TableInfo] | None) -> bool:
-    """Create the publication, or make an existing one publish exactly ``tables``.
+    """Create the publication, or make an existing one publish at least ``tables``.
 
-    ``tables=None`` means FOR ALL TABLES. Returns True when something changed.
+    ``tables=None`` means FOR ALL TABLES. An existing publication that already covers
+    the tables is left alone (it may be managed by an admin, or shared); changes of
+    tables it publishes but the source does not capture are skipped while streaming.
+    Returns True when something changed.
     """
     pub = sql.Identifier(name)
     row = conn.execute("SELECT puballtables FROM pg_publication WHERE pubname = %s", (name,)).fetchone()
@@ -285,12 +288,12 @@ def ensure_publication(conn: psycopg.Connection, name: str, tables: Iterable[Tab
             conn.execute(sql.SQL("CREATE PUBLICATION {} FOR TABLE {}").format(pub, targets))
             return True
         if row[0]:
-            conn.execute(sql.SQL("DROP PUBLICATION {}").format(pub))
-            conn.execute(sql.SQL("CREATE PUBLICATION {} FOR TABLE {}").format(pub, targets))
-            return True
-        if publication_tables(conn, name) == wanted:
+            return False  # FOR ALL TABLES covers them
+        missing = sorted(set(wanted) - set(publication_tables(conn, name)))
+        if not missing:
             return False
-        conn.execute(sql.SQL("ALTER PUBLICATION {} SET TABLE {}").format(pub, targets))
+        add = sql.SQL(", ").join(sql.Identifier(s, t) for s, t in missing)
+        conn.execute(sql.SQL("ALTER PUBLICATION {} ADD TABLE {}").format(pub, add))
         return True
     except psycopg.errors.InsufficientPrivilege as exc:
         raise SourceError(

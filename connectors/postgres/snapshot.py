@@ -24,19 +24,20 @@ Tables keyed by ``key_columns`` instead of a primary key are read in one chunk
 
 from __future__ import annotations
 
+import re
+import select
 import sys
 import time
 from collections.abc import Sequence
 from typing import Any
 
-import orjson
 from psycopg import pq, sql
 
 from kappaflow.connectors.base import SnapshotSource, StopSignal, TrustedRecord
 from kappaflow.connectors.postgres import slots
 from kappaflow.connectors.postgres.context import PgCapture
 from kappaflow.connectors.postgres.offset import PgOffset, SnapshotProgress, TableProgress
-from kappaflow.connectors.postgres.rows import TableCodec
+from kappaflow.connectors.postgres.rows import TOAST_ROW_MIN
 from kappaflow.connectors.postgres.slots import TableInfo
 from kappaflow.errors import SourceError
 from kappaflow.events import PgPosition
@@ -156,6 +157,35 @@ class PgSnapshotSource(SnapshotSource):
         res = self._exec(pg, q.as_string(self.cap.conn).encode())
         return int(res.get_value(0, 0) or 0)
 
+    def _copy(self, pg: Any, query: bytes) -> list[bytes]:
+        """Run ``COPY (query) TO STDOUT``; the rows as text lines, read without holding the GIL idle."""
+        pg.send_query(query)  # raises psycopg.OperationalError when the connection is gone
+        res = pg.get_result()
+        if res is None or res.status != pq.ExecStatus.COPY_OUT:
+            msg = (res.error_message if res is not None else pg.error_message).decode(errors="replace").strip()
+            while pg.get_result() is not None:
+                pass
+            raise SourceError(f"snapshot query failed: {msg}")
+        rows: list[bytes] = []
+        append = rows.append
+        get = pg.get_copy_data
+        fd = pg.socket
+        while True:
+            n, data = get(1)
+            if n > 0:
+                append(bytes(data))
+            elif n == 0:
+                select.select([fd], [], [], 1.0)
+                pg.consume_input()
+            else:
+                break
+        end = pg.get_result()
+        while pg.get_result() is not None:
+            pass
+        if end is not None and end.status != pq.ExecStatus.COMMAND_OK:
+            raise SourceError(f"snapshot query failed: {end.error_message.decode(errors='replace').strip()}")
+        return rows
+
     def _table(self, pg: Any, info: TableInfo, tp: TableProgress, snap: SnapshotProgress, offset: PgOffset,
                stop: StopSignal, display: SnapshotProgressDisplay, *, last_table: bool) -> None:
         cap = self.cap
@@ -166,30 +196,40 @@ class PgSnapshotSource(SnapshotSource):
         table = sql.Identifier(info.schema, info.name)
         keys = sql.SQL(", ").join(sql.Identifier(k) for k in tc.key)
         chunked = not info.key_from_config
+        limit = sql.Literal(self.chunk_rows + 1)
         if not chunked:
             tp.last_key = None
-            q_first = sql.SQL("SELECT {} FROM {}").format(cols, table).as_string(conn).encode()
-            q_next = q_first
-        else:
-            q_first = sql.SQL("SELECT {} FROM {} ORDER BY {} LIMIT {}").format(
-                cols, table, keys, sql.Literal(self.chunk_rows + 1)).as_string(conn).encode()
-            marks = sql.SQL(", ").join(sql.SQL(f"${i + 1}") for i in range(len(tc.key)))
-            q_next = sql.SQL("SELECT {} FROM {} WHERE ({}) > ({}) ORDER BY {} LIMIT {}").format(
-                cols, table, keys, marks, keys, sql.Literal(self.chunk_rows + 1)).as_string(conn).encode()
-        prefixes: dict[str, bytes] = {}
-        while not stop.is_set():
-            if tp.last_key is None:
-                res = self._exec(pg, q_first)
+
+        def query(last_key: list[str] | None) -> bytes:
+            if not chunked:
+                q = sql.SQL("COPY (SELECT {} FROM {}) TO STDOUT").format(cols, table)
+            elif last_key is None:
+                q = sql.SQL("COPY (SELECT {} FROM {} ORDER BY {} LIMIT {}) TO STDOUT").format(cols, table, keys, limit)
             else:
-                res = self._exec(pg, q_next, [k.encode() for k in tp.last_key])
-            n = res.ntuples
-            nf = res.nfields
+                # text literals of unknown type take the key columns' types
+                after = sql.SQL(", ").join(sql.Literal(k) for k in last_key)
+                q = sql.SQL("COPY (SELECT {} FROM {} WHERE ({}) > ({}) ORDER BY {} LIMIT {}) TO STDOUT").format(
+                    cols, table, keys, after, keys, limit)
+            return q.as_string(conn).encode()
+
+        prefixes: dict[str, bytes] = {}
+        values_json = tc.values_json
+        toast = tc.toast_state is not None
+        key_idx = tc.key_idx
+        while not stop.is_set():
+            lines = self._copy(pg, query(tp.last_key))
+            n = len(lines)
             more = chunked and n > self.chunk_rows
             take = self.chunk_rows if more else n
-            gv = res.get_value
             now_ms = int(time.time() * 1000)
+            pending = cap.pending
+            recs = pending.by_topic.get(tc.topic)
+            if recs is None:
+                recs = pending.by_topic[tc.topic] = []
+            raw: list[bytes | None] = []
             for r in range(take):
-                raw = tuple([gv(r, c) for c in range(nf)])
+                raw = [None if f == b"\\N" else (_unescape(f) if b"\\" in f else f)
+                       for f in lines[r][:-1].split(b"\t")]
                 idx = snap.next_index
                 if idx == 0:
                     marker = "first"
@@ -200,11 +240,16 @@ class PgSnapshotSource(SnapshotSource):
                 pfx = prefixes.get(marker)
                 if pfx is None:
                     pfx = prefixes[marker] = tc.source_prefix(now_ms, marker, None, lsn)
-                self._emit(tc, raw, pfx, idx, lsn, now_ms)
+                after, key, big = values_json(raw)
+                recs.append(TrustedRecord(key, b'{"before":null,"after":%s,"source":%s%d,"snapshot":true}},'
+                                               b'"op":"r","ts_ms":%d,"transaction":null}' % (after, pfx, idx, now_ms),
+                                          _HEADERS_R))
+                if toast and big and len(lines[r]) >= TOAST_ROW_MIN:
+                    tc.remember(key, tc.json_row(raw), raw)
                 snap.next_index = idx + 1
+            pending.count += take
             if take:
-                last = tuple(gv(take - 1, i) for i in tc.key_idx)
-                tp.last_key = [(v or b"").decode() for v in last]
+                tp.last_key = [(raw[i] or b"").decode() for i in key_idx]
             tp.rows += take
             cap.summary.snapshot_rows += take
             cap.summary.events += take
@@ -217,17 +262,11 @@ class PgSnapshotSource(SnapshotSource):
             if tp.done:
                 return
 
-    def _emit(self, tc: TableCodec, raw: tuple[Any, ...], pfx: bytes, idx: int, lsn: int, now_ms: int) -> None:
-        js = tc.json_row(raw)
-        key = tc.key_of(js)
-        value = b'{"before":null,"after":%s,"source":%s%d,"snapshot":true}},"op":"r","ts_ms":%d,"transaction":null}' % (
-            orjson.dumps(js), pfx, idx, now_ms)
-        headers = _HEADERS_R
-        pending = self.cap.pending
-        recs = pending.by_topic.get(tc.topic)
-        if recs is None:
-            recs = pending.by_topic[tc.topic] = []
-        recs.append(TrustedRecord(key, value, headers))
-        pending.count += 1
-        if tc.toast_state is not None:
-            tc.remember(key, js, raw)
+
+_COPY_ESCAPE = re.compile(rb"\\(.)", re.S)
+_COPY_CHARS = {b"\\": b"\\", b"t": b"\t", b"n": b"\n", b"r": b"\r", b"b": b"\b", b"f": b"\f", b"v": b"\v"}
+
+
+def _unescape(field: bytes) -> bytes:
+    """Undo COPY TO's text-format escapes (backslash, tab, newline, CR, BS, FF, VT)."""
+    return _COPY_ESCAPE.sub(lambda m: _COPY_CHARS.get(m.group(1), m.group(1)), field)

@@ -350,3 +350,18 @@ def test_all_tables_source_picks_up_new_tables(pg_dsn: str, sql: Any, source_nam
     assert second.events == 2
     assert compacted(embedded_log, f"{source_name}.public.two") == table_state(pg_dsn, "public.two")
     assert "public.two" in schemas(embedded_log, source_name)
+
+
+def test_existing_wider_publication_is_used_as_is(pg_dsn: str, sql: Any, source_name: str,
+                                                  embedded_log: Log) -> None:
+    sql("CREATE TABLE wanted (id int PRIMARY KEY)")
+    sql("CREATE TABLE other (id int PRIMARY KEY)")
+    sql(f'CREATE PUBLICATION "kappaflow_{source_name}" FOR TABLE wanted, other')  # made by an admin
+    cfg = config(pg_dsn, source_name, ["public.wanted"])
+    capture(cfg, embedded_log)
+    sql("INSERT INTO other VALUES (1)")
+    sql("INSERT INTO wanted VALUES (1)")
+    assert capture(cfg, embedded_log).events == 1
+    pubs = sql("SELECT tablename FROM pg_publication_tables WHERE pubname = %s ORDER BY 1", (cfg.publication_name,))
+    assert [r[0] for r in pubs] == ["other", "wanted"]
+    assert f"{source_name}.public.other" not in embedded_log.list_topics()

@@ -148,6 +148,7 @@ def test_generated_parser_matches_generic_path() -> None:
         assert fj[0] == orjson.dumps(tc.json_row(generic))  # the same bytes as the dict path
         assert fj[1] == tc.key_of(tc.json_row(generic))
         assert fj[2] == len(buf)
+        assert tc.values_json(raw)[:2] == fj[:2]  # the snapshot's builder agrees
     # unchanged TOAST and other shapes are left to the generic path
     unchanged = b"xx" + _tuple_bytes([b"1", UNCHANGED, None, None, None, None, None, None, None, None])
     assert tc.fast(unchanged, 2) is None and tc.fast_json(unchanged, 2) is None
