@@ -76,10 +76,12 @@ def seed_accounts(dsn: str, n: int) -> None:
 
 
 def transfer_worker(dsn: str, seed: int, accounts: int, seconds: float, ready: Any, go: Any,
-                    out: Any, finish: Any) -> None:
+                    out: Any, finish: Any, raw: bool) -> None:
+    """Bank transfers (read the source account, check funds, atomic two-stream append with the
+    source's expected version), or with `raw` the two-stream append alone (no read, no rule)."""
     from examples.bank.bank import Bank
-    from examples.bank.events import registry
-    from kappaflow.ledger import Ledger
+    from examples.bank.events import TransferReceived, TransferSent, registry, stream_id
+    from kappaflow.ledger import ExpectedVersion, Ledger, StreamAppend
 
     rnd = random.Random(seed)
     append_lat: list[float] = []
@@ -97,7 +99,7 @@ def transfer_worker(dsn: str, seed: int, accounts: int, seconds: float, ready: A
 
         setattr(ledger, "append_many", timed)  # noqa: B010 - time the ledger call inside Bank
         bank = Bank(ledger)
-        for a in range(accounts):  # warm the cache (initial full reads are not what we measure)
+        for a in range(accounts if not raw else 0):  # warm the cache (the initial full reads)
             bank.account(str(a))
         append_lat.clear()
         ready.put(seed)
@@ -107,7 +109,15 @@ def transfer_worker(dsn: str, seed: int, accounts: int, seconds: float, ready: A
         while time.perf_counter() < stop_at:
             a, b = rnd.sample(range(accounts), 2)
             t = time.perf_counter()
-            bank.transfer(str(a), str(b), rnd.randint(1, 100), transfer_id=uuid.uuid4().hex)
+            tid, amount = uuid.uuid4().hex, rnd.randint(1, 100)
+            if raw:
+                ledger.append_many([
+                    StreamAppend(stream_id(str(a)), [TransferSent(transfer_id=tid, to_account=str(b), amount=amount)]),
+                    StreamAppend(stream_id(str(b)), [TransferReceived(transfer_id=tid, from_account=str(a),
+                                                                      amount=amount)], ExpectedVersion.STREAM_EXISTS),
+                ], idempotency_key=tid)
+            else:
+                bank.transfer(str(a), str(b), amount, transfer_id=tid)
             transfer_lat.append((time.perf_counter() - t) * 1000)
             done += 1
         out.put({"done": done, "append_lat": append_lat, "transfer_lat": transfer_lat,
@@ -142,10 +152,10 @@ def server_cpu_seconds(dsn: str) -> float:
     return total
 
 
-def transfers(dsn: str, writers: int, accounts: int, seconds: float) -> dict[str, Any]:
+def transfers(dsn: str, writers: int, accounts: int, seconds: float, raw: bool = False) -> dict[str, Any]:
     ctx = mp.get_context("spawn")
     q, ready, go, finish = ctx.Queue(), ctx.Queue(), ctx.Event(), ctx.Event()
-    procs = [ctx.Process(target=transfer_worker, args=(dsn, s, accounts, seconds, ready, go, q, finish))
+    procs = [ctx.Process(target=transfer_worker, args=(dsn, s, accounts, seconds, ready, go, q, finish, raw))
              for s in range(writers)]
     for p in procs:
         p.start()
@@ -209,6 +219,9 @@ def main() -> None:
         tr = transfers(dsn, args.writers, args.accounts, args.seconds)
         print(f"transfers: {tr['transfers_per_s']:,.0f}/s with {args.writers} writers "
               f"({tr['conflicts']} conflicts retried)", file=sys.stderr)
+        raw = transfers(dsn, args.writers, args.accounts, args.seconds / 2, raw=True)
+        print(f"raw two-stream appends: {raw['transfers_per_s']:,.0f}/s with {args.writers} writers",
+              file=sys.stderr)
         with Ledger(dsn) as ledger:
             t = time.perf_counter()
             report = ledger.verify()
@@ -226,6 +239,10 @@ def main() -> None:
             "single_append_latency_p50_ms": round(pct(single, .5), 3),
             "single_append_latency_p99_ms": round(pct(single, .99), 3),
             "batch_1000_latency_p50_ms": round(statistics.median(batch_lat), 2),
+            "raw_transfer_appends_per_s": round(raw["transfers_per_s"]),
+            "raw_transfer_append_latency_p50_ms": round(pct(raw["transfer_lat"], .5), 3),
+            "raw_transfer_cpu_ms_client": round(raw["client_cpu_ms_per_transfer"], 3),
+            "raw_transfer_cpu_ms_server": round(raw["server_cpu_ms_per_transfer"], 3),
             "transfer_cpu_ms_client": round(tr["client_cpu_ms_per_transfer"], 3),
             "transfer_cpu_ms_server": round(tr["server_cpu_ms_per_transfer"], 3),
             "load_avg_1m": round(os.getloadavg()[0], 2), "cpus": os.cpu_count(),
