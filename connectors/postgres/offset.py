@@ -60,14 +60,13 @@ class PgOffset(OffsetContext):
     last_commit_lsn: int = 0
     snapshot: SnapshotProgress | None = None
     events: int = 0  # events captured so far (for status)
-    system_id: str = ""
 
     def to_dict(self) -> dict[str, Any]:
         return {
             "kind": "pg", "slot": self.slot, "lsn": self.lsn, "phase": self.phase,
             "last_commit_lsn": self.last_commit_lsn,
             "snapshot": None if self.snapshot is None else self.snapshot.to_dict(),
-            "events": self.events, "system_id": self.system_id,
+            "events": self.events,
         }
 
     @classmethod
@@ -80,7 +79,7 @@ class PgOffset(OffsetContext):
                 slot=str(d["slot"]), lsn=int(d["lsn"]), phase=str(d.get("phase", "streaming")),
                 last_commit_lsn=int(d.get("last_commit_lsn", 0)),
                 snapshot=None if snap is None else SnapshotProgress.from_dict(snap),
-                events=int(d.get("events", 0)), system_id=str(d.get("system_id", "")),
+                events=int(d.get("events", 0)),
             )
         except (KeyError, ValueError, TypeError) as exc:
             raise ValidationError(f"postgres offset: malformed stored offset ({exc}); expected the dict written "

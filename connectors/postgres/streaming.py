@@ -128,6 +128,7 @@ class PgStreamingSource(StreamingSource):
             marker = f"caughtup:{nonce}".encode()
             slots.emit_heartbeat(cap.conn, self.slot, marker.decode())
         self.caught_up = False
+        self.reply_now = False
         now = time.monotonic()
         next_status = now + self.status_interval_s
         next_heartbeat = now + self.heartbeat_interval_s
@@ -154,9 +155,10 @@ class PgStreamingSource(StreamingSource):
                 self.acked = durable
                 self.repl.send_status(durable)
                 next_status = now + self.status_interval_s
-            elif now >= next_status:
+            elif now >= next_status or self.reply_now:
                 self.repl.send_status(self.acked)
                 next_status = now + self.status_interval_s
+            self.reply_now = False
             if (self.idle_candidate > self.acked and not self.in_tx and not cap.pending and writer.pending == 0
                     and now - last_idle_save >= min(1.0, self.heartbeat_interval_s)):
                 last_idle_save = now
@@ -327,9 +329,11 @@ class PgStreamingSource(StreamingSource):
     def _handle(self, m: bytes, now_ms: int, marker: bytes | None) -> None:
         if m[0] != XLOGDATA:
             if m[0] == KEEPALIVE:
-                wal_end, _reply = parse_keepalive(m)
+                wal_end, reply = parse_keepalive(m)
                 if not self.in_tx:
                     self.idle_candidate = max(self.idle_candidate, wal_end)
+                if reply:
+                    self.reply_now = True  # the server wants a status update now (wal_sender_timeout)
             return
         tag = m[25]
         if tag == 73:  # 'I'

@@ -19,7 +19,7 @@ from kappaflow.connectors.postgres.rows import (
     encode_envelope,
     tx_block,
 )
-from kappaflow.errors import ValidationError
+from kappaflow.errors import SourceError, ValidationError
 from kappaflow.events import (
     JSON_NULL,
     ChangeEvent,
@@ -179,3 +179,36 @@ def test_envelope_bytes_equal_the_event_codec() -> None:
                            3, False, b"u", 1800, tx_block("99:4660", 4, 2), ("doc",))
     assert mine == codec.encode_value(ev, tc.schema)
     assert tc.key_of(js) == codec.encode_key({"id": 7}, tc.schema)
+
+
+def test_offset_round_trip_and_malformed_offset() -> None:
+    from kappaflow.connectors.postgres.offset import PgOffset, SnapshotProgress, TableProgress
+
+    off = PgOffset(slot="s", lsn=123, phase="snapshot", last_commit_lsn=100, events=7,
+                   snapshot=SnapshotProgress(lsn=120, next_index=5,
+                                             tables={"public.t": TableProgress(False, ["4", "a b"], 5)}))
+    assert PgOffset.from_dict(orjson.loads(orjson.dumps(off.to_dict()))) == off
+    with pytest.raises(ValidationError, match="postgres offset: malformed stored offset"):
+        PgOffset.from_dict({"kind": "pg", "slot": "s"})
+    with pytest.raises(ValidationError, match="kind 'binlog' is not 'pg'"):
+        PgOffset.from_dict({"kind": "binlog", "slot": "s", "lsn": 1})
+
+
+@pytest.mark.parametrize(("info", "match"), [
+    ({"plugin": "test_decoding"}, "uses plugin 'test_decoding', not pgoutput"),
+    ({"database": "other"}, "belongs to database 'other'"),
+    ({"wal_status": "lost"}, r"was invalidated \(wal_status=lost\).*Drop the slot and re-snapshot"),
+    ({"active": True, "active_pid": 4242}, r"in use by another process \(PID 4242\)"),
+])
+def test_unusable_slots_are_explained(info: dict[str, object], match: str) -> None:
+    from kappaflow.connectors.postgres.slots import SlotInfo, check_slot_usable
+
+    base: dict[str, object] = dict(name="kappaflow_x", plugin="pgoutput", database="shop", active=False,
+                                   active_pid=None, confirmed_flush_lsn=100, restart_lsn=90, wal_status="reserved",
+                                   lag_bytes=0)
+    base.update(info)
+    with pytest.raises(SourceError, match=match) as ei:
+        check_slot_usable(SlotInfo(**base), "shop", "postgresql://u@h:5432/shop")  # type: ignore[arg-type]
+    assert "password" not in str(ei.value)
+    check_slot_usable(SlotInfo(**{**base, **{"plugin": "pgoutput", "database": "shop", "active": False,
+                                             "wal_status": "reserved"}}), "shop", "x")  # type: ignore[arg-type]
