@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import orjson
@@ -86,7 +85,3 @@ def mh() -> type[Helpers]:
     """The helpers above, for the tests of this folder."""
     return Helpers
 
-
-@pytest.fixture
-def log_dir(tmp_path: Path) -> Path:
-    return tmp_path / "log"
