@@ -31,6 +31,12 @@ How each part of the contract maps onto Kafka:
   reading the config back subtracts it again. Every record is checked before anything is
   sent, by the payload rule and (with headers) by Kafka's exact batch size, so an append
   the broker would reject for size writes nothing.
+
+Known limits: reads are read_uncommitted (records of aborted transactions written by
+*other*, transactional producers are visible; kappaflow's own producer is not
+transactional). Topic configs and the highest high watermark seen are cached per
+`KafkaLog` object (topic configs are fixed at creation); a topic deleted and recreated by
+another process needs a new `KafkaLog`.
 """
 
 from __future__ import annotations
