@@ -218,12 +218,16 @@ class PostgresConnector(Connector):
 
 
 def postgres_status(config: PostgresSourceConfig, log: Log) -> dict[str, Any]:
-    """Slot lag, confirmed LSN, stored offset, events captured and topic end offsets."""
-    from kappaflow.connectors.offsets import OffsetStore
+    """Slot lag, confirmed LSN, stored offset, events captured and topic end offsets.
+
+    Only reads: ``log`` may be a read-only embedded log (a running capture holds the writer lock).
+    """
+    from kappaflow.connectors.offsets import OFFSETS_TOPIC, OffsetStore
 
     out: dict[str, Any] = {"source": config.name, "kind": "postgres", "dsn": redact_dsn(config.dsn),
                            "slot": config.slot_name, "publication": config.publication_name}
-    stored = OffsetStore(log).load(config.name)
+    topics_now = log.list_topics()
+    stored = OffsetStore(log).load(config.name) if OFFSETS_TOPIC in topics_now else None
     offset = PgOffset.from_dict(stored) if stored else None
     out["offset"] = None if offset is None else {
         "phase": offset.phase, "lsn": lsn_str(max(offset.lsn, 0)), "events": offset.events,
@@ -251,7 +255,7 @@ def postgres_status(config: PostgresSourceConfig, log: Log) -> dict[str, Any]:
             conn.close()
     topics = {}
     prefix = f"{config.name}."
-    for name in sorted(log.list_topics()):
+    for name in sorted(topics_now):
         if name.startswith(prefix) and name != schema_topic(config.name):
             topics[name] = sum(log.end_offsets(name).values())
     out["topics"] = topics

@@ -327,7 +327,14 @@ def test_snapshot_modes_and_status(pg_dsn: str, sql: Any, source_name: str, embe
     reread = [p for p, _ in positions(embedded_log, f"{never_name}.public.m") if p > last_before]
     assert len(reread) == 11 and all(isinstance(p, PgPosition) and p.snapshot for p in reread)
     assert compacted(embedded_log, topic) == {k: v for k, v in table_state(pg_dsn, "public.m").items() if v["id"] <= 10}
-    status = postgres_status(never, embedded_log)
+    from kappaflow.log.embedded import EmbeddedLog
+
+    reader = EmbeddedLog(embedded_log.path, read_only=True)  # type: ignore[attr-defined]
+    try:
+        status = postgres_status(never, reader)
+        assert postgres_status(config(pg_dsn, "nothing_yet", ["public.m"]), reader)["offset"] is None
+    finally:
+        reader.close()
     assert status["offset"]["phase"] == "streaming"
     assert status["events_captured"] == 1 + 11
     assert status["slot_state"]["active"] is False and status["lag_bytes"] >= 0
