@@ -192,7 +192,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--batch", type=int, default=10_000, help="records per append call / transaction")
     ap.add_argument("--partitions", type=int, default=4)
     ap.add_argument("--repeat", type=int, default=3, help="rounds; the best of each is reported")
-    ap.add_argument("--kafka-bootstrap", default=None, help="host:port of a broker for the Kafka part")
+    ap.add_argument("--kafka-bootstrap", default=None,
+                    help="host:port of a broker for the Kafka part (default: start a private tansu broker)")
+    ap.add_argument("--no-kafka", action="store_true", help="skip the Kafka part")
     ap.add_argument("--workdir", type=Path, default=None)
     args = ap.parse_args(argv)
 
@@ -220,9 +222,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         return round(n / min(getattr(t, attr) for t in timers))
 
     kafka = kafka_raw = None
-    if args.kafka_bootstrap:
-        kafka = bench_kafka(records, args.kafka_bootstrap, args.batch, args.partitions)
-        kafka_raw = bench_kafka_raw(records, args.kafka_bootstrap, args.batch, args.partitions)
+    if not args.no_kafka:
+        from contextlib import nullcontext
+
+        from kappaflow.testing.servers.tansu import TansuBroker
+
+        broker = nullcontext() if args.kafka_bootstrap else TansuBroker().start()
+        with broker:
+            bootstrap = args.kafka_bootstrap or broker.bootstrap  # type: ignore[union-attr]
+            kafka = bench_kafka(records, bootstrap, args.batch, args.partitions)
+            kafka_raw = bench_kafka_raw(records, bootstrap, args.batch, args.partitions)
 
     result: dict[str, Any] = {
         "embedded_append_per_s": best(app),

@@ -110,6 +110,7 @@ class LogConfig(_Model):
             client_id = opts.pop("client_id")
             timeout_ms = opts.pop("request_timeout_ms")
             opts.update(self.kafka.producer)
+            opts.update(self.kafka.consumer)
             return open_log(self.url, client_id=client_id, request_timeout_s=timeout_ms / 1000,
                             replication_factor=self.replication_factor, client_options=opts, **options)
         path = Path(self.url.removeprefix("file:"))
