@@ -237,6 +237,21 @@ class ViewsConfig(_Model):
         return src.connect_dsn()
 
 
+class LedgerConfig(_Model):
+    """Where the ledger lives (`kappaflow ledger ...`, the bank example, ledger capture)."""
+
+    dsn: str | None = None
+    password_env: str | None = None
+    schema_name: str = "kappaflow_ledger"
+    max_event_bytes: int = Field(1_048_576, ge=1)
+    group_commit: bool = True
+
+    def connect_dsn(self) -> str | None:
+        if not self.dsn or not self.password_env:
+            return self.dsn
+        return PostgresSourceConfig(name="ledger", dsn=self.dsn, password_env=self.password_env).connect_dsn()
+
+
 class SparkConfig(_Model):
     master: str = "local[*]"
     app_name: str = "kappaflow"
@@ -248,6 +263,7 @@ class Settings(_Model):
     log: LogConfig = Field(default_factory=LogConfig)
     spark: SparkConfig = Field(default_factory=SparkConfig)
     views: ViewsConfig = Field(default_factory=ViewsConfig)
+    ledger: LedgerConfig = Field(default_factory=LedgerConfig)
     sources: dict[str, SourceConfig] = Field(default_factory=dict)
     profile: dict[str, dict[str, Any]] = Field(default_factory=dict, exclude=True)
 

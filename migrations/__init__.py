@@ -27,6 +27,7 @@ def alembic_config(dsn: str) -> Any:
     cfg = Config()
     cfg.set_main_option("script_location", str(Path(__file__).parent))
     cfg.set_main_option("version_locations", str(Path(__file__).parent / "versions"))
+    cfg.set_main_option("path_separator", "os")
     cfg.attributes["dsn"] = dsn
     return cfg
 

@@ -38,19 +38,13 @@ def _target(ctx: typer.Context, dsn: str | None, schema: str | None) -> tuple[st
     from kappaflow.ledger import DEFAULT_SCHEMA
 
     if dsn is None or schema is None:
-        cfg: Any = None
-        try:
-            from kappaflow.cli.common import settings
+        from kappaflow.cli.common import settings
 
-            cfg = getattr(settings(ctx), "ledger", None)
-        except KappaflowError:
-            cfg = None
-        dsn = dsn or getattr(cfg, "dsn", None)
-        schema = schema or getattr(cfg, "schema_name", None) or getattr(cfg, "schema", None)
-        if callable(getattr(cfg, "connect_dsn", None)) and dsn == getattr(cfg, "dsn", None):
-            dsn = cfg.connect_dsn()
+        cfg = settings(ctx).ledger
+        dsn = dsn or cfg.connect_dsn()
+        schema = schema or cfg.schema_name
     if not dsn:
-        raise ConfigError("ledger dsn: not set; pass --dsn or set KAPPAFLOW_LEDGER_DSN")
+        raise ConfigError("ledger dsn: not set; pass --dsn, set KAPPAFLOW_LEDGER_DSN or [ledger] dsn in kappaflow.toml")
     return dsn, schema if isinstance(schema, str) and schema else DEFAULT_SCHEMA
 
 

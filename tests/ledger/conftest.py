@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import sys
 import uuid
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import psycopg
@@ -47,8 +45,3 @@ def ledger(ledger_dsn: str) -> Iterator[Any]:
     with Ledger(ledger_dsn) as led:
         yield led
 
-
-# The bank example lives in examples/ at the repository root (not an installed package).
-_ROOT = str(Path(__file__).resolve().parents[2])
-if _ROOT not in sys.path:
-    sys.path.insert(0, _ROOT)
