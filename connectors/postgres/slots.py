@@ -267,7 +267,9 @@ class TypeCatalog:
 def ensure_publication(conn: psycopg.Connection, name: str, tables: Iterable[TableInfo] | None) -> bool:
     """Create the publication, or make an existing one publish at least ``tables``.
 
-    ``tables=None`` means FOR ALL TABLES. An existing publication that already covers
+    ``tables=None`` means FOR ALL TABLES. New publications publish partitioned tables'
+    changes under the partitioned table's name (publish_via_partition_root), which is the
+    name the source lists and the topic is named after. An existing publication that already covers
     the tables is left alone (it may be managed by an admin, or shared); changes of
     tables it publishes but the source does not capture are skipped while streaming.
     Returns True when something changed.
@@ -280,12 +282,14 @@ def ensure_publication(conn: psycopg.Connection, name: str, tables: Iterable[Tab
                 return False
             if row is not None:
                 conn.execute(sql.SQL("DROP PUBLICATION {}").format(pub))
-            conn.execute(sql.SQL("CREATE PUBLICATION {} FOR ALL TABLES").format(pub))
+            conn.execute(sql.SQL("CREATE PUBLICATION {} FOR ALL TABLES WITH (publish_via_partition_root = true)")
+                         .format(pub))
             return True
         wanted = sorted((t.schema, t.name) for t in tables)
         targets = sql.SQL(", ").join(sql.Identifier(s, t) for s, t in wanted)
         if row is None:
-            conn.execute(sql.SQL("CREATE PUBLICATION {} FOR TABLE {}").format(pub, targets))
+            conn.execute(sql.SQL("CREATE PUBLICATION {} FOR TABLE {} WITH (publish_via_partition_root = true)")
+                         .format(pub, targets))
             return True
         if row[0]:
             return False  # FOR ALL TABLES covers them

@@ -372,3 +372,19 @@ def test_existing_wider_publication_is_used_as_is(pg_dsn: str, sql: Any, source_
     pubs = sql("SELECT tablename FROM pg_publication_tables WHERE pubname = %s ORDER BY 1", (cfg.publication_name,))
     assert [r[0] for r in pubs] == ["other", "wanted"]
     assert f"{source_name}.public.other" not in embedded_log.list_topics()
+
+
+def test_partitioned_table_is_captured_under_its_own_name(pg_dsn: str, sql: Any, source_name: str,
+                                                          embedded_log: Log) -> None:
+    sql("CREATE TABLE ev (id int, day date, v text, PRIMARY KEY (id, day)) PARTITION BY RANGE (day)")
+    sql("CREATE TABLE ev_2024 PARTITION OF ev FOR VALUES FROM ('2024-01-01') TO ('2025-01-01')")
+    sql("CREATE TABLE ev_2025 PARTITION OF ev FOR VALUES FROM ('2025-01-01') TO ('2026-01-01')")
+    sql("INSERT INTO ev VALUES (1, '2024-05-01', 'a'), (2, '2025-05-01', 'b')")
+    cfg = config(pg_dsn, source_name, ["public.ev"])
+    assert capture(cfg, embedded_log).snapshot_rows == 2
+    sql("INSERT INTO ev VALUES (3, '2025-06-01', 'c')")
+    sql("UPDATE ev SET v = 'changed' WHERE id = 1")
+    assert capture(cfg, embedded_log).events == 2
+    topic = f"{source_name}.public.ev"
+    assert compacted(embedded_log, topic) == table_state(pg_dsn, "public.ev", source_name)
+    assert not [t for t in embedded_log.list_topics() if "ev_20" in t]
