@@ -32,6 +32,8 @@ from kappaflow.log.base import Log, Record, TopicConfig
 
 __all__ = ["Batch", "CaptureWriter"]
 
+# Test hook, called with the step just reached: "before_records" / "after_records" (batches
+# with records only) and "after_offset" (batches with an offset).
 FaultHook = Callable[[str], None]
 
 
@@ -144,12 +146,12 @@ class CaptureWriter:
         t0 = time.perf_counter()
         for name, cfg in batch.creates:  # step 1
             self.log.create_topic(name, cfg, exist_ok=True)
-        if self._fault is not None:
+        if self._fault is not None and batch.records:
             self._fault("before_records")
         for topic, partition, records in batch.appends:  # step 2
             self.log.append(topic, records, partition=partition)
             self.per_topic[topic] = self.per_topic.get(topic, 0) + len(records)
-        if self._fault is not None:
+        if self._fault is not None and batch.records:
             self._fault("after_records")
         if batch.offset is not None:  # step 3
             self.offsets.save(self.source, batch.offset)

@@ -94,14 +94,15 @@ def test_crash_at_each_commit_step_then_restart_is_exact(pg_dsn: str, sql: Any, 
     _assert_exact(embedded_log, source_name, pg_dsn, streamed)
 
 
-@pytest.mark.parametrize(("step", "nth", "resumed_rows"), [("after_offset", 4, 699), ("after_records", 4, 799)])
+@pytest.mark.parametrize(("step", "nth", "resumed_rows"), [("after_offset", 4, 699), ("after_records", 3, 799)])
 def test_snapshot_resumes_from_the_last_completed_chunk(pg_dsn: str, sql: Any, source_name: str,
                                                         embedded_log: Log, step: str, nth: int,
                                                         resumed_rows: int) -> None:
     sql("CREATE TABLE a (id int PRIMARY KEY, v text)")
     sql("INSERT INTO a SELECT i, 'a' FROM generate_series(1, 1000) i")
     cfg = config(pg_dsn, source_name, ["public.a"], snapshot_chunk_rows=100)
-    # batch 1 stores the slot's consistent point; batches 2.. are chunks of 100 rows
+    # batch 1 stores the slot's consistent point (an offset, no records); batches 2.. are chunks
+    # of 100 rows: after_offset #4 = after chunk 3's offset; after_records #3 = chunk 3's rows
     crashing = PostgresConnector(cfg, embedded_log, partitions=3, progress=False, fault=crash_at(step, nth))
     with pytest.raises(Crash):
         crashing.run(until_caught_up=True)
