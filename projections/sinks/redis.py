@@ -580,7 +580,7 @@ class RedisSink(Sink):
             result = WriteResult()
             encode = self._encode_json if opts.value_format == "json" else self._encode_hash
             try:
-                self._send(encode(iter_changes(view, batch), view, build, opts, result), opts.value_format, result)
+                self._send(encode(iter_changes(view, batch), view, build, opts, result), opts, result)
                 if positions:
                     self._store(view, build, positions)
                 return result
@@ -700,12 +700,11 @@ class RedisSink(Sink):
         if keys:
             yield _resp([b"EVALSHA", sha, b"%d" % (len(keys) + 1), marker, *keys, *head, *args])
 
-    def _send(self, calls: Iterable[bytes], script_name: str, result: WriteResult) -> None:
+    def _send(self, calls: Iterable[bytes], opts: RedisSinkOptions, result: WriteResult) -> None:
         """Pipeline the script calls, `pipeline_depth` in flight. Calls not acknowledged when an error
         hits are sent again (safe: the version guard turns what was already applied into no-ops)."""
         import redis
 
-        opts = self.options
         it = iter(calls)
         pending: deque[bytes] = deque()  # sent, reply not read yet
         resend: deque[bytes] = deque()  # to send again, first
@@ -754,7 +753,7 @@ class RedisSink(Sink):
                     text = str(exc)
                     if isinstance(exc, redis.exceptions.NoScriptError) and not loaded:
                         loaded = True  # after a server restart: load once, then resend
-                        conn.send_command("SCRIPT", "LOAD", _SCRIPTS[script_name])
+                        conn.send_command("SCRIPT", "LOAD", _SCRIPTS[opts.value_format])
                         conn.read_response()
                         continue
                     if text.startswith("KFLOST"):

@@ -10,7 +10,6 @@ from __future__ import annotations
 import datetime as dt
 import os
 import signal
-import threading
 import time
 from decimal import Decimal
 from pathlib import Path
@@ -72,27 +71,6 @@ def _history(w: TableWriter, keys: range, gen: int) -> None:
     w.flush()
 
 
-def _parallel(jobs: dict[str, Any]) -> dict[str, Any]:
-    """Run callables in threads (Spark takes jobs from several threads); re-raise the first failure."""
-    out: dict[str, Any] = {}
-    errors: list[BaseException] = []
-
-    def run(k: str) -> None:
-        try:
-            out[k] = jobs[k]()
-        except BaseException as exc:
-            errors.append(exc)
-
-    threads = [threading.Thread(target=run, args=(k,)) for k in jobs]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(300)
-    if errors:
-        raise errors[0]
-    return out
-
-
 def _rows(sink: Sink, target: Target) -> dict[int, dict[str, Any]]:
     return {r["id"]: r for r in sink.scan(target)}
 
@@ -113,8 +91,9 @@ def test_replay_then_follow_equals_the_postgresql_view(spark: Any, pg_dsn: str, 
                                   "redis": RedisSink(redis_server.url)}
         runtimes = {k: Runtime(spark, str(log_dir), s, dsn=pg_dsn, checkpoint_dir=tmp_path / f"ckpt-{k}")
                     for k, s in sinks.items()}
-        results = _parallel({k: (lambda k=k: replay(PER_SINK[k], runtimes[k])) for k in sinks})
-        assert all(r.rows == len(w.rows) for r in results.values()), results
+        for k in sinks:
+            res = replay(PER_SINK[k], runtimes[k])
+            assert res.rows == len(w.rows), (k, res)
         views = {k: prepare(as_spec(PER_SINK[k]), rt).view for k, rt in runtimes.items()}
         live = {k: s.live(views[k]) for k, s in sinks.items()}
         assert all(live.values())
@@ -170,27 +149,22 @@ def test_a_failing_sink_neither_blocks_nor_corrupts_the_others(spark: Any, pg_ds
         targets = {k: s.ensure(plan.view) for k, s in sinks.items()}
 
         def round_(names: list[str]) -> dict[str, BaseException | float]:
-            """One pass of the fan-out runner: every sink, in its own thread, from its OWN positions."""
+            """One pass of a fan-out runner: every sink in turn, each from its OWN positions; a sink
+            that fails is reported and skipped (retried next round), the others go on."""
             out: dict[str, BaseException | float] = {}
             end = rts["postgres"].end_offsets([TOPIC])
-            t0 = time.monotonic()
-
-            def run(k: str) -> None:
+            for k in names:
+                t0 = time.monotonic()
                 try:
                     start = nest(sinks[k].read_positions(targets[k]), [TOPIC], {TOPIC: 2})
                     apply_range(plan, rts[k], targets[k], start, end)
                     out[k] = time.monotonic() - t0
                 except KappaflowError as exc:
                     out[k] = exc
-
-            threads = [threading.Thread(target=run, args=(k,)) for k in names]
-            for t in threads:
-                t.start()
-            for t in threads:
-                t.join(180)
             return out
 
-        assert all(isinstance(v, float) for v in round_(list(sinks)).values())
+        first = round_(list(sinks))
+        assert all(isinstance(v, float) for v in first.values()), first
         pos_before = sinks["search"].read_positions(targets["search"])
 
         os.kill(osmem.proc.pid, signal.SIGSTOP)  # type: ignore[union-attr]
@@ -201,7 +175,7 @@ def test_a_failing_sink_neither_blocks_nor_corrupts_the_others(spark: Any, pg_ds
         rts["search"] = Runtime(spark, str(log_dir), sinks["search"], dsn=pg_dsn)
         try:
             _history(w, range(40, 120), 2)
-            out = round_(list(sinks))
+            out = round_(["search", "postgres", "redis"])  # the failing sink first: it must not block the rest
             assert isinstance(out["search"], KappaflowError) and out["search"].transient, out
             assert isinstance(out["postgres"], float) and isinstance(out["redis"], float), out
             end = flatten(rts["postgres"].end_offsets([TOPIC]))
