@@ -8,11 +8,13 @@ for the garbage collector to walk) and turns stored JSON back into the Python ty
 view's Spark schema promises (``fetch``/``scan`` return the same values as the
 PostgreSQL sink).
 
-Versions: the version of a change is its log **offset**. Offsets are per partition and
-not comparable across partitions, but every change of one key lives in one partition
-(the log partitions by key), so per key the offset alone is strictly increasing, which
-is all a per-key version guard needs. Versions are 0..2^63-1 (Elasticsearch external
-versions are Java longs).
+Versions: a latest-row view's row carries the log **offset** of its change (see
+:func:`version_of`). Offsets are per partition and not comparable across partitions, but
+every change of one key lives in one partition (the log partitions by key), so per key the
+offset alone is strictly increasing, which is all a per-key version guard needs. Grouped
+and custom views carry the engine's batch watermark instead (the sum of the next offsets of
+all input partitions, growing with every batch). The sinks only require 0..2^63-1
+(Elasticsearch external versions are Java longs) and compare versions per key.
 """
 
 from __future__ import annotations

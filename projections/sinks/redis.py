@@ -6,6 +6,8 @@ Keys (``kf`` is the configurable ``prefix``)
 * ``kf:{view}:builds`` — a set of the view's build ids (to find leftovers).
 * ``kf:{view}:{build}`` — the build's marker hash: ``format``, ``created_ms``, the view's
   columns and the stored positions (``p:{topic}:{partition}`` -> next offset to read).
+* ``kf:~lock:{projection}`` — the projection lock (``try_lock``): a lease renewed in the
+  background, expiring ``lock_ttl_s`` after its holder died.
 * ``kf:{view}:{build}:{key}`` — one view row. ``value_format="json"`` (default): a JSON
   string ``{"_kf_v":<version>,<the row's columns>}``; ``"hash"``: a hash of the row's
   columns (text; NULLs omitted; nested values as JSON) plus ``_kf_v``. ``{key}`` is the

@@ -42,6 +42,10 @@ positions that describe documents which no longer exist. Since positions belong 
 build, the alias swap moves data and positions together. The positions index is written
 through an alias with ``require_alias`` for the same reason.
 
+The projection lock (``try_lock``, one replay or follow at a time) is a lease document in
+the positions index, created only if absent and renewed by compare-and-set (``if_seq_no``);
+a holder killed with -9 stops renewing and the lease can be taken over after ``lock_ttl_s``.
+
 Flavors
 -------
 ``flavor="opensearch"`` uses ``opensearch-py`` (OpenSearch 2/3); ``"elasticsearch"``
