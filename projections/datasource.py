@@ -23,6 +23,9 @@ Options
 - ``maxRecordsPerPartition``: split a log partition into Spark partitions of at most
   this many offsets (default: one Spark partition per log partition).
 - ``maxRecordsPerTrigger`` (streams): admission control, records per micro-batch.
+- ``latestPerKey``: ``true`` yields only the last record of each key within each Spark
+  partition (what compaction keeps); with one Spark partition per log partition that is
+  each key's latest record, all a latest-row or group-by fold needs.
 
 Why a Python data source: both log backends (embedded SQLite and Kafka) are read by
 kappaflow's own ``Log`` contract, so the same code path feeds Spark on a laptop and on
@@ -216,8 +219,8 @@ def plan_ranges(start: Offsets, end: Offsets, max_per_split: int | None) -> list
     return out
 
 
-def read_range(log: Any, rng: LogRange, chunk: int = READ_CHUNK) -> Iterator[pa.RecordBatch]:
-    """Arrow batches of the records in `rng` (compaction gaps are simply absent)."""
+def _chunks(log: Any, rng: LogRange, chunk: int) -> Iterator[list[Any]]:
+    """Lists of LogRecords with offsets in [start, end) of `rng`."""
     offset = rng.start
     topic = rng.topic
     while offset < rng.end:
@@ -233,28 +236,73 @@ def read_range(log: Any, rng: LogRange, chunk: int = READ_CHUNK) -> Iterator[pa.
             recs = [r for r in recs if r.offset < rng.end]
             if not recs:
                 break
-        n = len(recs)
-        ops = []
-        for r in recs:
-            op = None
-            for hk, hv in r.headers:
-                if hk == "kf.op":
-                    op = hv.decode("ascii", "replace")
-                    break
-            ops.append(op)
-        yield pa.RecordBatch.from_arrays(
-            [
-                pa.array([topic] * n, pa.string()),
-                pa.array([rng.partition] * n, pa.int32()),
-                pa.array([r.offset for r in recs], pa.int64()),
-                pa.array([r.key for r in recs], pa.binary()),
-                pa.array([r.value for r in recs], pa.binary()),
-                pa.array([r.timestamp_ms * 1000 for r in recs], pa.timestamp("us", tz="UTC")),
-                pa.array(ops, pa.string()),
-            ],
-            schema=ARROW_SCHEMA,
-        )
+        yield recs
         offset = recs[-1].offset + 1
+
+
+_OP_TEXT: dict[bytes, str] = {}
+
+
+def _op_of(headers: Any) -> str | None:
+    for hk, hv in headers:
+        if hk == "kf.op":
+            op = _OP_TEXT.get(hv)
+            if op is None:
+                op = _OP_TEXT[hv] = str(hv.decode("ascii", "replace"))
+            return op
+    return None
+
+
+def _batch(topic: str, partition: int, recs: list[Any]) -> pa.RecordBatch:
+    n = len(recs)
+    ops = []
+    for r in recs:
+        h = r.headers
+        ops.append(_op_of(h) if h else None)
+    return pa.RecordBatch.from_arrays(
+        [
+            pa.array([topic] * n, pa.string()),
+            pa.array([partition] * n, pa.int32()),
+            pa.array([r.offset for r in recs], pa.int64()),
+            pa.array([r.key for r in recs], pa.binary()),
+            pa.array([r.value for r in recs], pa.binary()),
+            pa.array([r.timestamp_ms * 1000 for r in recs], pa.timestamp("us", tz="UTC")),
+            pa.array(ops, pa.string()),
+        ],
+        schema=ARROW_SCHEMA,
+    )
+
+
+def _offset_of(r: Any) -> int:
+    return int(r.offset)
+
+
+def read_range(log: Any, rng: LogRange, chunk: int = READ_CHUNK, *, latest_per_key: bool = False
+               ) -> Iterator[pa.RecordBatch]:
+    """Arrow batches of the records in `rng` (compaction gaps are simply absent).
+
+    ``latest_per_key``: only the last record of each key in the range (keyless records
+    are all kept), in offset order, i.e. what compaction would keep. Every record of a
+    key lives in one partition, so when a Spark partition covers a whole log partition
+    this IS each key's latest record, and folds that only need current rows (latest row,
+    group by) skip parsing and shuffling the superseded ones.
+    """
+    if not latest_per_key:
+        for recs in _chunks(log, rng, chunk):
+            yield _batch(rng.topic, rng.partition, recs)
+        return
+    latest: dict[Any, Any] = {}
+    keyless = 0
+    for recs in _chunks(log, rng, chunk):
+        for r in recs:
+            k = r.key
+            if k is None:
+                keyless += 1
+                k = keyless  # keyless records are all kept (ints never collide with bytes keys)
+            latest[k] = r
+    survivors = sorted(latest.values(), key=_offset_of)
+    for i in range(0, len(survivors), chunk):
+        yield _batch(rng.topic, rng.partition, survivors[i:i + chunk])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -270,6 +318,7 @@ class _Options:
         self.starting = parse_offsets("startingOffsets", opts.get("startingoffsets"), "earliest")
         self.ending = parse_offsets("endingOffsets", opts.get("endingoffsets"), "latest")
         self.max_per_split = _positive(opts, "maxRecordsPerPartition")
+        self.latest_per_key = opts.get("latestperkey", "false").strip().lower() in ("true", "1", "yes")
         self.max_per_trigger = _positive(opts, "maxRecordsPerTrigger")
 
     def log(self) -> Any:
@@ -327,7 +376,7 @@ def _read_with_reconnect(opts: _Options, partition: LogRange) -> Iterator[pa.Rec
         forget_cached_log(opts.url)
         raise
     try:
-        yield from read_range(log, partition)
+        yield from read_range(log, partition, latest_per_key=opts.latest_per_key)
     except Exception:
         forget_cached_log(opts.url)
         raise

@@ -122,7 +122,8 @@ def _dead_letter(rt: Runtime, plan: Plan, rows: list[dict[str, Any]]) -> int:
     return write_dead_letters(rt.log_url, rt.log_options, plan.spec.name, rows)
 
 
-def _fold_job(plan: Plan, version: int, sink: Sink | None = None, target: Target | None = None) -> FoldJob:
+def _fold_job(plan: Plan, version: int, sink: Sink | None = None, target: Target | None = None, *,
+              sorted_input: bool = True) -> FoldJob:
     spec = plan.spec
     assert spec.cls is not None
     _pickle_by_value(spec.cls)
@@ -135,6 +136,7 @@ def _fold_job(plan: Plan, version: int, sink: Sink | None = None, target: Target
         version=version,
         sink=sink.config() if (sink is not None and target is not None) else None,
         target=target,
+        sorted_input=sorted_input,
     )
 
 
@@ -145,7 +147,7 @@ def _pickle_by_value(cls: type) -> None:
     from pyspark import cloudpickle
 
     mod = sys.modules.get(cls.__module__)
-    if mod is None or cls.__module__.startswith(("kappaflow.", "examples.")) or cls.__module__ == "__main__":
+    if mod is None or cls.__module__.startswith("kappaflow.") or cls.__module__ == "__main__":
         return
     try:
         cloudpickle.register_pickle_by_value(mod)
@@ -154,33 +156,46 @@ def _pickle_by_value(cls: type) -> None:
 
 
 # --- build (replay into an empty shadow) -------------------------------------------------------------
-def build(plan: Plan, rt: Runtime, target: Target, end: Offsets,
-          progress: Callable[[str], None] | None = None) -> BuildResult:
+LATEST_SPLIT = 2_000_000  # offsets per Spark partition when reading latest-per-key (bounds worker memory)
+
+
+def _spans(end: Offsets, start: Offsets | None = None) -> list[int]:
+    return [o - (start or {}).get(t, {}).get(p, 0) for t, parts in end.items() for p, o in parts.items()]
+
+
+def build(plan: Plan, rt: Runtime, target: Target, end: Offsets, *, dead_letters: bool = True) -> BuildResult:
+    """Fold [0, end) into the empty `target`. ``dead_letters=False`` (verify) only counts them."""
     t0 = time.monotonic()
     spec = plan.spec
-    total = sum(sum(parts.values()) for parts in end.values())
+    spans = _spans(end)
+    total = sum(spans)
     parallel = max(1, rt.spark.sparkContext.defaultParallelism)
-    split = max(20_000, -(-total // (parallel * 2))) if total else None
-    raws = {t: rt.raw(t, "earliest", end, split) for t in spec.topics}
     version = watermark(flatten(end))
     cfg = rt.sink.config()
-    res = BuildResult()
+    res = BuildResult(events=total)
     obs = Observation(f"kf_build_{spec.name}_{time.monotonic_ns()}")
     dead: list[dict[str, Any]] = []
     if isinstance(spec.fold, CustomFold):
-        ev = plan.custom_events(raws).observe(obs, F.count(F.lit(1)).alias("events"))
-        parts = int(rt.spark.conf.get("spark.sql.shuffle.partitions") or 4)
-        folded = plan.sorted_for_fold(ev, parts).mapInArrow(make_folder(_fold_job(plan, version)),
-                                                            fold_output_type(plan))
+        in_place = plan.fold_in_place
+        split = None if in_place else (max(20_000, -(-total // (parallel * 2))) if total else None)
+        raws = {t: rt.raw(t, "earliest", end, split) for t in spec.topics}
+        ev = plan.custom_events(raws, in_place=in_place)
+        if in_place:
+            folded = ev.mapInArrow(make_folder(_fold_job(plan, version, sorted_input=False)),
+                                   fold_output_type(plan))
+        else:
+            parts = int(rt.spark.conf.get("spark.sql.shuffle.partitions") or 4)
+            folded = plan.sorted_for_fold(ev, parts).mapInArrow(make_folder(_fold_job(plan, version)),
+                                                                fold_output_type(plan))
         out = folded.mapInArrow(make_loader(cfg, target), LOAD_RESULT_DDL).collect()
         res.rows = sum(r["_kf_loaded"] or 0 for r in out)
         dead = _dead_rows(out)
-        metrics = obs.get
-        res.events = int(metrics.get("events") or 0)
     else:
-        ev = plan.all_events(raws).observe(
-            obs, F.count(F.lit(1)).alias("events"), F.count(F.when(F.col("_kf_bad"), 1)).alias("bad"))
-        rows = plan.rows(plan.latest(ev))
+        deduped = max(spans, default=0) <= LATEST_SPLIT
+        raws = {t: rt.raw(t, "earliest", end, None if deduped else LATEST_SPLIT, latest_per_key=True)
+                for t in spec.topics}
+        ev = plan.all_events(raws).observe(obs, F.count(F.when(F.col("_kf_bad"), 1)).alias("bad"))
+        rows = plan.rows(plan.latest(ev, deduped=deduped))
         if isinstance(spec.fold, LatestFold):
             out = plan.latest_view_rows(rows).mapInArrow(make_loader(cfg, target), LOAD_RESULT_DDL).collect()
             res.rows = sum(r["_kf_loaded"] or 0 for r in out)
@@ -194,11 +209,9 @@ def build(plan: Plan, rt: Runtime, target: Target, end: Offsets,
                 res.rows = sum(r["_kf_loaded"] or 0 for r in out)
             finally:
                 state.unpersist()
-        metrics = obs.get
-        res.events = int(metrics.get("events") or 0)
-        if metrics.get("bad"):
+        if obs.get.get("bad"):
             dead = _collect_bad(plan, raws)
-    res.dead_letters = _dead_letter(rt, plan, dead)
+    res.dead_letters = _dead_letter(rt, plan, dead) if dead_letters else len(dead)
     res.seconds = time.monotonic() - t0
     return res
 
@@ -217,11 +230,15 @@ def _offset_filter(before: Positions) -> Any:
 
 
 def apply_batch(plan: Plan, rt: Runtime, target: Target, raws: dict[str, DataFrame], before: Positions,
-                known_end: Offsets | None = None, sink: Sink | None = None) -> BatchResult:
+                known_end: Offsets | None = None, sink: Sink | None = None,
+                deduped_input: bool | None = None) -> BatchResult:
     """Fold `raws` (already bounded) into `target` in one sink transaction with the positions.
 
     `sink` defaults to ``rt.sink``; a follower passes its own (a sink's connection is not
-    shared between concurrently running micro-batches)."""
+    shared between concurrently running micro-batches). `deduped_input`: the raw frames
+    come one Spark partition per log partition (True: read with ``latestPerKey`` for
+    declarative folds; for custom folds any non-None value means offset order per
+    partition, which allows folding in place); None: arbitrary partitioning."""
     spec = plan.spec
     sink = sink or rt.sink
     partitions = _partition_counts(rt, spec.topics)
@@ -241,10 +258,15 @@ def apply_batch(plan: Plan, rt: Runtime, target: Target, raws: dict[str, DataFra
     bad_obs: Observation | None = None
     tbl: pa.Table
     if isinstance(spec.fold, CustomFold):
-        ev = plan.custom_events(observed)
-        parts = int(rt.spark.conf.get("spark.sql.shuffle.partitions") or 4)
-        folded = plan.sorted_for_fold(ev, parts).mapInArrow(make_folder(_fold_job(plan, 0, sink, target)),
-                                                            fold_output_type(plan))
+        in_place = plan.fold_in_place and deduped_input is not None
+        ev = plan.custom_events(observed, in_place=in_place)
+        if in_place:
+            folded = ev.mapInArrow(make_folder(_fold_job(plan, 0, sink, target, sorted_input=False)),
+                                   fold_output_type(plan))
+        else:
+            parts = int(rt.spark.conf.get("spark.sql.shuffle.partitions") or 4)
+            folded = plan.sorted_for_fold(ev, parts).mapInArrow(make_folder(_fold_job(plan, 0, sink, target)),
+                                                                fold_output_type(plan))
         out = folded.toArrow()
         reasons = out.column("_kf_dl_reason")
         dl_mask = pc.is_valid(reasons)
@@ -257,7 +279,7 @@ def apply_batch(plan: Plan, rt: Runtime, target: Target, raws: dict[str, DataFra
     else:
         bad_obs = Observation(f"kf_bad_{spec.name}_{time.monotonic_ns()}")
         ev = plan.all_events(observed).observe(bad_obs, F.count(F.when(F.col("_kf_bad"), 1)).alias("bad"))
-        rows = plan.rows(plan.latest(ev))
+        rows = plan.rows(plan.latest(ev, deduped=bool(deduped_input)))
         if isinstance(spec.fold, LatestFold):
             tbl = plan.latest_changes(rows).toArrow()
         else:
@@ -266,7 +288,6 @@ def apply_batch(plan: Plan, rt: Runtime, target: Target, raws: dict[str, DataFra
     after: dict[TopicPartition, int] = dict(before)
     for t, obs in zip(raws, observations, strict=True):
         m = obs.get
-        res.events += int(m.get("events") or 0)
         for p in range(partitions[t]):
             v = m.get(f"p{p}")
             if v is not None:
@@ -281,6 +302,7 @@ def apply_batch(plan: Plan, rt: Runtime, target: Target, raws: dict[str, DataFra
         dead += _collect_bad(plan, {t: (df.where(cond) if cond is not None else df) for t, df in raws.items()})
     res.dead_letters = _dead_letter(rt, plan, dead)
     changed = {k: v for k, v in after.items() if before.get(k) != v}
+    res.events = sum(v - before.get(k, 0) for k, v in changed.items())  # log records consumed
     wm = watermark(after)
     if isinstance(spec.fold, GroupFold):
         w = _with_retry("applying the batch", lambda: sink.apply_grouped(target, tbl, wm, changed))  # type: ignore[union-attr]
@@ -296,8 +318,9 @@ def apply_batch(plan: Plan, rt: Runtime, target: Target, raws: dict[str, DataFra
 
 def apply_range(plan: Plan, rt: Runtime, target: Target, start: Offsets, end: Offsets,
                 sink: Sink | None = None) -> BatchResult:
-    raws = {t: rt.raw(t, start, end) for t in plan.spec.topics}
-    return apply_batch(plan, rt, target, raws, flatten(start), known_end=end, sink=sink)
+    declarative = not isinstance(plan.spec.fold, CustomFold)
+    raws = {t: rt.raw(t, start, end, latest_per_key=declarative) for t in plan.spec.topics}
+    return apply_batch(plan, rt, target, raws, flatten(start), known_end=end, sink=sink, deduped_input=True)
 
 
 class ProjectionBusy(SinkError):

@@ -96,6 +96,7 @@ class FoldJob:
     version: int
     sink: SinkConfig | None = None  # follow: current rows come from the live view
     target: Target | None = None
+    sorted_input: bool = True  # False: a partition's events are in offset order, keys interleaved
 
 
 _MISSING = object()
@@ -132,7 +133,9 @@ class _Folder:
             obj = obj["payload"]
         op = obj.get("op")
         if op not in ("c", "u", "d", "r"):
-            raise ValueError(f"op: expected one of c, u, d, r, got {op!r}")
+            if op == "t":
+                return None  # truncate markers: the tombstones that follow carry the deletes
+            raise ValueError(f"op: expected one of c, u, d, r, t, got {op!r}")
         schema = self.schemas[topic]
         before = obj.get("before")
         after = obj.get("after")
@@ -198,28 +201,68 @@ class _Folder:
         elif initial is None or row != initial:
             self._emit_row(row, False, last)
 
-    def run(self, batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
+    def _apply_one(self, row: Any, k: tuple[Any, ...], t: str, p: int, o: int, rk: bytes | None,
+                   value: bytes) -> tuple[bool, Any]:
+        """Fold one event into `row`; (applied, new row). Failures become dead letters."""
         key_names = self.job.key
-        nkey = len(key_names)
-        current: dict[tuple[Any, ...], dict[str, Any]] = {}
+        if any(v is None for v in k):
+            self._dead(t, p, o, rk, f"cannot determine the view key {list(key_names)} of this event "
+                                    "(column missing or NULL in the record key / row)")
+            return False, row
+        try:
+            ev = self._event(t, p, o, rk, value)
+        except Exception as exc:
+            self._dead(t, p, o, rk, f"malformed change event: {type(exc).__name__}: {exc}")
+            return False, row
+        if ev is None:
+            return False, row
+        try:
+            new = self.proj.apply(row, ev)
+        except Exception as exc:
+            self._dead(t, p, o, rk, f"apply() raised {type(exc).__name__}: {exc}")
+            return False, row
+        if new is not None:
+            if not isinstance(new, dict):
+                self._dead(t, p, o, rk, f"apply() returned {type(new).__name__}, expected a dict or None")
+                return False, row
+            wrong = [kn for kn, kv in zip(key_names, k, strict=True) if kn in new and new[kn] != kv]
+            if wrong:
+                self._dead(t, p, o, rk, f"apply() changed the view key column(s) {wrong} of key {list(k)}")
+                return False, row
+            for kn, kv in zip(key_names, k, strict=True):
+                new.setdefault(kn, kv)
+        return True, new
+
+    def run(self, batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
         source: Iterable[pa.RecordBatch] = batches
+        current: dict[tuple[Any, ...], dict[str, Any]] = {}
         if self.follow:
             source = list(batches)
             current = self._fetch_current(source)
-        apply = self.proj.apply
+        if self.job.sorted_input:
+            yield from self._run_sorted(source, current)
+        else:
+            yield from self._run_in_place(source, current)
+
+    def _columns(self, b: pa.RecordBatch) -> tuple[list[Any], ...]:
+        return (b.column("_kf_topic").to_pylist(), b.column("_kf_partition").to_pylist(),
+                b.column("_kf_offset").to_pylist(), b.column("_kf_key").to_pylist(),
+                b.column("_kf_value").to_pylist())
+
+    def _keys(self, b: pa.RecordBatch) -> list[tuple[Any, ...]]:
+        cols = [b.column(k).to_pylist() for k in self.job.key]
+        return list(zip(*cols, strict=True))
+
+    def _run_sorted(self, source: Iterable[pa.RecordBatch],
+                    current: dict[tuple[Any, ...], dict[str, Any]]) -> Iterator[pa.RecordBatch]:
+        """Events sorted by (view key, position): one key at a time, O(1) state."""
         cur_key: Any = _MISSING
         initial: Any = None
         row: Any = None
         last: tuple[Any, ...] | None = None
         for b in source:
-            topics = b.column("_kf_topic").to_pylist()
-            parts = b.column("_kf_partition").to_pylist()
-            offs = b.column("_kf_offset").to_pylist()
-            keys = b.column("_kf_key").to_pylist()
-            values = b.column("_kf_value").to_pylist()
-            vks = [b.column(k).to_pylist() for k in key_names]
-            for i in range(b.num_rows):
-                k = tuple(vk[i] for vk in vks) if nkey > 1 else (vks[0][i],)
+            topics, parts, offs, keys, values = self._columns(b)
+            for i, k in enumerate(self._keys(b)):
                 if k != cur_key:
                     if cur_key is not _MISSING:
                         self._finish_key(initial, row, last)
@@ -229,35 +272,36 @@ class _Folder:
                     last = None
                     if len(self.out) >= EMIT_CHUNK:
                         yield from self._flush_out()
-                t, p, o, rk = topics[i], parts[i], offs[i], keys[i]
-                if any(v is None for v in k):
-                    self._dead(t, p, o, rk, f"cannot determine the view key {list(key_names)} of this event "
-                                            "(column missing or NULL in the record key / row)")
-                    continue
-                try:
-                    ev = self._event(t, p, o, rk, values[i])
-                except Exception as exc:  # noqa: BLE001 - any decoding problem is this record's
-                    self._dead(t, p, o, rk, f"malformed change event: {type(exc).__name__}: {exc}")
-                    continue
-                try:
-                    new = apply(row, ev)
-                except Exception as exc:  # noqa: BLE001 - the user's fold failed on this event
-                    self._dead(t, p, o, rk, f"apply() raised {type(exc).__name__}: {exc}")
-                    continue
-                if new is not None:
-                    if not isinstance(new, dict):
-                        self._dead(t, p, o, rk, f"apply() returned {type(new).__name__}, expected a dict or None")
-                        continue
-                    wrong = [kn for kn, kv in zip(key_names, k, strict=True) if kn in new and new[kn] != kv]
-                    if wrong:
-                        self._dead(t, p, o, rk, f"apply() changed the view key column(s) {wrong} of key {list(k)}")
-                        continue
-                    for kn, kv in zip(key_names, k, strict=True):
-                        new.setdefault(kn, kv)
-                row = new
-                last = (t, p, o, rk)
+                ok, new = self._apply_one(row, k, topics[i], parts[i], offs[i], keys[i], values[i])
+                if ok:
+                    row = new
+                    last = (topics[i], parts[i], offs[i], keys[i])
         if cur_key is not _MISSING:
             self._finish_key(initial, row, last)
+        yield from self._flush_out()
+
+    def _run_in_place(self, source: Iterable[pa.RecordBatch],
+                      current: dict[tuple[Any, ...], dict[str, Any]]) -> Iterator[pa.RecordBatch]:
+        """Events in offset order with keys interleaved (one log partition): a dict of rows."""
+        rows: dict[tuple[Any, ...], Any] = {}
+        lasts: dict[tuple[Any, ...], tuple[Any, ...]] = {}
+        apply_one = self._apply_one
+        for b in source:
+            topics, parts, offs, keys, values = self._columns(b)
+            for i, k in enumerate(self._keys(b)):
+                if k in rows:
+                    row = rows[k]
+                else:
+                    init = current.get(k)
+                    row = dict(init) if init is not None else None
+                ok, new = apply_one(row, k, topics[i], parts[i], offs[i], keys[i], values[i])
+                if ok:
+                    rows[k] = new
+                    lasts[k] = (topics[i], parts[i], offs[i], keys[i])
+        for k, row in rows.items():
+            self._finish_key(current.get(k), row, lasts.get(k))
+            if len(self.out) >= EMIT_CHUNK:
+                yield from self._flush_out()
         yield from self._flush_out()
 
     def _fetch_current(self, batches: list[pa.RecordBatch]) -> dict[tuple[Any, ...], dict[str, Any]]:

@@ -32,7 +32,7 @@ from pyspark.sql import DataFrame
 from pyspark.sql import functions as F
 
 from kappaflow.errors import ConfigError
-from kappaflow.projections.api import Projection, ProjectionSpec
+from kappaflow.projections.api import CustomFold, Projection, ProjectionSpec
 from kappaflow.projections.engine import BatchResult, ProjectionBusy, apply_batch, nest, prepare
 from kappaflow.projections.replay import _record, as_spec
 
@@ -126,7 +126,8 @@ class Follower:
             partitions = {t: log_.partitions(t) for t in spec.topics}
             start = nest(positions, spec.topics, partitions)
             ckpt = self._checkpoint or str(rt.checkpoint_dir / spec.name / f"g{generation}")
-            stream = rt.stream(spec.topics, start, self.max_records)
+            declarative = not isinstance(spec.fold, CustomFold)
+            stream = rt.stream(spec.topics, start, self.max_records, latest_per_key=declarative)
             self.query = (
                 stream.writeStream.queryName(f"kappaflow_{spec.name}")
                 .foreachBatch(self._batch)
@@ -145,7 +146,7 @@ class Follower:
             before = self.sink.read_positions(self.target)
             raws = {t: df.where(F.col("topic") == t) for t in spec.topics} if len(spec.topics) > 1 else {
                 spec.topics[0]: df}
-            res = apply_batch(self.plan, self.rt, self.target, raws, before, sink=self.sink)
+            res = apply_batch(self.plan, self.rt, self.target, raws, before, sink=self.sink, deduped_input=True)
             s = self.stats
             s.batches += 1
             s.events += res.events

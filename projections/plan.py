@@ -29,7 +29,6 @@ Strategies, one per fold kind (``LatestFold``, ``GroupFold``, ``CustomFold``):
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
 from pyspark.sql import Column as SparkColumn
 from pyspark.sql import DataFrame, SparkSession
@@ -254,13 +253,21 @@ class Plan:
         return out
 
     # --- declarative: latest row per source key ----------------------------------------------
-    def latest(self, events: DataFrame) -> DataFrame:
-        """The latest event per (topic, record key): keyed state as of the input's end."""
-        ev = events.where(~F.col("_kf_bad") & F.col("_kf_key").isNotNull())
-        agg = ev.groupBy("_kf_topic", "_kf_key").agg(
-            F.max_by(F.struct("_kf_partition", "_kf_offset", "_kf_op", "_kf_deleted", "_kf_row"), "_kf_offset")
-            .alias("_kf_l")
-        )
+    def latest(self, events: DataFrame, *, deduped: bool = False) -> DataFrame:
+        """The latest event per (topic, record key): keyed state as of the input's end.
+
+        ``deduped``: the input already holds one record per key (read with
+        ``latestPerKey`` and one Spark partition per log partition), so no aggregation.
+        A malformed latest event counts as a delete (and is dead-lettered by the caller):
+        the same rule in replay and follow. The ``_kf_bad`` flag is not used as a filter
+        before this point, so Spark never pushes the JSON parse into a second filter.
+        """
+        ev = events.where(F.col("_kf_key").isNotNull()).withColumn(
+            "_kf_deleted", F.col("_kf_deleted") | F.col("_kf_bad"))
+        cols = ["_kf_partition", "_kf_offset", "_kf_op", "_kf_deleted", "_kf_row"]
+        if deduped:
+            return ev.select("_kf_topic", "_kf_key", *cols)
+        agg = ev.groupBy("_kf_topic", "_kf_key").agg(F.max_by(F.struct(*cols), "_kf_offset").alias("_kf_l"))
         return agg.select("_kf_topic", "_kf_key", "_kf_l.*")
 
     def _rows(self, latest: DataFrame) -> DataFrame:
@@ -358,13 +365,27 @@ class Plan:
         return self._aggregate(state, version).select(*self.view.column_names, VERSION, F.lit(False).alias(DELETED))
 
     # --- custom folds ------------------------------------------------------------------------
-    def custom_events(self, raws: dict[str, DataFrame]) -> DataFrame:
-        """Events for custom folds: view key, order and the raw value (decoded in Python)."""
+    def custom_events(self, raws: dict[str, DataFrame], *, in_place: bool = False) -> DataFrame:
+        """Events for custom folds: view key, order and the raw value (decoded in Python).
+
+        ``in_place`` (see ``fold_in_place``): no order columns and no JVM parse of the
+        value at all; the view key comes from the record key.
+        """
         frames = []
         for src in self.spec.sources:
             schema = self.schemas[src.topic]
             mapping = dict(src.key or {k: k for k in self.spec.key})
             raw = raws[src.topic]
+            if in_place:
+                kj = F.from_json(F.col("key").cast("string"), key_struct(schema))
+                krow = F.coalesce(kj["payload"], F.struct(*[kj[c].alias(c) for c in schema.key]))
+                kconv = converted_row(krow, schema.key_schema())
+                vk = [kconv[mapping[k]].cast(self.view_key_types[k]).alias(k) for k in self.spec.key]
+                frames.append(raw.where(F.col("value").isNotNull()).select(
+                    F.col("topic").alias("_kf_topic"), F.col("partition").alias("_kf_partition"),
+                    F.col("offset").alias("_kf_offset"), F.col("key").alias("_kf_key"),
+                    F.col("value").alias("_kf_value"), *vk))
+                continue
             env = F.from_json(F.col("value").cast("string"), envelope_struct(schema, with_before=True))
             pos = F.coalesce(env["payload"]["source"]["kf_pos"], env["source"]["kf_pos"])
             op = F.coalesce(env["payload"]["op"], env["op"])
@@ -390,6 +411,17 @@ class Plan:
         for f in frames[1:]:
             out = out.unionByName(f)
         return out
+
+    @property
+    def fold_in_place(self) -> bool:
+        """A custom fold over one topic keyed by its primary key needs no shuffle: every
+        event of a key is in one log partition, in offset order."""
+        if len(self.spec.sources) != 1:
+            return False
+        src = self.spec.sources[0]
+        mapping = dict(src.key or {k: k for k in self.spec.key})
+        schema = self.schemas[src.topic]
+        return bool(schema.key) and sorted(mapping.values()) == sorted(schema.key)
 
     def sorted_for_fold(self, events: DataFrame, partitions: int) -> DataFrame:
         keys = list(self.spec.key)

@@ -88,9 +88,11 @@ class Runtime:
         return opts
 
     def raw(self, topic: str, start: Offsets | str = "earliest", end: Offsets | str = "latest",
-            max_records_per_partition: int | None = None) -> DataFrame:
+            max_records_per_partition: int | None = None, *, latest_per_key: bool = False) -> DataFrame:
         """The raw records of one topic between two offset maps (batch)."""
         reader = self.spark.read.format(FORMAT).options(**self._options()).option("topics", topic)
+        if latest_per_key:
+            reader = reader.option("latestPerKey", "true")
         reader = reader.option("startingOffsets", start if isinstance(start, str) else offsets_to_json(
             {topic: start.get(topic, {})}))
         reader = reader.option("endingOffsets", end if isinstance(end, str) else offsets_to_json(
@@ -99,8 +101,11 @@ class Runtime:
             reader = reader.option("maxRecordsPerPartition", str(max_records_per_partition))
         return reader.load()
 
-    def stream(self, topics: list[str], start: Offsets, max_per_trigger: int | None = None) -> DataFrame:
+    def stream(self, topics: list[str], start: Offsets, max_per_trigger: int | None = None, *,
+               latest_per_key: bool = False) -> DataFrame:
         reader = self.spark.readStream.format(FORMAT).options(**self._options()).option("topics", ",".join(topics))
+        if latest_per_key:
+            reader = reader.option("latestPerKey", "true")
         reader = reader.option("startingOffsets", offsets_to_json(start))
         if max_per_trigger:
             reader = reader.option("maxRecordsPerTrigger", str(max_per_trigger))

@@ -167,6 +167,19 @@ class WriteResult:
     rejected: list[tuple[tuple[Any, ...], str]] = field(default_factory=list)
 
 
+@dataclass
+class Drift:
+    """One key where a view differs from what a fresh replay gives (``verify``).
+
+    kind: ``changed`` (values differ), ``missing`` (the replay has a row the view lacks),
+    ``unexpected`` (the view has a row the replay does not)."""
+
+    key: tuple[Any, ...]
+    kind: str
+    live: dict[str, Any] | None
+    expected: dict[str, Any] | None
+
+
 class SinkConfig(abc.ABC):
     """Picklable recipe for opening a sink in another process (Spark executors)."""
 
@@ -232,6 +245,26 @@ class Sink(abc.ABC):
     def count(self, target: Target) -> int:
         """Number of rows."""
 
+    def diff(self, live: Target, expected: Target, limit: int = 100) -> tuple[dict[TopicPartition, int], int, list[Drift]]:
+        """Keys whose values (not versions) differ between `live` and `expected`:
+        (live positions, number of differing keys, the first `limit`). Sinks that can read
+        rows and positions in one snapshot override this; the default compares scans."""
+        positions = self.read_positions(live)
+        names = live.view.column_names
+        key = live.view.key
+
+        def rows(t: Target) -> dict[tuple[Any, ...], dict[str, Any]]:
+            return {tuple(r[k] for k in key): {c: r.get(c) for c in names} for r in self.scan(t)}
+
+        a, b = rows(live), rows(expected)
+        out = []
+        for k in sorted(set(a) | set(b), key=repr):
+            la, eb = a.get(k), b.get(k)
+            if la == eb:
+                continue
+            out.append(Drift(k, "missing" if la is None else "unexpected" if eb is None else "changed", la, eb))
+        return positions, len(out), out[:limit]
+
     # --- positions ----------------------------------------------------------------------
     @abc.abstractmethod
     def read_positions(self, target: Target) -> dict[TopicPartition, int]:
@@ -274,6 +307,7 @@ def batch_from_rows(view: ViewSpec, rows: Sequence[Mapping[str, Any]]) -> pa.Tab
 __all__ = [
     "DELETED",
     "VERSION",
+    "Drift",
     "Positions",
     "Sink",
     "SinkConfig",

@@ -63,6 +63,7 @@ from kappaflow.errors import ConfigError, Retry, SinkError
 from kappaflow.projections.sinks.base import (
     DELETED,
     VERSION,
+    Drift,
     Positions,
     Sink,
     SinkConfig,
@@ -94,7 +95,7 @@ def ensure_migrated(dsn: str) -> None:
 
         try:
             upgrade(dsn, "projections@head")
-        except Exception as exc:  # noqa: BLE001 - reported with the cause
+        except Exception as exc:
             raise SinkError(f"creating kappaflow's tables (migration 'projections@head') failed: {exc}") from exc
         _MIGRATED.add(dsn)
 
@@ -814,6 +815,45 @@ class PostgresSink(Sink):
         except Exception as exc:
             raise _sink_error(f"aggregating keyed state into {self.relation(target)}", exc) from None
         return max(n, 0)
+
+    # --- verify -------------------------------------------------------------------------------
+    def diff(self, live: Target, expected: Target, limit: int = 100) -> tuple[dict[TopicPartition, int], int, list[Drift]]:
+        """Rows of `live` that differ from `expected` (values only, not versions), read in ONE
+        snapshot together with the live positions: (positions, drift count, first `limit`)."""
+        from psycopg import sql
+
+        view = live.view
+        lrel, erel = self._rel(view, live.name), self._rel(view, expected.name)
+        keys = list(view.key)
+        vals = [c for c in view.column_names if c not in keys]
+        on = sql.SQL(" AND ").join(sql.SQL("l.{k} = e.{k}").format(k=_q(k)) for k in keys)
+        lk = sql.SQL("l.{}").format(_q(keys[0]))
+        ek = sql.SQL("e.{}").format(_q(keys[0]))
+        differs = sql.SQL("({}) IS DISTINCT FROM ({})").format(
+            sql.SQL(", ").join([sql.SQL("l.{}").format(_q(c)) for c in vals] + [sql.SQL("NULL")]),
+            sql.SQL(", ").join([sql.SQL("e.{}").format(_q(c)) for c in vals] + [sql.SQL("NULL")]))
+        base = sql.SQL("FROM {l} l FULL JOIN {e} e ON {on} WHERE {lk} IS NULL OR {ek} IS NULL OR {d}").format(
+            l=lrel, e=erel, on=on, lk=lk, ek=ek, d=differs)
+        try:
+            with self.conn.transaction():
+                self.conn.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
+                positions = self.read_positions(live)
+                count_row = self.conn.execute(sql.SQL("SELECT count(*) ") + base).fetchone()
+                rows = self.conn.execute(
+                    sql.SQL("SELECT to_jsonb(l), to_jsonb(e) ") + base + sql.SQL(" LIMIT {}").format(sql.Literal(limit))
+                ).fetchall()
+        except Exception as exc:
+            raise _sink_error(f"comparing {self.relation(live)} with {self.relation(expected)}", exc) from None
+        out = []
+        for lrow, erow in rows:
+            src = lrow if lrow is not None else erow
+            key = tuple(src[k] for k in keys)
+            kind = "missing" if lrow is None else "unexpected" if erow is None else "changed"
+            for r in (lrow, erow):
+                if r is not None:
+                    r.pop(VERSION, None)
+            out.append(Drift(key, kind, lrow, erow))
+        return positions, int(count_row[0]) if count_row else 0, out
 
     # --- advisory lock: one writer (follow or replay) per projection -------------------------
     def try_lock(self, projection: str) -> bool:

@@ -1,0 +1,22 @@
+"""Shop example: orders and customers in PostgreSQL -> a customer totals view.
+
+- ``projections``: ``CustomerTotals`` (orders grouped by customer: count, sum, last order,
+  retraction-aware), ``Customers`` (latest row per customer), ``CustomerActivity`` (a
+  custom Python fold);
+- ``demo``: ``run_demo()`` runs the whole flow: a PostgreSQL (a private one when none is
+  configured), the shop tables with data, ``source add``, ``capture --until-caught-up``,
+  ``replay``, and prints the view.
+
+    kappaflow replay examples.shop:CustomerTotals
+"""
+
+from examples.shop.projections import CustomerActivity, Customers, CustomerTotals
+
+__all__ = ["CustomerActivity", "CustomerTotals", "Customers", "run_demo"]
+
+
+def run_demo(*args, **kwargs):  # type: ignore[no-untyped-def]
+    """See ``examples.shop.demo.run_demo``."""
+    from examples.shop.demo import run_demo as _run
+
+    return _run(*args, **kwargs)
