@@ -489,27 +489,28 @@ class TableCodec:
         n = len(self.names)
         env: dict[str, Any] = {"_u32": _u32}
         exprs = self._fragment_code(env)
+        row, key = self._join_code(env)
         toast = dict(self.toast)
-        lines = ["def fast_json(buf, pos):",
+        # helpers and constants bound as default arguments: local lookups instead of global ones
+        helpers = ", ".join(f"{k}={k}" for k in sorted(env) if not k.startswith("__"))
+        lines = [f"def fast_json(buf, pos, {helpers}):",
                  f"    if buf[pos] != {n >> 8} or buf[pos + 1] != {n & 0xFF}:",
                  "        return None",
                  "    pos += 2",
                  "    big = False"]
         for i, expr in enumerate(exprs):
-            lines += ["    k = buf[pos]",
-                      "    if k == 116:",
-                      "        e = pos + 5 + _u32(buf, pos + 1)[0]",
-                      "        r = buf[pos + 5:e]",
+            lines += ["    if buf[pos] == 116:",
+                      "        s = pos + 5",
+                      "        pos = s + _u32(buf, pos + 1)[0]",
+                      "        r = buf[s:pos]",
                       f"        f{i} = {expr}"]
             if i in toast:
-                lines += [f"        if e - pos - 5 > {toast[i]}:", "            big = True"]
-            lines += ["        pos = e",
-                      "    elif k == 110:",
+                lines += [f"        if pos - s > {toast[i]}:", "            big = True"]
+            lines += ["    elif buf[pos] == 110:",
                       f"        f{i} = b'null'",
                       "        pos += 1",
                       "    else:",
                       "        return None"]
-        row, key = self._join_code(env)
         lines.append(f"    return {row}, {key}, pos, big")
         exec(compile("\n".join(lines), f"<pgoutput JSON row parser {self.qualified}>", "exec"), env)
         return env["fast_json"]
