@@ -72,7 +72,7 @@ def check_log(settings: Settings) -> Iterator[Finding]:
         yield _ok(area, "reachable", f"{settings.log.url}: {len(topics)} topics")
         prefixes = tuple(f"{name}." for name in settings.sources)
         for topic, cfg in sorted(topics.items()):
-            kappaflow_topic = topic.startswith(prefixes) or topic.startswith("__kappaflow")
+            kappaflow_topic = topic.startswith(prefixes) or topic.lstrip("_").startswith("kappaflow_offsets")
             if kappaflow_topic and not cfg.compacted and not topic.endswith(".__dlq"):
                 yield _fail(area, f"topic {topic}", "cleanup.policy=delete: old changes of a key are never "
                             "removed and deleted keys stay forever",

@@ -26,7 +26,7 @@ from typing import Annotated, Any
 
 import typer
 
-from kappaflow.config import MySQLSourceConfig, PostgresSourceConfig, Settings
+from kappaflow.config import DebeziumSourceConfig, MySQLSourceConfig, PostgresSourceConfig, Settings
 from kappaflow.connectors.base import CaptureSummary, Connector, StopSignal
 from kappaflow.errors import ConfigError, KappaflowError
 from kappaflow.log.base import Log
@@ -35,7 +35,7 @@ __all__ = ["capture", "capture_command", "make_connector", "source_status"]
 
 
 def make_connector(source: Any, log: Log, *, partitions: int = 4, progress: bool | None = None) -> Connector:
-    """The connector for a source config (PostgreSQL now; MySQL when its connector exists)."""
+    """The connector for a source config: PostgreSQL WAL, MySQL/MariaDB binlog or Debezium topics."""
     if isinstance(source, PostgresSourceConfig):
         from kappaflow.connectors.postgres.connector import PostgresConnector
 
@@ -43,10 +43,13 @@ def make_connector(source: Any, log: Log, *, partitions: int = 4, progress: bool
     if isinstance(source, MySQLSourceConfig):
         from kappaflow.connectors.mysql.connector import MySQLConnector
 
-        return MySQLConnector.from_config(source, log, partitions=partitions)
+        return MySQLConnector.from_config(source, log, partitions=partitions, progress=progress)
+    if isinstance(source, DebeziumSourceConfig):
+        from kappaflow.connectors.debezium.source import DebeziumSource
+
+        return DebeziumSource.from_config(source, log, partitions=partitions)
     kind = getattr(source, "kind", type(source).__name__)
-    raise ConfigError(f"source {getattr(source, 'name', '?')!r} of kind {kind!r} is not captured by "
-                      "`kappaflow capture` (Debezium sources are read from their Kafka topics directly)")
+    raise ConfigError(f"source {getattr(source, 'name', '?')!r}: unknown kind {kind!r}")
 
 
 def source_status(config: Any, log: Log) -> dict[str, Any]:
