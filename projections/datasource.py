@@ -370,6 +370,8 @@ class _BatchReader(DataSourceReader):  # type: ignore[misc]
 
 
 def _read_with_reconnect(opts: _Options, partition: LogRange) -> Iterator[pa.RecordBatch]:
+    if not isinstance(partition, LogRange):
+        return  # Spark's placeholder partition when there is nothing to read
     try:
         log = opts.log()
     except Exception:

@@ -1,0 +1,32 @@
+"""A follower in its own process with its own Spark (killed with -9 by test_follow.py).
+
+usage: follow_runner.py LOG_URL DSN CHECKPOINT SOURCE KIND
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
+
+
+def main() -> None:
+    log_url, dsn, checkpoint, source, kind = sys.argv[1:6]
+    from kappaflow.projections.follow import Follower
+    from kappaflow.projections.runtime import Runtime, spark_session
+    from kappaflow.projections.sinks.postgres import PostgresSink
+    from tests.projections import defs
+
+    spark = spark_session("local[1]", conf={"spark.sql.shuffle.partitions": "2", "spark.ui.enabled": "false"})
+    rt = Runtime(spark, log_url, PostgresSink(dsn), checkpoint_dir=Path(checkpoint))
+    proj = {"custom": defs.custom, "totals": defs.totals, "latest": defs.latest}[kind](source)
+    f = Follower(proj, rt, trigger="0.2s", max_records_per_batch=60, checkpoint=checkpoint).start()
+    print("following", flush=True)
+    f.run_forever()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,64 @@
+"""Projection classes are validated once, with errors naming the class and the attribute."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from kappaflow.errors import ConfigError
+from kappaflow.projections import Avg, Count, Projection, ProjectionSpec, Source, Sum
+from kappaflow.projections.api import CustomFold, GroupFold, LatestFold
+from kappaflow.projections.follow import parse_trigger
+
+
+def spec(**attrs: Any) -> ProjectionSpec:
+    base = {"name": "p", "sources": ["s.public.t"], "key": ["id"]}
+    base.update(attrs)
+    return ProjectionSpec.from_class(type("P", (Projection,), base))
+
+
+def test_fold_kind_follows_the_declaration() -> None:
+    assert isinstance(spec().fold, LatestFold)
+    assert isinstance(spec(aggregates={"n": Count(), "t": Sum("x")}, key=["g"]).fold, GroupFold)
+
+    def apply(self: Any, row: Any, event: Any) -> Any:
+        return row
+
+    custom = spec(apply=apply, schema="id bigint")
+    assert isinstance(custom.fold, CustomFold) and custom.kind == "custom"
+    assert custom.fingerprint() != spec(apply=lambda self, row, event: None, schema="id bigint").fingerprint()
+
+
+@pytest.mark.parametrize(("attrs", "words"), [
+    ({"key": None}, ["'key'", "P"]),
+    ({"key": []}, ["'key'"]),
+    ({"name": "bad name"}, ["'name'"]),
+    ({"sources": []}, ["'sources'"]),
+    ({"sources": [1]}, ["'sources'"]),
+    ({"aggregates": {"n": "count"}}, ["'aggregates'", "Count()"]),
+    ({"aggregates": {"t": Sum()}}, ["Sum needs a column"]),
+    ({"aggregates": {"id": Count()}}, ["also a key column"]),
+    ({"columns": ["name"]}, ["'columns'", "key"]),
+    ({"where": ""}, ["'where'"]),
+    ({"apply": lambda self, row, event: row}, ["'schema'", "custom fold"]),
+    ({"apply": lambda self, row: row, "schema": "id bigint"}, ["apply(self, row, event)"]),
+])
+def test_bad_declarations_are_refused_clearly(attrs: dict[str, Any], words: list[str]) -> None:
+    with pytest.raises(ConfigError) as err:
+        spec(**attrs)
+    for w in words:
+        assert w in str(err.value)
+
+
+def test_sources_and_triggers() -> None:
+    s = spec(sources=["a.public.t", Source("b.public.t", key={"id": "id"})])
+    assert s.topics == ["a.public.t", "b.public.t"]
+    with pytest.raises(ConfigError, match="twice"):
+        spec(sources=["a.public.t", "a.public.t"])
+    assert parse_trigger("0.5s") == "500 milliseconds"
+    assert parse_trigger("2 seconds") == "2000 milliseconds"
+    assert parse_trigger("250ms") == "250 milliseconds"
+    with pytest.raises(ConfigError, match="--trigger"):
+        parse_trigger("soon")
+    assert Avg("x").func == "avg"
