@@ -11,6 +11,7 @@ import datetime as dt
 import os
 import signal
 import time
+import uuid
 from decimal import Decimal
 from pathlib import Path
 from typing import Any
@@ -48,9 +49,13 @@ class Customers(Projection):
     key = ["id"]
 
 
-# The same projection once per sink: own name (lock, registry, checkpoint), same view name.
-PER_SINK = {k: type(f"Customers_{k}", (Customers,), {"name": f"mcustomers_{k}", "view": "mcustomers"})
-            for k in ("postgres", "search", "redis")}
+def _projections() -> tuple[type[Projection], dict[str, type[Projection]]]:
+    """The projection under a view name of its own (the Redis and search servers are shared by the
+    session), and once per sink: own name (lock, registry, checkpoint), the same view name."""
+    view = "mcustomers_" + uuid.uuid4().hex[:8]
+    base = type("CustomersT", (Customers,), {"name": view, "view": view})
+    return base, {k: type(f"Customers_{k}", (Customers,), {"name": f"{view}_{k}", "view": view})
+                  for k in ("postgres", "search", "redis")}
 
 
 def _row(i: int, gen: int) -> dict[str, Any]:
@@ -82,6 +87,7 @@ def log_dir(tmp_path: Path) -> Path:
 
 def test_replay_then_follow_equals_the_postgresql_view(spark: Any, pg_dsn: str, search_server: Any,
                                                         redis_server: Any, log_dir: Path, tmp_path: Path) -> None:
+    _, per_sink = _projections()
     log = EmbeddedLog(log_dir)
     try:
         w = TableWriter(log, SCHEMA, partitions=2)
@@ -92,9 +98,9 @@ def test_replay_then_follow_equals_the_postgresql_view(spark: Any, pg_dsn: str, 
         runtimes = {k: Runtime(spark, str(log_dir), s, dsn=pg_dsn, checkpoint_dir=tmp_path / f"ckpt-{k}")
                     for k, s in sinks.items()}
         for k in sinks:
-            res = replay(PER_SINK[k], runtimes[k])
+            res = replay(per_sink[k], runtimes[k])
             assert res.rows == len(w.rows), (k, res)
-        views = {k: prepare(as_spec(PER_SINK[k]), rt).view for k, rt in runtimes.items()}
+        views = {k: prepare(as_spec(per_sink[k]), rt).view for k, rt in runtimes.items()}
         live = {k: s.live(views[k]) for k, s in sinks.items()}
         assert all(live.values())
         reference = _rows(sinks["postgres"], live["postgres"])
@@ -105,7 +111,7 @@ def test_replay_then_follow_equals_the_postgresql_view(spark: Any, pg_dsn: str, 
 
         # follow: more changes (updates, deletes, new keys); the three followers run side by side
         _history(w, range(60, 160), 3)
-        followers = {k: Follower(PER_SINK[k], rt, trigger="0.2s", checkpoint=str(tmp_path / f"ckpt-{k}" / "follow"))
+        followers = {k: Follower(per_sink[k], rt, trigger="0.2s", checkpoint=str(tmp_path / f"ckpt-{k}" / "follow"))
                      for k, rt in runtimes.items()}
         try:
             for f in followers.values():
@@ -140,6 +146,7 @@ def test_a_failing_sink_neither_blocks_nor_corrupts_the_others(spark: Any, pg_ds
     its own, older positions to the same rows."""
     from kappaflow.testing.servers.osmem import OsmemServer
 
+    projection, _ = _projections()
     osmem = OsmemServer().start()
     log = EmbeddedLog(log_dir)
     try:
@@ -151,7 +158,7 @@ def test_a_failing_sink_neither_blocks_nor_corrupts_the_others(spark: Any, pg_ds
             "search": SearchSink(osmem.url),
         }
         rts = {k: Runtime(spark, str(log_dir), s, dsn=pg_dsn) for k, s in sinks.items()}
-        plan = prepare(as_spec(Customers), rts["postgres"])
+        plan = prepare(as_spec(projection), rts["postgres"])
         targets = {k: s.ensure(plan.view) for k, s in sinks.items()}
 
         def round_(names: list[str]) -> dict[str, BaseException | float]:
