@@ -12,6 +12,7 @@ from typer.core import TyperGroup
 from kappaflow.cli import capture as capture_cli
 from kappaflow.cli import ledger as ledger_cli
 from kappaflow.cli import log as log_cli
+from kappaflow.cli import projections as projections_cli
 from kappaflow.cli import sources as sources_cli
 from kappaflow.cli.common import console, fail
 from kappaflow.cli.doctor import doctor
@@ -41,6 +42,22 @@ app.add_typer(log_cli.app, name="log")
 app.command("doctor")(doctor)
 app.command("capture")(capture_cli.capture)
 app.add_typer(ledger_cli.app, name="ledger")
+app.command("replay")(projections_cli.replay)
+app.command("follow")(projections_cli.follow)
+app.command("verify")(projections_cli.verify)
+app.command("query")(projections_cli.query)
+app.add_typer(projections_cli.app, name="projection")
+
+
+@app.command("demo")
+def demo(
+    dsn: Annotated[str | None, typer.Option("--dsn", help="PostgreSQL to use (default: start a private one).")] = None,
+    workdir: Annotated[Path | None, typer.Option("--workdir", help="Where the demo keeps its log and config.")] = None,
+) -> None:
+    """The main job end to end: shop tables -> capture -> embedded log -> Spark replay -> view."""
+    from examples.shop.demo import run_demo
+
+    run_demo(dsn=dsn, workdir=workdir, out=console.print)
 
 
 @app.callback()
