@@ -209,6 +209,53 @@ class MySQLSourceConfig(_DbSource):
         return v
 
 
+class LedgerSourceConfig(_DbSource):
+    """The ledger's events captured from PostgreSQL's WAL (``kappaflow.connectors.ledger``).
+
+    One topic per stream type, ``<name>.<stream_type>``, keyed by stream id, the domain event
+    as the value. The captured table is always ``<schema_name>.events``: ``tables`` and
+    ``key_columns`` are not settable.
+    """
+
+    kind: Literal["ledger"] = "ledger"
+    schema_name: str = "kappaflow_ledger"
+    slot: str | None = None
+    publication: str | None = None
+
+    @field_validator("dsn")
+    @classmethod
+    def _pg_scheme(cls, v: str) -> str:
+        if not v.startswith(("postgresql://", "postgres://")):
+            raise ValueError("expected a postgresql://user@host:port/db URL")
+        return v
+
+    @field_validator("schema_name")
+    @classmethod
+    def _schema(cls, v: str) -> str:
+        if not v or len(v.encode()) > 63 or "\x00" in v or "." in v:
+            raise ValueError("expected a PostgreSQL schema name of 1..63 bytes without '.'")
+        return v
+
+    @field_validator("tables", "key_columns")
+    @classmethod
+    def _fixed_tables(cls, v: Any) -> Any:
+        if v:
+            raise ValueError("a ledger source always captures <schema_name>.events; remove this setting")
+        return v
+
+    @property
+    def events_table(self) -> str:
+        return f"{self.schema_name}.events"
+
+    def postgres_config(self) -> PostgresSourceConfig:
+        """The PostgreSQL source the ledger connector runs (publication on the events table only)."""
+        return PostgresSourceConfig(
+            name=self.name, dsn=self.dsn, password=self.password, password_env=self.password_env,
+            tables=[self.events_table], slot=self.slot, publication=self.publication,
+            snapshot_mode=self.snapshot_mode, snapshot_chunk_rows=self.snapshot_chunk_rows,
+            heartbeat_interval_s=self.heartbeat_interval_s)
+
+
 class DebeziumSourceConfig(_SourceBase):
     kind: Literal["debezium"] = "debezium"
     bootstrap: str
@@ -217,7 +264,8 @@ class DebeziumSourceConfig(_SourceBase):
 
 
 SourceConfig = Annotated[
-    PostgresSourceConfig | MySQLSourceConfig | DebeziumSourceConfig, Field(discriminator="kind")
+    PostgresSourceConfig | MySQLSourceConfig | DebeziumSourceConfig | LedgerSourceConfig,
+    Field(discriminator="kind"),
 ]
 
 
@@ -321,7 +369,7 @@ class Settings(_Model):
         file.write_text(tomli_w.dumps(data))
         return file
 
-    def source(self, name: str) -> PostgresSourceConfig | MySQLSourceConfig | DebeziumSourceConfig:
+    def source(self, name: str) -> PostgresSourceConfig | MySQLSourceConfig | DebeziumSourceConfig | LedgerSourceConfig:
         if name not in self.sources:
             known = ", ".join(sorted(self.sources)) or "none registered"
             raise ConfigError(f"unknown source {name!r} (known: {known}); add one with `kappaflow source add`")

@@ -29,6 +29,8 @@ from kappaflow.log.base import Record
 POSITION_HEADER = "kf.ledger.position"
 EVENT_TYPE_HEADER = "kf.ledger.event_type"
 _TOPIC_BAD = re.compile(r"[^A-Za-z0-9._-]")
+_EPOCH = dt.datetime(1970, 1, 1, tzinfo=dt.UTC)
+_MS = dt.timedelta(milliseconds=1)
 
 
 def ledger_topic(source: str, stream_type: str) -> str:
@@ -36,12 +38,14 @@ def ledger_topic(source: str, stream_type: str) -> str:
 
 
 def event_value(row: Mapping[str, Any]) -> dict[str, Any]:
-    """The domain event (JSON-safe) from an events-table row as a connector decodes it."""
+    """The domain event (JSON-safe) from an events-table row as a connector decodes it.
+
+    Accepts both the connector's JSON form (jsonb as JSON text, bytea as base64, timestamptz
+    as ISO text) and plain driver values (dicts, bytes, datetimes).
+    """
     try:
         data = row["payload"]
         meta = row.get("metadata") or {}
-        at = row["recorded_at"]
-        hash_ = row.get("hash")
         return {
             "position": int(row["position"]),
             "stream_id": row["stream_id"],
@@ -51,12 +55,35 @@ def event_value(row: Mapping[str, Any]) -> dict[str, Any]:
             "schema_version": int(row["schema_version"]),
             "data": orjson.loads(data) if isinstance(data, str | bytes) else data,
             "metadata": orjson.loads(meta) if isinstance(meta, str | bytes) else meta,
-            "recorded_at": at.isoformat() if isinstance(at, dt.datetime) else str(at),
+            "recorded_at": recorded_at_text(row["recorded_at"]),
             "idempotency_key": row.get("idempotency_key"),
-            "hash": _hex(hash_),
+            "hash": _hex(row.get("hash")),
         }
     except KeyError as exc:
         raise ValidationError(f"ledger event row: missing column {exc.args[0]!r}") from None
+    except (TypeError, ValueError) as exc:  # orjson.JSONDecodeError is a ValueError
+        raise ValidationError(f"ledger event row at position {row.get('position')!r}: {exc}") from None
+
+
+def recorded_at_text(at: Any) -> str:
+    """The canonical text of a recording time: ISO 8601 in UTC (``...+00:00``).
+
+    One form whatever the reading session's TimeZone, so every path into the log (the
+    connector, which sees UTC text, and the relay, which sees driver datetimes) agrees.
+    """
+    return _utc(at).isoformat()
+
+
+def _utc(at: Any) -> dt.datetime:
+    if isinstance(at, str):
+        at = dt.datetime.fromisoformat(at)
+    if not isinstance(at, dt.datetime):
+        raise ValidationError(f"ledger event recorded_at: expected a timestamp, got {at!r}")
+    return at.replace(tzinfo=dt.UTC) if at.tzinfo is None else at.astimezone(dt.UTC)
+
+
+def _epoch_ms(at: dt.datetime) -> int:
+    return (at - _EPOCH) // _MS
 
 
 def _hex(value: Any) -> str | None:
@@ -68,11 +95,17 @@ def _hex(value: Any) -> str | None:
 
 
 def to_log_record(source: str, row: Mapping[str, Any] | RecordedEvent) -> tuple[str, Record]:
-    """(topic, record) for one ledger event."""
-    value = row.to_dict() if isinstance(row, RecordedEvent) else event_value(row)
+    """(topic, record) for one ledger event; the same bytes from a `RecordedEvent` (relay) and
+    from an events-table row (connector)."""
+    if isinstance(row, RecordedEvent):
+        value = row.to_dict()
+        at = _utc(row.recorded_at)
+        value["recorded_at"] = at.isoformat()
+    else:
+        value = event_value(row)
+        at = _utc(value["recorded_at"])
     headers = ((POSITION_HEADER, str(value["position"]).encode()),
                (EVENT_TYPE_HEADER, str(value["event_type"]).encode()))
-    at = row.recorded_at if isinstance(row, RecordedEvent) else row.get("recorded_at")
-    ts = int(at.timestamp() * 1000) if isinstance(at, dt.datetime) else None
     return ledger_topic(source, value["stream_type"]), Record(
-        key=str(value["stream_id"]).encode(), value=orjson.dumps(value), headers=headers, timestamp_ms=ts)
+        key=str(value["stream_id"]).encode(), value=orjson.dumps(value), headers=headers,
+        timestamp_ms=_epoch_ms(at))

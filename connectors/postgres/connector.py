@@ -25,7 +25,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import psycopg
@@ -34,6 +34,7 @@ from kappaflow.config import PostgresSourceConfig, SnapshotMode
 from kappaflow.connectors.base import CaptureSummary, Connector, StopSignal
 from kappaflow.connectors.postgres import slots
 from kappaflow.connectors.postgres.context import PgCapture, schema_topic
+from kappaflow.connectors.postgres.mapping import RecordMapper
 from kappaflow.connectors.postgres.offset import PgOffset, SnapshotProgress
 from kappaflow.connectors.postgres.replication import ReplicationConnection, _classify, lsn_str, redact_dsn
 from kappaflow.connectors.postgres.snapshot import PgSnapshotSource
@@ -67,12 +68,14 @@ class PostgresConnector(Connector):
     ``partitions``: partition count for new table topics (default 4; existing topics keep
     theirs). ``progress``: snapshot progress bar (None: only when stderr is a TTY).
     ``fault``: test hook called with the writer's step names (see ``connectors/writer.py``).
+    ``mappers``: "schema.table" -> :class:`RecordMapper` for append-only tables whose inserted
+    rows become the mapper's records instead of change events (the ledger source uses this).
     """
 
     def __init__(self, config: PostgresSourceConfig, log: Log, *, partitions: int = 4,
                  progress: bool | None = None, batch_records: int = 20_000, linger_s: float = 0.05,
                  status_interval_s: float = 1.0, writer_threaded: bool = True,
-                 fault: FaultHook | None = None) -> None:
+                 fault: FaultHook | None = None, mappers: Mapping[str, RecordMapper] | None = None) -> None:
         self.config = config
         self.name = config.name
         self.log = log
@@ -83,6 +86,7 @@ class PostgresConnector(Connector):
         self.status_interval_s = status_interval_s
         self.writer_threaded = writer_threaded
         self.fault = fault
+        self.mappers = dict(mappers or {})
         self.summary: CaptureSummary | None = None
 
     def run(self, stop: StopSignal | None = None, *, until_caught_up: bool = False) -> CaptureSummary:
@@ -100,7 +104,7 @@ class PostgresConnector(Connector):
         started = time.monotonic()
         cap = PgCapture(source=cfg.name, dsn=dsn, log=self.log, tables=cfg.tables, key_columns=cfg.key_columns,
                         partitions=self.partitions, decimal_mode=cfg.decimal_mode,
-                        writer_threaded=self.writer_threaded, fault=self.fault)
+                        writer_threaded=self.writer_threaded, fault=self.fault, mappers=self.mappers)
         self.summary = cap.summary
         repl: ReplicationConnection | None = None
         failed = False

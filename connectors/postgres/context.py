@@ -3,20 +3,23 @@
 Holds the catalog connection, the per-table codecs, the schema topic, the batch
 being built, the writer, and the duplicate filter derived from the log's tail
 positions (see ``kappaflow.connectors.base`` for the exactly-once argument).
+Tables with a record mapper (``mapping.py``) keep their own tails: the mapper's
+order of the last record in each partition of its topics.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import orjson
 import psycopg
 
 from kappaflow.connectors.base import CaptureSummary, TrustedRecord, tail_positions
-from kappaflow.connectors.offsets import OffsetStore
+from kappaflow.connectors.offsets import OffsetStore, find_last
 from kappaflow.connectors.postgres import slots
+from kappaflow.connectors.postgres.mapping import RecordMapper
 from kappaflow.connectors.postgres.offset import PgOffset
 from kappaflow.connectors.postgres.rows import TableCodec
 from kappaflow.connectors.postgres.slots import TableInfo, TypeCatalog
@@ -55,7 +58,8 @@ class PgCapture:
 
     def __init__(self, *, source: str, dsn: str, log: Log, tables: Sequence[str],
                  key_columns: dict[str, list[str]], partitions: int, decimal_mode: str = "string",
-                 writer_threaded: bool = True, fault: FaultHook | None = None) -> None:
+                 writer_threaded: bool = True, fault: FaultHook | None = None,
+                 mappers: Mapping[str, RecordMapper] | None = None) -> None:
         self.source = source
         self.dsn = dsn
         self.log = log
@@ -71,6 +75,14 @@ class PgCapture:
             t.qualified: t for t in slots.resolve_tables(self.conn, tables, key_columns)
         }
         self.codecs: dict[str, TableCodec] = {}
+        # "schema.table" -> mapper: those tables' rows become the mapper's records (mapping.py)
+        self.mappers: dict[str, RecordMapper] = dict(mappers or {})
+        unknown = sorted(set(self.mappers) - set(self.tables))
+        if unknown:
+            raise SourceError(f"record mapper(s) for {unknown}, which are not among the captured tables "
+                              f"{sorted(self.tables)}")
+        self.mapped_tails: dict[tuple[str, int], int] = {}  # (topic, partition) -> last order in the log
+        self.mapped_max_tail: int | None = None  # orders above it need no duplicate check
         self.topic_cfg = TopicConfig(partitions=partitions, cleanup_policy=CleanupPolicy.COMPACT)
         self.topic_partitions: dict[str, int] = {}
         self.offsets = OffsetStore(log)
@@ -90,12 +102,15 @@ class PgCapture:
         """Create topics, load stored schemas and the tail positions (before the writer starts)."""
         log = self.log
         self._existing = log.list_topics()
-        if self.schema_topic not in self._existing:
+        unmapped = [info for info in self.tables.values() if info.qualified not in self.mappers]
+        # a source whose tables are all mapped writes no change events, hence no schemas
+        with_schemas = bool(unmapped) or not self.table_config
+        if with_schemas and self.schema_topic not in self._existing:
             log.create_topic(self.schema_topic, TopicConfig(partitions=1, cleanup_policy=CleanupPolicy.COMPACT),
                              exist_ok=True)
-        for info in self.tables.values():
+        for info in unmapped:
             self._ensure_topic(self.topic_of(info))
-        for rec in log.iter_partition(self.schema_topic, 0):
+        for rec in log.iter_partition(self.schema_topic, 0) if with_schemas else ():
             if rec.key is None:
                 continue
             name = orjson.loads(rec.key)
@@ -103,11 +118,27 @@ class PgCapture:
                 self.stored_schemas.pop(name, None)
             else:
                 self.stored_schemas[name] = TableSchema.from_dict(orjson.loads(rec.value)).fingerprint()
-        tails = tail_positions(log, [self.topic_of(t) for t in self.tables.values()])
+        tails = tail_positions(log, [self.topic_of(t) for t in unmapped])
         self.tails = {k: p.sort_key() for k, p in tails.items() if isinstance(p, PgPosition)}
         self.max_tail = max(self.tails.values()) if self.tails else None
+        for mapper in self.mappers.values():
+            self._load_mapped_tails(mapper)
         self.writer = CaptureWriter(log, self.offsets, self.source, threaded=self._writer_threaded,
                                     fault=self.fault)
+
+    def _load_mapped_tails(self, mapper: RecordMapper) -> None:
+        """The order of the last mapped record in every partition of the mapper's topics."""
+        for topic, cfg in self._existing.items():
+            if not mapper.owns_topic(topic):
+                continue
+            self.topic_partitions[topic] = cfg.partitions
+            for p in range(cfg.partitions):
+                rec = find_last(self.log, topic, p, lambda r: mapper.order_of(r) is not None)
+                if rec is not None:
+                    order = mapper.order_of(rec)
+                    assert order is not None
+                    self.mapped_tails[(topic, p)] = order
+        self.mapped_max_tail = max(self.mapped_tails.values()) if self.mapped_tails else None
 
     def topic_of(self, info: TableInfo) -> str:
         return f"{self.source}.{info.schema}.{info.name}"
@@ -150,6 +181,12 @@ class PgCapture:
 
     def install_codec(self, tc: TableCodec, position: PgPosition) -> None:
         """Use ``tc`` for its table from now on; write a schema record if the shape is new."""
+        mapper = self.mappers.get(tc.qualified)
+        if mapper is not None:  # no change events, so no schema record and no TOAST state
+            tc.mapper = mapper
+            tc.toast_state = None
+            self.codecs[tc.qualified] = tc
+            return
         old = self.codecs.get(tc.qualified)
         if old is not None and old.toast_state is not None and tc.toast_state is not None:
             tc.toast_state = old.toast_state
@@ -174,6 +211,36 @@ class PgCapture:
     def past_duplicates(self, sort_key: tuple[int, int, int]) -> bool:
         """True once positions are beyond every tail (no duplicate checks needed any more)."""
         return self.max_tail is None or sort_key > self.max_tail
+
+    # -- mapped tables ---------------------------------------------------------------------------
+    def emit_mapped(self, tc: TableCodec, row: dict[str, Any], where: str) -> bool:
+        """Add the mapper's record for an inserted row; False when the log already holds it."""
+        m = tc.mapper.map_insert(row, where)
+        topic = m.topic
+        n = self.topic_partitions.get(topic)
+        if n is None:
+            existing = self._existing.get(topic)
+            if existing is None:  # created by the writer thread, before this batch's records
+                self.pending.creates.append(
+                    (topic, TopicConfig(partitions=self.partitions, cleanup_policy=tc.mapper.cleanup_policy)))
+            n = self.topic_partitions[topic] = existing.partitions if existing else self.partitions
+        where_to = (topic, partition_for(m.record.key, n))
+        if self.mapped_max_tail is not None and m.order <= self.mapped_max_tail:
+            tail = self.mapped_tails.get(where_to)
+            if tail is not None and m.order <= tail:
+                return False
+        # tails move with what this run writes: a resumed snapshot reads rows committed after
+        # the slot's consistent point, which the stream then delivers again
+        self.mapped_tails[where_to] = m.order
+        if self.mapped_max_tail is None or m.order > self.mapped_max_tail:
+            self.mapped_max_tail = m.order
+        pending = self.pending
+        recs = pending.by_topic.get(topic)
+        if recs is None:
+            recs = pending.by_topic[topic] = []
+        recs.append(m.record)
+        pending.count += 1
+        return True
 
     # -- flushing ------------------------------------------------------------------------------
     def flush(self, offset: PgOffset | None, token: Any = None) -> None:

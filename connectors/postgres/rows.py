@@ -341,6 +341,8 @@ class TableCodec:
         # keyed state: key bytes -> {column index: JSON value} of toastable columns
         self.toast_state: dict[bytes, dict[str, Any]] | None = {} if self.toast else None
         self.toast_state_loaded = False
+        # set by the capture for tables whose inserted rows a RecordMapper turns into records
+        self.mapper: Any = None
         self._toast_names = tuple(self.names[i] for i, _ in self.toast)
         self._single_key = len(self.key_idx) == 1
         self.ident_idx: tuple[int, ...] = self.key_idx

@@ -216,6 +216,8 @@ class PgSnapshotSource(SnapshotSource):
         values_json = tc.values_json
         toast = tc.toast_state is not None
         key_idx = tc.key_idx
+        mapper = tc.mapper
+        where = f"snapshot of {info.qualified}"
         while not stop.is_set():
             lines = self._copy(pg, query(tp.last_key))
             n = len(lines)
@@ -223,37 +225,47 @@ class PgSnapshotSource(SnapshotSource):
             take = self.chunk_rows if more else n
             now_ms = int(time.time() * 1000)
             pending = cap.pending
-            recs = pending.by_topic.get(tc.topic)
-            if recs is None:
-                recs = pending.by_topic[tc.topic] = []
             raw: list[bytes | None] = []
-            for r in range(take):
-                raw = [None if f == b"\\N" else (_unescape(f) if b"\\" in f else f)
-                       for f in lines[r][:-1].split(b"\t")]
-                idx = snap.next_index
-                if idx == 0:
-                    marker = "first"
-                elif last_table and not more and r == take - 1:
-                    marker = "last"
-                else:
-                    marker = "true"
-                pfx = prefixes.get(marker)
-                if pfx is None:
-                    pfx = prefixes[marker] = tc.source_prefix(now_ms, marker, None, lsn)
-                after, key, big = values_json(raw)
-                recs.append(TrustedRecord(key, b'{"before":null,"after":%s,"source":%s%d,"snapshot":true}},'
-                                               b'"op":"r","ts_ms":%d,"transaction":null}' % (after, pfx, idx, now_ms),
-                                          _HEADERS_R))
-                if toast and big and len(lines[r]) >= TOAST_ROW_MIN:
-                    tc.remember(key, tc.json_row(raw), raw)
-                snap.next_index = idx + 1
-            pending.count += take
+            skipped = 0  # rows of a mapped table the log already holds (a resumed snapshot)
+            if mapper is not None:  # an append-only table whose rows map to records (mapping.py)
+                for r in range(take):
+                    raw = [None if f == b"\\N" else (_unescape(f) if b"\\" in f else f)
+                           for f in lines[r][:-1].split(b"\t")]
+                    if not cap.emit_mapped(tc, tc.json_row(raw), where):
+                        skipped += 1
+                snap.next_index += take
+            else:
+                recs = pending.by_topic.get(tc.topic)
+                if recs is None:
+                    recs = pending.by_topic[tc.topic] = []
+                for r in range(take):
+                    raw = [None if f == b"\\N" else (_unescape(f) if b"\\" in f else f)
+                           for f in lines[r][:-1].split(b"\t")]
+                    idx = snap.next_index
+                    if idx == 0:
+                        marker = "first"
+                    elif last_table and not more and r == take - 1:
+                        marker = "last"
+                    else:
+                        marker = "true"
+                    pfx = prefixes.get(marker)
+                    if pfx is None:
+                        pfx = prefixes[marker] = tc.source_prefix(now_ms, marker, None, lsn)
+                    after, key, big = values_json(raw)
+                    value = (b'{"before":null,"after":%s,"source":%s%d,"snapshot":true}},"op":"r","ts_ms":%d,'
+                             b'"transaction":null}' % (after, pfx, idx, now_ms))
+                    recs.append(TrustedRecord(key, value, _HEADERS_R))
+                    if toast and big and len(lines[r]) >= TOAST_ROW_MIN:
+                        tc.remember(key, tc.json_row(raw), raw)
+                    snap.next_index = idx + 1
+                pending.count += take
             if take:
                 tp.last_key = [(raw[i] or b"").decode() for i in key_idx]
             tp.rows += take
             cap.summary.snapshot_rows += take
-            cap.summary.events += take
-            offset.events += take
+            cap.summary.events += take - skipped
+            cap.summary.duplicates_skipped += skipped
+            offset.events += take - skipped
             if not more:
                 tp.done = True
             if cap.pending.count >= self.chunk_rows or tp.done:

@@ -237,7 +237,7 @@ class PgStreamingSource(StreamingSource):
                     if tc is None:
                         continue
                     r = None
-                    if tc is not _MISSING and m[30] == 78:
+                    if tc is not _MISSING and m[30] == 78 and tc.mapper is None:
                         try:
                             r = tc.fast_json(m, 31)
                         except Exception:
@@ -453,6 +453,9 @@ class PgStreamingSource(StreamingSource):
         tc = self.rels.get(_u32(m, 26)[0], _MISSING)
         if tc is None:
             return
+        if tc is not _MISSING and tc.mapper is not None:
+            self._mapped(m, tc, "INSERT")
+            return
         r = None
         if tc is not _MISSING and m[30] == 78:
             try:
@@ -471,6 +474,9 @@ class PgStreamingSource(StreamingSource):
     def _update(self, m: bytes, now_ms: int) -> None:
         tc = self.rels.get(_u32(m, 26)[0], _MISSING)
         if tc is None:
+            return
+        if tc is not _MISSING and tc.mapper is not None:
+            self._mapped(m, tc, "UPDATE")
             return
         r = None
         if tc is not _MISSING and m[30] == 78:
@@ -566,6 +572,9 @@ class PgStreamingSource(StreamingSource):
         tc = self._codec(m)
         if tc is None:
             return
+        if tc.mapper is not None:
+            self._mapped(m, tc, "DELETE")
+            return
         kind = m[30]
         if kind != 75 and kind != 79:
             self.decoder.decode(m[25:], _xlog_start(m, 1)[0])
@@ -584,6 +593,31 @@ class PgStreamingSource(StreamingSource):
             tc.toast_state.pop(key, None)
         self._emit(tc, key, b"d", _OP_D, orjson.dumps(old_js), b"null", None, now_ms)
 
+    # -- append-only tables with a RecordMapper (mapping.py) ------------------------------------------
+    def _mapped(self, m: bytes, tc: TableCodec, op: str) -> None:
+        """An inserted row becomes the mapper's record; an UPDATE or DELETE stops the capture."""
+        where = f"WAL {lsn_str(self.tx_lsn)}"
+        if op != "INSERT":
+            raise tc.mapper.refuse(tc.qualified, op, where)
+        r = None
+        if m[30] == 78:
+            try:
+                r = tc.fast(m, 31)
+            except Exception:
+                r = None
+        if r is not None and r[1] == len(m):
+            row = r[0]
+        else:
+            if m[30] != 78:
+                self.decoder.decode(m[25:], _xlog_start(m, 1)[0])
+            raw, _end = self._tuple(m, 31, "new")
+            row = tc.json_row(raw)
+        self.index += 1
+        if self.cap.emit_mapped(tc, row, where):
+            self.events += 1
+        else:
+            self.duplicates += 1
+
     # -- TRUNCATE ------------------------------------------------------------------------------------
     def _truncate(self, msg: Truncate) -> None:
         """op=t marker in every partition, then tombstones for every key the topic holds.
@@ -596,6 +630,9 @@ class PgStreamingSource(StreamingSource):
         codecs = [tc for relid in msg.relids if (tc := self.rels.get(relid)) is not None]
         if not codecs:
             return
+        for tc in codecs:
+            if tc.mapper is not None:
+                raise tc.mapper.refuse(tc.qualified, "TRUNCATE", f"WAL {lsn_str(self.tx_lsn)}")
         # everything before the truncate must be in the log before its keys are scanned
         self._count_events()
         cap.flush(self.offset, token=None)

@@ -26,7 +26,13 @@ from typing import Annotated, Any
 
 import typer
 
-from kappaflow.config import DebeziumSourceConfig, MySQLSourceConfig, PostgresSourceConfig, Settings
+from kappaflow.config import (
+    DebeziumSourceConfig,
+    LedgerSourceConfig,
+    MySQLSourceConfig,
+    PostgresSourceConfig,
+    Settings,
+)
 from kappaflow.connectors.base import CaptureSummary, Connector, StopSignal
 from kappaflow.errors import ConfigError, KappaflowError
 from kappaflow.log.base import Log
@@ -35,7 +41,8 @@ __all__ = ["capture", "capture_command", "make_connector", "source_status"]
 
 
 def make_connector(source: Any, log: Log, *, partitions: int = 4, progress: bool | None = None) -> Connector:
-    """The connector for a source config: PostgreSQL WAL, MySQL/MariaDB binlog or Debezium topics."""
+    """The connector for a source config: PostgreSQL WAL, MySQL/MariaDB binlog, Debezium topics or
+    a kappaflow ledger (its events table from the WAL)."""
     if isinstance(source, PostgresSourceConfig):
         from kappaflow.connectors.postgres.connector import PostgresConnector
 
@@ -48,6 +55,10 @@ def make_connector(source: Any, log: Log, *, partitions: int = 4, progress: bool
         from kappaflow.connectors.debezium.source import DebeziumSource
 
         return DebeziumSource.from_config(source, log, partitions=partitions)
+    if isinstance(source, LedgerSourceConfig):
+        from kappaflow.connectors.ledger import LedgerConnector
+
+        return LedgerConnector(source, log, partitions=partitions, progress=progress)
     kind = getattr(source, "kind", type(source).__name__)
     raise ConfigError(f"source {getattr(source, 'name', '?')!r}: unknown kind {kind!r}")
 
@@ -61,6 +72,10 @@ def source_status(config: Any, log: Log) -> dict[str, Any]:
         from kappaflow.connectors.postgres.connector import postgres_status
 
         return postgres_status(config, log)
+    if isinstance(config, LedgerSourceConfig):
+        from kappaflow.connectors.ledger import ledger_status
+
+        return ledger_status(config, log)
     return make_connector(config, log).status()
 
 

@@ -11,6 +11,7 @@ from rich.table import Table
 from kappaflow.cli.common import console, fail, settings
 from kappaflow.config import (
     DebeziumSourceConfig,
+    LedgerSourceConfig,
     MySQLSourceConfig,
     PostgresSourceConfig,
     SnapshotMode,
@@ -42,6 +43,10 @@ def add(
     postgres: Annotated[str | None, typer.Option("--postgres", help="postgresql://user@host:port/db")] = None,
     mysql: Annotated[str | None, typer.Option("--mysql", help="mysql://user@host:port/db")] = None,
     debezium: Annotated[str | None, typer.Option("--debezium", help="Kafka bootstrap host:port")] = None,
+    ledger: Annotated[str | None, typer.Option(
+        "--ledger", help="postgresql://user@host:port/db holding a kappaflow ledger (captures its events)")] = None,
+    ledger_schema: Annotated[str | None, typer.Option(
+        "--ledger-schema", help="Schema of the ledger tables (default kappaflow_ledger)")] = None,
     tables: Annotated[str | None, typer.Option("--tables", help="Comma list: schema.table / db.table")] = None,
     topics: Annotated[str | None, typer.Option("--topics", help="Debezium topics, comma list")] = None,
     key_columns: Annotated[
@@ -54,16 +59,25 @@ def add(
     replace: Annotated[bool, typer.Option("--replace", help="Overwrite an existing source of that name")] = False,
 ) -> None:
     """Add a source to kappaflow.toml (passwords stay in the environment)."""
-    chosen = [k for k, v in (("--postgres", postgres), ("--mysql", mysql), ("--debezium", debezium)) if v]
+    chosen = [k for k, v in (("--postgres", postgres), ("--mysql", mysql), ("--debezium", debezium),
+                             ("--ledger", ledger)) if v]
     if len(chosen) != 1:
-        fail("give exactly one of --postgres DSN, --mysql DSN or --debezium BOOTSTRAP")
+        fail("give exactly one of --postgres DSN, --mysql DSN, --debezium BOOTSTRAP or --ledger DSN")
+    if ledger_schema is not None and not ledger:
+        fail("--ledger-schema goes with --ledger DSN")
+    if ledger and (tables or key_columns):
+        fail("--tables/--key-columns do not apply to --ledger: a ledger source captures <schema>.events")
     s = settings(ctx)
     if name in s.sources and not replace:
         fail(f"source {name!r} already exists; use --replace to overwrite it")
     data: dict[str, object] = {"name": name, "tables": _csv(tables),
                                "key_columns": _key_columns(key_columns or []), "snapshot_mode": snapshot_mode}
-    model: type[PostgresSourceConfig | MySQLSourceConfig | DebeziumSourceConfig]
-    if postgres:
+    model: type[PostgresSourceConfig | MySQLSourceConfig | DebeziumSourceConfig | LedgerSourceConfig]
+    if ledger:
+        model, data["dsn"], data["password_env"] = LedgerSourceConfig, ledger, password_env
+        if ledger_schema is not None:
+            data["schema_name"] = ledger_schema
+    elif postgres:
         model, data["dsn"], data["password_env"] = PostgresSourceConfig, postgres, password_env
     elif mysql:
         model, data["dsn"], data["password_env"] = MySQLSourceConfig, mysql, password_env
@@ -85,7 +99,8 @@ def list_(ctx: typer.Context) -> None:
     table = Table("name", "kind", "where", "tables/topics", "snapshot")
     for name, src in sorted(s.sources.items()):
         where = getattr(src, "dsn", None) or getattr(src, "bootstrap", "")
-        items = getattr(src, "topics", None) or src.tables or ["(all)"]
+        items = getattr(src, "topics", None) or src.tables or (
+            [src.events_table] if isinstance(src, LedgerSourceConfig) else ["(all)"])
         table.add_row(name, src.kind, where, ", ".join(items), src.snapshot_mode.value)
     console.print(table)
 

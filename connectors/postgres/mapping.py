@@ -1,0 +1,71 @@
+"""Record mappers: an append-only table's rows become log records of the mapper's choosing.
+
+The PostgreSQL connector normally writes one Debezium change event per row change to
+``<source>.<schema>.<table>``. A :class:`RecordMapper` attached to a captured table
+replaces that: each row *inserted* into the table (snapshot or stream) is handed to
+:meth:`RecordMapper.map_insert`, which names the topic, the record and its **order**
+(an integer that increases strictly along the table's commit order, e.g. the ledger's
+global position). Everything else stays the connector's: snapshot, streaming, offsets,
+acknowledging upstream only after the records are durable.
+
+Exactly-once with a mapper (the argument of ``connectors/base.py`` with ``order`` in the
+place of the source position): the connector appends a topic-partition's records in
+commit order, so the records present are a prefix; on restart it reads the last record
+of every partition of the mapper's topics (:meth:`RecordMapper.owns_topic`) and takes
+its order (:meth:`RecordMapper.order_of`); a row whose order is at or below its
+partition's tail is already in the log and is skipped. Mapped records need no position
+header of kappaflow's own, so they can be byte-identical to what another producer (the
+ledger relay) writes.
+
+Mapped tables are append-only by contract: an UPDATE, DELETE or TRUNCATE on one stops
+the capture with a terminal :class:`SourceError` (it cannot be mapped without
+rewriting history downstream), naming the table and the WAL position.
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass
+from typing import Any
+
+from kappaflow.errors import Retry, SourceError
+from kappaflow.log.base import CleanupPolicy, LogRecord, Record
+
+__all__ = ["MappedRecord", "RecordMapper"]
+
+
+@dataclass(frozen=True, slots=True)
+class MappedRecord:
+    topic: str
+    record: Record
+    order: int  # strictly increasing along the table's commit order
+
+
+class RecordMapper(abc.ABC):
+    """Maps the rows inserted into one append-only table to log records."""
+
+    #: cleanup policy of the topics the mapper's records create (event topics: DELETE)
+    cleanup_policy: CleanupPolicy = CleanupPolicy.DELETE
+    #: appended to the error raised when a mapped row is updated, deleted or truncated
+    immutable_hint: str = ""
+
+    @abc.abstractmethod
+    def map_insert(self, row: dict[str, Any], where: str) -> MappedRecord:
+        """The record for one inserted row (JSON form, as in the change events' ``after``).
+
+        ``where`` names the row's place for error messages ("WAL 0/16B3748", "snapshot").
+        """
+
+    @abc.abstractmethod
+    def owns_topic(self, topic: str) -> bool:
+        """True for topics this mapper writes (their tails are read on start)."""
+
+    @abc.abstractmethod
+    def order_of(self, rec: LogRecord) -> int | None:
+        """The order a record written by this mapper carries (None: not one of ours)."""
+
+    def refuse(self, table: str, op: str, where: str) -> SourceError:
+        hint = f" {self.immutable_hint}" if self.immutable_hint else ""
+        return SourceError(f"table {table}: {op} at {where}, but the table is captured as append-only "
+                           f"(its inserted rows are mapped to records; changing them cannot be mapped).{hint}",
+                           retry=Retry.TERMINAL)
