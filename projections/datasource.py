@@ -219,9 +219,14 @@ def plan_ranges(start: Offsets, end: Offsets, max_per_split: int | None) -> list
     return out
 
 
-def _chunks(log: Any, rng: LogRange, chunk: int) -> Iterator[list[Any]]:
-    """Lists of LogRecords with offsets in [start, end) of `rng`."""
-    offset = rng.start
+# A chunk of records as columns: offsets, keys, values, timestamps (ms), header blobs or
+# decoded header tuples. Both read paths below produce it.
+Columns = tuple[list[int], list[Any], list[Any], list[int], list[Any]]
+
+
+def _record_chunks(log: Any, rng: LogRange, chunk: int, start: int | None = None) -> Iterator[Columns]:
+    """Through the Log contract: ``read()`` in chunks (any backend)."""
+    offset = rng.start if start is None else start
     topic = rng.topic
     while offset < rng.end:
         try:
@@ -236,45 +241,120 @@ def _chunks(log: Any, rng: LogRange, chunk: int) -> Iterator[list[Any]]:
             recs = [r for r in recs if r.offset < rng.end]
             if not recs:
                 break
-        yield recs
+        yield ([r.offset for r in recs], [r.key for r in recs], [r.value for r in recs],
+               [r.timestamp_ms for r in recs], [r.headers for r in recs])
         offset = recs[-1].offset + 1
 
 
-_OP_TEXT: dict[bytes, str] = {}
+def _embedded_chunks(log: Any, rng: LogRange, chunk: int) -> Iterator[Columns]:
+    """The embedded log's stored batches decoded straight into columns, verified with the
+    log's own index and record CRC checks, without building a LogRecord (and decoding all
+    headers) per record: ~2x cheaper per record. Anything unexpected (damage, a format this
+    code does not know) continues through ``log.read``, which reports damage precisely.
+    TODO(log): replace with a public columnar read on the Log contract."""
+    from bisect import bisect_left
+
+    from kappaflow.log import embedded_codec as codec
+
+    t = log._topic(rng.topic)
+    sql = t.read_sql[rng.partition]
+    offset = rng.start
+    while offset < rng.end:
+        with t.rlock:
+            cur = log._rconn(t).execute(sql, (offset,))
+            try:
+                rows = cur.fetchmany(max(1, chunk // 1024))
+            finally:
+                cur.close()
+        if not rows:
+            return
+        progressed = False
+        for base, last, n, idx, data, crc in rows:
+            if last < offset:
+                continue
+            try:
+                d = codec.decode_index(base, last, n, idx, crc)
+                lo = bisect_left(d.offsets, offset)
+                hi = bisect_left(d.offsets, rng.end)
+                if lo >= hi:
+                    if hi < n:
+                        return  # reached the end of the range
+                    continue
+                keys, values, heads = codec.decode_fields(d, data, lo, hi)
+                if codec.first_bad(d, keys, values, heads, lo) is not None:
+                    raise ValueError("record CRC32 mismatch")
+            except Exception:
+                yield from _record_chunks(log, rng, chunk, start=offset)
+                return
+            yield (d.offsets[lo:hi], keys, values, d.timestamps[lo:hi].tolist(), heads)
+            offset = d.offsets[hi - 1] + 1
+            progressed = True
+            if hi < n:
+                return
+        if not progressed:
+            return
+
+
+def _chunks(log: Any, rng: LogRange, chunk: int) -> Iterator[Columns]:
+    if type(log).__name__ == "EmbeddedLog" and hasattr(log, "_topic") and hasattr(log, "_rconn"):
+        try:
+            gen = _embedded_chunks(log, rng, chunk)
+            first = next(gen, None)
+        except Exception:
+            first, gen = None, None
+        if gen is not None:
+            if first is not None:
+                yield first
+                yield from gen
+            return
+    yield from _record_chunks(log, rng, chunk)
+
+
+_OP_TEXT: dict[bytes, str | None] = {}
+_OP_PREFIX = b"\x05\x00kf.op\x01\x00\x00\x00"
 
 
 def _op_of(headers: Any) -> str | None:
-    for hk, hv in headers:
-        if hk == "kf.op":
-            op = _OP_TEXT.get(hv)
-            if op is None:
-                op = _OP_TEXT[hv] = str(hv.decode("ascii", "replace"))
-            return op
-    return None
+    """The ``kf.op`` header: from decoded header tuples, or from an embedded header blob
+    (``u16 name length, name, i32 value length, value``; kappaflow writes kf.op first)."""
+    if not headers:
+        return None
+    if isinstance(headers, bytes):
+        if headers.startswith(_OP_PREFIX):
+            v = headers[11:12]
+        else:
+            from kappaflow.log.embedded_codec import decode_headers
+
+            return _op_of(decode_headers(headers))
+    else:
+        v = None
+        for hk, hv in headers:
+            if hk == "kf.op":
+                v = hv
+                break
+        if v is None:
+            return None
+    op = _OP_TEXT.get(v, "")
+    if op == "":
+        op = _OP_TEXT[v] = str(v.decode("ascii", "replace"))
+    return op
 
 
-def _batch(topic: str, partition: int, recs: list[Any]) -> pa.RecordBatch:
-    n = len(recs)
-    ops = []
-    for r in recs:
-        h = r.headers
-        ops.append(_op_of(h) if h else None)
+def _batch(topic: str, partition: int, cols: Columns) -> pa.RecordBatch:
+    offsets, keys, values, ts, heads = cols
+    n = len(offsets)
     return pa.RecordBatch.from_arrays(
         [
             pa.array([topic] * n, pa.string()),
             pa.array([partition] * n, pa.int32()),
-            pa.array([r.offset for r in recs], pa.int64()),
-            pa.array([r.key for r in recs], pa.binary()),
-            pa.array([r.value for r in recs], pa.binary()),
-            pa.array([r.timestamp_ms * 1000 for r in recs], pa.timestamp("us", tz="UTC")),
-            pa.array(ops, pa.string()),
+            pa.array(offsets, pa.int64()),
+            pa.array(keys, pa.binary()),
+            pa.array(values, pa.binary()),
+            pa.array([x * 1000 for x in ts], pa.timestamp("us", tz="UTC")),
+            pa.array([_op_of(h) for h in heads], pa.string()),
         ],
         schema=ARROW_SCHEMA,
     )
-
-
-def _offset_of(r: Any) -> int:
-    return int(r.offset)
 
 
 def read_range(log: Any, rng: LogRange, chunk: int = READ_CHUNK, *, latest_per_key: bool = False
@@ -288,21 +368,28 @@ def read_range(log: Any, rng: LogRange, chunk: int = READ_CHUNK, *, latest_per_k
     group by) skip parsing and shuffling the superseded ones.
     """
     if not latest_per_key:
-        for recs in _chunks(log, rng, chunk):
-            yield _batch(rng.topic, rng.partition, recs)
+        for cols in _chunks(log, rng, chunk):
+            yield _batch(rng.topic, rng.partition, cols)
         return
-    latest: dict[Any, Any] = {}
-    keyless = 0
-    for recs in _chunks(log, rng, chunk):
-        for r in recs:
-            k = r.key
-            if k is None:
-                keyless += 1
-                k = keyless  # keyless records are all kept (ints never collide with bytes keys)
-            latest[k] = r
-    survivors = sorted(latest.values(), key=_offset_of)
+    latest: dict[Any, tuple[int, Any, int, Any]] = {}
+    keyless: list[tuple[int, Any, Any, int, Any]] = []
+    for offsets, keys, values, ts, heads in _chunks(log, rng, chunk):
+        if None in keys:
+            keyless += [(o, None, v, t, h) for o, k, v, t, h in zip(offsets, keys, values, ts, heads, strict=True)
+                        if k is None]
+        # dict.update keeps the last value per key: one C-level pass per chunk
+        latest.update(zip(keys, zip(offsets, values, ts, heads, strict=True), strict=True))
+    latest.pop(None, None)
+    survivors = sorted([(o, k, v, t, h) for k, (o, v, t, h) in latest.items()] + keyless, key=_first)
     for i in range(0, len(survivors), chunk):
-        yield _batch(rng.topic, rng.partition, survivors[i:i + chunk])
+        part = survivors[i:i + chunk]
+        cols: Columns = ([r[0] for r in part], [r[1] for r in part], [r[2] for r in part], [r[3] for r in part],
+                         [r[4] for r in part])
+        yield _batch(rng.topic, rng.partition, cols)
+
+
+def _first(r: tuple[Any, ...]) -> Any:
+    return r[0]
 
 
 # ---------------------------------------------------------------------------------------------

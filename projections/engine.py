@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import pyarrow as pa
@@ -30,6 +30,7 @@ from pyspark.sql import functions as F
 
 from kappaflow.errors import KappaflowError, SinkError
 from kappaflow.projections.api import CustomFold, GroupFold, LatestFold, ProjectionSpec
+from kappaflow.projections.datasource import plan_ranges
 from kappaflow.projections.deadletter import write_dead_letters
 from kappaflow.projections.executor import LOAD_RESULT_DDL, FoldJob, fold_arrow_schema, make_folder, make_loader
 from kappaflow.projections.plan import Plan, fold_output_type
@@ -178,12 +179,18 @@ def build(plan: Plan, rt: Runtime, target: Target, end: Offsets, *, dead_letters
     if isinstance(spec.fold, CustomFold):
         in_place = plan.fold_in_place
         split = None if in_place else (max(20_000, -(-total // (parallel * 2))) if total else None)
-        raws = {t: rt.raw(t, "earliest", end, split) for t in spec.topics}
-        ev = plan.custom_events(raws, in_place=in_place)
         if in_place:
-            folded = ev.mapInArrow(make_folder(_fold_job(plan, version, sorted_input=False)),
-                                   fold_output_type(plan))
+            # One Spark task per log partition reads and folds it directly (see executor._run_direct).
+            ranges = [(r.topic, r.partition, r.start, r.end) for r in plan_ranges({}, end, None)]
+            job = replace(_fold_job(plan, version, sorted_input=False), log_url=rt.log_url,
+                          log_options=dict(rt.log_options), key_columns=_key_columns(plan))
+            src = rt.spark.createDataFrame(
+                rt.spark.sparkContext.parallelize(ranges or [("", 0, 0, 0)], max(1, len(ranges))),
+                "topic string, partition int, start bigint, end bigint")
+            folded = src.mapInArrow(make_folder(job), fold_output_type(plan))
         else:
+            raws = {t: rt.raw(t, "earliest", end, split) for t in spec.topics}
+            ev = plan.custom_events(raws)
             parts = int(rt.spark.conf.get("spark.sql.shuffle.partitions") or 4)
             folded = plan.sorted_for_fold(ev, parts).mapInArrow(make_folder(_fold_job(plan, version)),
                                                                 fold_output_type(plan))
@@ -214,6 +221,14 @@ def build(plan: Plan, rt: Runtime, target: Target, end: Offsets, *, dead_letters
     res.dead_letters = _dead_letter(rt, plan, dead) if dead_letters else len(dead)
     res.seconds = time.monotonic() - t0
     return res
+
+
+def _key_columns(plan: Plan) -> dict[str, tuple[str, ...]]:
+    out = {}
+    for src in plan.spec.sources:
+        mapping = dict(src.key or {k: k for k in plan.spec.key})
+        out[src.topic] = tuple(mapping[k] for k in plan.spec.key)
+    return out
 
 
 # --- apply a bounded slice (follow micro-batch, replay catch-up) --------------------------------------------

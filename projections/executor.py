@@ -97,6 +97,11 @@ class FoldJob:
     sink: SinkConfig | None = None  # follow: current rows come from the live view
     target: Target | None = None
     sorted_input: bool = True  # False: a partition's events are in offset order, keys interleaved
+    # Direct reads (replay of an in-place fold): the input rows are log ranges
+    # (topic, partition, start, end) and the worker reads them itself from this log.
+    log_url: str | None = None
+    log_options: dict[str, Any] | None = None
+    key_columns: dict[str, tuple[str, ...]] | None = None  # topic -> source column per view key
 
 
 _MISSING = object()
@@ -109,6 +114,31 @@ def make_folder(job: FoldJob) -> Callable[[Iterator[pa.RecordBatch]], Iterator[p
     return run
 
 
+_PLAIN_TYPES = ("int8", "int16", "int32", "int64", "year", "string", "enum", "boolean", "uuid", "set")
+
+
+def row_decoder(schema: Any) -> Callable[[dict[str, Any]], dict[str, Any]]:
+    """JSON row -> Python values, in place, converting only the columns whose JSON form
+    differs from the Python value (decimals, dates, timestamps, bytes, JSON, floats...).
+
+    Values of plain columns (integers, strings, booleans) are trusted as written by the
+    connector; a value a converter rejects raises, and the event becomes a dead letter.
+    """
+    from kappaflow.events.values import default_wire, make_decoder
+
+    convs = tuple((c.name, make_decoder(c, default_wire(c, "string"))) for c in schema.columns
+                  if c.type.value not in _PLAIN_TYPES)
+
+    def dec(row: dict[str, Any]) -> dict[str, Any]:
+        for name, fn in convs:
+            v = row.get(name)
+            if v is not None:
+                row[name] = fn(v)
+        return row
+
+    return dec
+
+
 class _Folder:
     def __init__(self, job: FoldJob) -> None:
         from kappaflow.events import EventCodec, TableSchema
@@ -118,12 +148,15 @@ class _Folder:
         self.codec = EventCodec()
         self.schemas = {t: TableSchema.from_dict(d) for t, d in job.schemas.items()}
         self.key_schemas = {t: s.key_schema() for t, s in self.schemas.items() if s.key}
+        self.row_dec = {t: row_decoder(s) for t, s in self.schemas.items()}
+        self.key_dec = {t: row_decoder(s) for t, s in self.key_schemas.items()}
         self.out: list[dict[str, Any]] = []
         self.view_cols = job.view_columns
         self.follow = job.sink is not None
 
     # -- decoding --------------------------------------------------------------------------
-    def _event(self, topic: str, partition: int, offset: int, key: bytes | None, value: bytes) -> Any:
+    def _event(self, topic: str, partition: int, offset: int, key: bytes | None, value: bytes,
+               key_dict: dict[str, Any] | None = None) -> Any:
         from kappaflow.projections.api import Event
 
         obj = orjson.loads(value)
@@ -136,21 +169,25 @@ class _Folder:
             if op == "t":
                 return None  # truncate markers: the tombstones that follow carry the deletes
             raise ValueError(f"op: expected one of c, u, d, r, t, got {op!r}")
-        schema = self.schemas[topic]
+        dec = self.row_dec[topic]
         before = obj.get("before")
         after = obj.get("after")
-        dec = self.codec.decode_row_values
-        before = dec(schema, before) if before is not None else None
-        after = dec(schema, after) if after is not None else None
-        k = None
-        if key is not None:
-            kobj = orjson.loads(key)
-            if type(kobj) is dict and "payload" in kobj and "schema" in kobj:
-                kobj = kobj["payload"]
-            ks = self.key_schemas.get(topic)
-            k = dec(ks, kobj) if (ks is not None and type(kobj) is dict) else kobj
+        if before is not None:
+            before = dec(before)
+        if after is not None:
+            after = dec(after)
+        k = key_dict
+        if k is None and key is not None:
+            k = self._key_dict(topic, key)
         src = obj.get("source") or {}
         return Event(topic, partition, offset, op, k, before, after, obj.get("ts_ms"), src.get("kf_pos"), src)
+
+    def _key_dict(self, topic: str, key: bytes) -> Any:
+        kobj = orjson.loads(key)
+        if type(kobj) is dict and "payload" in kobj and "schema" in kobj:
+            kobj = kobj["payload"]
+        kd = self.key_dec.get(topic)
+        return kd(kobj) if (kd is not None and type(kobj) is dict) else kobj
 
     # -- output ----------------------------------------------------------------------------
     def _emit_row(self, row: dict[str, Any], deleted: bool, last: tuple[Any, ...]) -> None:
@@ -202,15 +239,15 @@ class _Folder:
             self._emit_row(row, False, last)
 
     def _apply_one(self, row: Any, k: tuple[Any, ...], t: str, p: int, o: int, rk: bytes | None,
-                   value: bytes) -> tuple[bool, Any]:
+                   value: bytes, key_dict: dict[str, Any] | None = None) -> tuple[bool, Any]:
         """Fold one event into `row`; (applied, new row). Failures become dead letters."""
         key_names = self.job.key
-        if any(v is None for v in k):
+        if None in k:
             self._dead(t, p, o, rk, f"cannot determine the view key {list(key_names)} of this event "
                                     "(column missing or NULL in the record key / row)")
             return False, row
         try:
-            ev = self._event(t, p, o, rk, value)
+            ev = self._event(t, p, o, rk, value, key_dict)
         except Exception as exc:
             self._dead(t, p, o, rk, f"malformed change event: {type(exc).__name__}: {exc}")
             return False, row
@@ -234,6 +271,9 @@ class _Folder:
         return True, new
 
     def run(self, batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
+        if self.job.log_url is not None:
+            yield from self._run_direct(batches)
+            return
         source: Iterable[pa.RecordBatch] = batches
         current: dict[tuple[Any, ...], dict[str, Any]] = {}
         if self.follow:
@@ -300,6 +340,96 @@ class _Folder:
                     lasts[k] = (topics[i], parts[i], offs[i], keys[i])
         for k, row in rows.items():
             self._finish_key(current.get(k), row, lasts.get(k))
+            if len(self.out) >= EMIT_CHUNK:
+                yield from self._flush_out()
+        yield from self._flush_out()
+
+    def _run_direct(self, ranges: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
+        """Read whole log ranges here and fold them in offset order (no JVM round trip of
+        the events: the fold is the only consumer of their bytes). The loop is
+        ``_apply_one`` inlined: this is the per-event hot path of custom-fold replays."""
+        from kappaflow.projections.api import Event
+        from kappaflow.projections.datasource import READ_CHUNK, LogRange, _chunks, open_cached_log
+
+        assert self.job.log_url is not None and self.job.key_columns is not None
+        log = open_cached_log(self.job.log_url, self.job.log_options)
+        key_names = self.job.key
+        rows: dict[tuple[Any, ...], Any] = {}
+        lasts: dict[tuple[Any, ...], tuple[Any, ...]] = {}
+        apply = self.proj.apply
+        dead = self._dead
+        loads = orjson.loads
+        ops = frozenset(("c", "u", "d", "r"))
+        for b in ranges:
+            for t, p, start, end in zip(*(b.column(i).to_pylist() for i in range(4)), strict=True):
+                if end <= start:
+                    continue
+                cols_of = self.job.key_columns[t]
+                single = cols_of[0] if len(cols_of) == 1 else None
+                kname = key_names[0]
+                dec = self.row_dec[t]
+                kdec = self.key_dec.get(t)
+                for offsets, keys, values, _ts, _heads in _chunks(log, LogRange(t, p, start, end), READ_CHUNK):
+                    for o, rk, v in zip(offsets, keys, values, strict=True):
+                        if v is None:
+                            continue  # tombstone: the delete event before it carried the change
+                        try:
+                            kd = loads(rk)
+                            if "payload" in kd and "schema" in kd:
+                                kd = kd["payload"]
+                            if kdec is not None:
+                                kd = kdec(kd)
+                            k = (kd.get(single),) if single is not None else tuple(kd.get(c) for c in cols_of)
+                            obj = loads(v)
+                            if "payload" in obj and "schema" in obj:
+                                obj = obj["payload"]
+                            op = obj["op"]
+                            if op not in ops:
+                                if op == "t":
+                                    continue
+                                raise ValueError(f"op: expected one of c, u, d, r, t, got {op!r}")
+                            before = obj.get("before")
+                            after = obj.get("after")
+                            if before is not None:
+                                before = dec(before)
+                            if after is not None:
+                                after = dec(after)
+                            src = obj.get("source") or {}
+                            ev = Event(t, p, o, op, kd, before, after, obj.get("ts_ms"), src.get("kf_pos"), src)
+                        except Exception as exc:  # noqa: BLE001 - any decoding problem is this record's
+                            dead(t, p, o, rk, f"malformed change event: {type(exc).__name__}: {exc}")
+                            continue
+                        if None in k:
+                            dead(t, p, o, rk, f"cannot determine the view key {list(key_names)} of this event")
+                            continue
+                        try:
+                            new = apply(rows.get(k), ev)
+                        except Exception as exc:  # noqa: BLE001 - the user's fold failed on this event
+                            dead(t, p, o, rk, f"apply() raised {type(exc).__name__}: {exc}")
+                            continue
+                        if new is not None:
+                            if type(new) is not dict:
+                                dead(t, p, o, rk, f"apply() returned {type(new).__name__}, expected a dict or None")
+                                continue
+                            if single is not None:
+                                kv = new.get(kname, _MISSING)
+                                if kv is _MISSING:
+                                    new[kname] = k[0]
+                                elif kv != k[0]:
+                                    dead(t, p, o, rk, f"apply() changed the view key column(s) [{kname!r}] of key "
+                                                      f"{list(k)}")
+                                    continue
+                            else:
+                                wrong = [n for n, kv in zip(key_names, k, strict=True) if n in new and new[n] != kv]
+                                if wrong:
+                                    dead(t, p, o, rk, f"apply() changed the view key column(s) {wrong} of key {list(k)}")
+                                    continue
+                                for n, kv in zip(key_names, k, strict=True):
+                                    new.setdefault(n, kv)
+                        rows[k] = new
+                        lasts[k] = (t, p, o, rk)
+        for k, row in rows.items():
+            self._finish_key(None, row, lasts.get(k))
             if len(self.out) >= EMIT_CHUNK:
                 yield from self._flush_out()
         yield from self._flush_out()

@@ -127,7 +127,7 @@ def run_demo(*, dsn: str | None = None, workdir: str | Path | None = None, spark
             from kappaflow.testing.servers.postgres import PrivatePostgres
 
             out("no PostgreSQL configured: starting a private one (wal_level=logical) ...")
-            server = PrivatePostgres(wal_level="logical", workdir=work / "postgres").start()
+            server = PrivatePostgres(wal_level="logical").start()
             dsn = server.dsn()
         db = _create_database(dsn)
         seed(db, customers=customers, orders=orders)

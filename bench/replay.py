@@ -1,0 +1,351 @@
+"""Projection benchmark: replay 1M change events over 100k keys into PostgreSQL views, and
+follow latency from a commit in the source table to the row being visible in the view.
+
+    .venv/bin/python bench/replay.py [--events 1000000] [--keys 100000] [--samples 200]
+
+Measured (Spark start-up and a small warm-up replay excluded; each rate is events / the
+whole ``replay()`` call: plan, shadow table, build, swap):
+
+- ``declarative_events_per_s``: latest row per key (``orders`` -> view keyed by ``id``);
+- ``grouped_events_per_s``: count + sum by ``customer_id`` (1,000 groups, retraction-aware);
+- ``custom_fold_events_per_s``: a Python ``apply()`` fold per order;
+- ``copy_baseline_rows_per_s``: a plain psycopg ``COPY`` of the latest-row view's final rows
+  into an empty table (the floor a view write cannot beat);
+- ``follow_latency_p50_s`` / ``_p99_s``: ``UPDATE`` committed in the source table ->
+  the PostgreSQL connector (a separate capture process) -> log -> follower (trigger 0.5 s)
+  -> row visible in the view; 200 samples, one update every 0.1 s.
+The last line of output is one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from datetime import UTC, datetime, timedelta
+from urllib.parse import urlsplit, urlunsplit
+from decimal import Decimal
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def generate(log_path: Path, events: int, keys: int, topic_source: str = "bench") -> dict[str, Any]:
+    """`events` changes over `keys` orders: inserts, then updates (2% deletes, re-inserts)."""
+    from kappaflow.events import Column, FieldType, TableSchema
+    from kappaflow.log.embedded import EmbeddedLog
+    from kappaflow.projections.simulate import TableWriter
+
+    schema = TableSchema(f"{topic_source}.public.orders", (
+        Column("id", FieldType.INT64, optional=False), Column("customer_id", FieldType.INT64),
+        Column("amount", FieldType.DECIMAL, scale=2, precision=12), Column("status", FieldType.STRING),
+        Column("created_at", FieldType.TIMESTAMPTZ)), ("id",))
+    lg = EmbeddedLog(log_path, synchronous="normal")
+    w = TableWriter(lg, schema, partitions=4)
+    rnd = random.Random(7)
+    base = datetime(2024, 1, 1, tzinfo=UTC)
+    n = 0
+
+    def amount() -> Decimal:
+        return Decimal(rnd.randint(100, 99_999)) / 100
+
+    for i in range(min(keys, events)):
+        w.insert({"id": i, "customer_id": rnd.randrange(1000), "amount": amount(), "status": "new",
+                  "created_at": base + timedelta(seconds=i)})
+        n += 1
+        if len(w.pending) >= 20_000:
+            w.flush()
+    while n < events:
+        k = (rnd.randrange(keys),)
+        if k in w.rows:
+            if rnd.random() < 0.02:
+                w.delete(k)
+            else:
+                w.update(k, {"customer_id": rnd.randrange(1000), "amount": amount(),
+                             "status": rnd.choice(("new", "paid", "shipped"))})
+        else:
+            w.insert({"id": k[0], "customer_id": rnd.randrange(1000), "amount": amount(), "status": "new",
+                      "created_at": base})
+        n += 1
+        if len(w.pending) >= 20_000:
+            w.flush()
+    w.flush()
+    records = sum(lg.end_offsets(w.topic).values())
+    lg.close()
+    return {"events": n, "records": records, "rows": len(w.rows)}
+
+
+def projections(source: str) -> tuple[type, type, type]:
+    from kappaflow.projections import Count, Projection, Sum
+
+    class Latest(Projection):
+        name = f"{source}_latest"
+        sources = [f"{source}.public.orders"]
+        key = ["id"]
+
+    class Grouped(Projection):
+        name = f"{source}_by_customer"
+        sources = [f"{source}.public.orders"]
+        key = ["customer_id"]
+        aggregates = {"orders": Count(), "total": Sum("amount")}
+
+    class Custom(Projection):
+        name = f"{source}_custom"
+        sources = [f"{source}.public.orders"]
+        key = ["id"]
+        schema = "id bigint, customer_id bigint, amount decimal(12,2), updates bigint"
+
+        def apply(self, row: Any, ev: Any) -> Any:
+            if ev.op == "d":
+                return None
+            a = ev.after
+            return {"customer_id": a["customer_id"], "amount": a["amount"],
+                    "updates": row["updates"] + 1 if row else 1}
+
+    return Latest, Grouped, Custom
+
+
+def copy_baseline(dsn: str, view: str) -> float:
+    """COPY the view's final rows (read back once) into an empty table with the same columns."""
+    import io
+
+    import psycopg
+
+    with psycopg.connect(dsn) as conn:
+        buf = io.BytesIO()
+        with conn.cursor() as cur, cur.copy(f'COPY public."{view}" TO STDOUT') as cp:
+            for chunk in cp:
+                buf.write(chunk)
+        data = buf.getvalue()
+        rows = data.count(b"\n")
+        conn.execute(f'CREATE TABLE public.copy_baseline (LIKE public."{view}" INCLUDING ALL)')
+        conn.commit()
+        t0 = time.perf_counter()
+        with conn.cursor() as cur, cur.copy("COPY public.copy_baseline FROM STDIN") as cp:
+            cp.write(data)
+        conn.commit()
+        secs = time.perf_counter() - t0
+        conn.execute("DROP TABLE public.copy_baseline")
+        conn.commit()
+    return rows / secs
+
+
+def follow_latency(spark: Any, server_dsn: str, work: Path, samples: int) -> list[float]:
+    """Source UPDATE committed -> visible in the view, with capture running in another process."""
+    import psycopg
+    from psycopg import sql
+
+    from kappaflow.config import LogConfig, PostgresSourceConfig, Settings, ViewsConfig
+    from kappaflow.projections import Projection
+    from kappaflow.projections.follow import Follower
+    from kappaflow.projections.runtime import Runtime
+    from kappaflow.projections.sinks.postgres import PostgresSink
+
+    with psycopg.connect(server_dsn, autocommit=True) as c:
+        c.execute(sql.SQL("DROP DATABASE IF EXISTS bench_src WITH (FORCE)"))
+        c.execute(sql.SQL("CREATE DATABASE bench_src"))
+    parts = urlsplit(server_dsn)
+    src = urlunsplit((parts.scheme, parts.netloc, "/bench_src", "", ""))
+    with psycopg.connect(src, autocommit=True) as c:
+        c.execute("CREATE TABLE public.items (id bigint PRIMARY KEY, val bigint NOT NULL, note text)")
+        c.execute("INSERT INTO public.items SELECT g, 0, 'x' FROM generate_series(1, 1000) g")
+    log_path = work / "follow-log"
+    settings = Settings(log=LogConfig(url=str(log_path)), views=ViewsConfig(postgres_dsn=src),
+                        sources={"bf": PostgresSourceConfig(name="bf", dsn=src, tables=["public.items"])},
+                        base_dir=work)
+    cfg = work / "follow.toml"
+    settings.save(cfg)
+    capture = subprocess.Popen(
+        [sys.executable, "-c", "import sys; from kappaflow.cli.capture import main; main(sys.argv[1:])",
+         "--config", str(cfg), "bf"], cwd=str(ROOT), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 120
+        while not (log_path / "meta.db").exists() or not _has_topic(log_path, "bf.public.items"):
+            if capture.poll() is not None:
+                raise RuntimeError(f"capture exited: {capture.stderr.read().decode()[-2000:] if capture.stderr else ''}")
+            if time.monotonic() > deadline:
+                raise RuntimeError("capture did not create the topic in 120 s")
+            time.sleep(0.2)
+
+        class Items(Projection):
+            name = "bench_items"
+            sources = ["bf.public.items"]
+            key = ["id"]
+
+        rt = Runtime(spark, str(log_path), PostgresSink(src), checkpoint_dir=work / "ckpt")
+        f = Follower(Items, rt, trigger="0.5s").start()
+        try:
+            deadline = time.monotonic() + 180
+            while not _view_count(src) >= 1000:
+                f.check()
+                if time.monotonic() > deadline:
+                    raise RuntimeError("the follower did not load the snapshot in 180 s")
+                time.sleep(0.1)
+            pending: dict[int, float] = {}
+            lat: list[float] = []
+            lock = threading.Lock()
+            stop = threading.Event()
+
+            def poll() -> None:
+                with psycopg.connect(src, autocommit=True) as c:
+                    while not stop.is_set():
+                        with lock:
+                            want = dict(pending)
+                        if want:
+                            rows = c.execute("SELECT id, val FROM public.bench_items WHERE id = ANY(%s)",
+                                             (list(want),)).fetchall()
+                            now = time.monotonic()
+                            with lock:
+                                for i, v in rows:
+                                    t0 = pending.get(i)
+                                    if t0 is not None and v == _expected.get(i):
+                                        lat.append(now - t0)
+                                        del pending[i]
+                        time.sleep(0.01)
+
+            _expected: dict[int, int] = {}
+            th = threading.Thread(target=poll, daemon=True)
+            th.start()
+            with psycopg.connect(src, autocommit=True) as c:
+                for s in range(samples):
+                    i = 1 + (s * 7) % 1000
+                    with lock:
+                        _expected[i] = s + 1
+                    c.execute("UPDATE public.items SET val = %s WHERE id = %s", (s + 1, i))
+                    with lock:
+                        pending[i] = time.monotonic()
+                    time.sleep(0.1)
+            deadline = time.monotonic() + 60
+            while True:
+                with lock:
+                    if not pending:
+                        break
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"{len(pending)} updates never became visible")
+                time.sleep(0.05)
+            stop.set()
+            th.join(5)
+            return lat
+        finally:
+            f.stop()
+            rt.close()
+    finally:
+        capture.terminate()
+        try:
+            capture.wait(30)
+        except subprocess.TimeoutExpired:
+            capture.kill()
+
+
+def _has_topic(path: Path, topic: str) -> bool:
+    try:
+        from kappaflow.log.embedded import EmbeddedLog
+
+        lg = EmbeddedLog(path, read_only=True)
+        try:
+            return topic in lg.list_topics()
+        finally:
+            lg.close()
+    except Exception:
+        return False
+
+
+def _view_count(dsn: str) -> int:
+    import psycopg
+
+    try:
+        with psycopg.connect(dsn) as c:
+            return int(c.execute("SELECT count(*) FROM public.bench_items").fetchone()[0])
+    except psycopg.Error:
+        return 0
+
+
+def percentile(xs: list[float], q: float) -> float:
+    s = sorted(xs)
+    if not s:
+        return float("nan")
+    k = min(len(s) - 1, max(0, round(q * (len(s) - 1))))
+    return s[k]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--events", type=int, default=1_000_000)
+    ap.add_argument("--keys", type=int, default=100_000)
+    ap.add_argument("--samples", type=int, default=200)
+    ap.add_argument("--dsn", default=os.environ.get("KAPPAFLOW_BENCH_DSN"),
+                    help="a PostgreSQL server with wal_level=logical (default: a private one)")
+    ap.add_argument("--master", default="local[*]")
+    ap.add_argument("--skip-follow", action="store_true")
+    args = ap.parse_args()
+
+    from kappaflow.projections.replay import replay
+    from kappaflow.projections.runtime import Runtime, spark_session
+    from kappaflow.projections.sinks.postgres import PostgresSink
+
+    work = Path(tempfile.mkdtemp(prefix="kappaflow-bench-replay-"))
+    server = None
+    try:
+        dsn = args.dsn
+        if not dsn:
+            from kappaflow.testing.servers.postgres import PrivatePostgres
+
+            server = PrivatePostgres(wal_level="logical").start()
+            dsn = server.dsn()
+        log_path = work / "log"
+        t0 = time.perf_counter()
+        gen = generate(log_path, args.events, args.keys)
+        generate(log_path.with_name("warm"), 20_000, 2_000, topic_source="warm")
+        log(f"generated {gen} in {time.perf_counter() - t0:.1f}s")
+
+        spark = spark_session(args.master)
+        result: dict[str, Any] = {"events": gen["events"], "log_records": gen["records"], "keys": args.keys,
+                                  "view_rows": gen["rows"], "cores": os.cpu_count(), "master": args.master}
+        # warm-up (JIT, Python workers) on a small log: part of start-up, not measured
+        warm = Runtime(spark, str(log_path.with_name("warm")), PostgresSink(dsn))
+        for p in projections("warm"):
+            replay(p, warm)
+        warm.close()
+
+        rt = Runtime(spark, str(log_path), PostgresSink(dsn), checkpoint_dir=work / "ckpt")
+        latest, grouped, custom = projections("bench")
+        for key, proj in (("declarative_events_per_s", latest), ("grouped_events_per_s", grouped),
+                          ("custom_fold_events_per_s", custom)):
+            t = time.perf_counter()
+            res = replay(proj, rt)
+            secs = time.perf_counter() - t
+            result[key] = round(gen["records"] / secs)
+            result[key.replace("_events_per_s", "_seconds")] = round(secs, 2)
+            log(f"{proj.name}: {res.rows} rows from {gen['records']} log records in {secs:.2f}s "
+                f"-> {gen['records'] / secs:,.0f}/s (build {res.build_seconds:.2f}s)")
+        result["copy_baseline_rows_per_s"] = round(copy_baseline(dsn, latest.name))
+        rt.close()
+        if not args.skip_follow:
+            lat = follow_latency(spark, dsn, work, args.samples)
+            result["follow_samples"] = len(lat)
+            result["follow_latency_p50_s"] = round(percentile(lat, 0.5), 3)
+            result["follow_latency_p99_s"] = round(percentile(lat, 0.99), 3)
+        spark.stop()
+        print(json.dumps(result))
+    finally:
+        if server is not None:
+            server.stop()
+        shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
