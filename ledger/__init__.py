@@ -11,11 +11,13 @@
         ledger.verify()                            # hash chain, dense positions, stream versions
     wait_for_projection(positions, "balances", r.position, timeout=5)   # read-your-writes
 
-Into the log: the PostgreSQL connector captures ``<schema>.events`` and maps rows with
-`kappaflow.ledger.logmap.to_log_record` (topic ``<source>.<stream_type>``, key = stream id, value =
-the domain event); without logical decoding, `LedgerRelay` follows the ledger instead.
+Into the log: the ledger source (``kappaflow.connectors.ledger``, source kind ``ledger``)
+captures ``<schema>.events`` from the WAL and maps rows with `kappaflow.ledger.logmap.to_log_record`
+(topic ``<source>.<stream_type>``, key = stream id, value = the domain event); without logical
+decoding, `LedgerRelay` follows the ledger instead and writes the same records.
 Modules: `store` (Ledger, the gap-safe ordering argument), `events` (typing, upcasting),
-`errors`, `hashing` (chain encoding, verify), `tail` (TailReader), `wait`, `logmap`, `relay`.
+`errors`, `hashing` (chain encoding, verify), `tail` (TailReader), `wait`, `logmap`, `relay`,
+`cut` (the log's end offsets as of a ledger position, for replays to a commit point).
 """
 
 from kappaflow.ledger.errors import (

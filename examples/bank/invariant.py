@@ -4,17 +4,16 @@
     no balance ever below zero
     both legs of a transfer are adjacent positions of one commit (never half applied)
 
-The replay takes any iterable of recorded events, so the same check runs on
-`ledger.iter_all()` today and, once the Projection API exists, against the balances view:
-SEAM -- the projections part will add `examples/bank/projections.py` with the balances
-(PostgreSQL view) and account-activity projections, and a test comparing the view's rows with
-`balances(ledger.iter_all())` after a replay.
+The replay takes any iterable of recorded events (`ledger.iter_all()`, or the events up to a
+commit point); `check_balances_view` holds the balances view (`examples/bank/projections.py`)
+replayed to the same point against it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from examples.bank.events import account_of
 from kappaflow.ledger import RecordedEvent
@@ -87,3 +86,26 @@ def check_invariants(events: Iterable[RecordedEvent]) -> Replay:
 def balances(events: Iterable[RecordedEvent]) -> dict[str, int]:
     """Balances after replaying `events` (what the balances view must show)."""
     return check_invariants(events).balances
+
+
+def check_balances_view(rows: Iterable[Mapping[str, Any]], events: Iterable[RecordedEvent]) -> Replay:
+    """The balances view at a commit point, checked on its own and against a replay of `events`
+    (the ledger up to that point): sum(balance) == sum(deposits) - sum(withdrawals) in the view,
+    and every balance and both totals equal the replay's. Raises InvariantViolation."""
+    st = check_invariants(events)
+    view = {str(r["account"]): r for r in rows}
+    total = sum(int(r["balance"]) for r in view.values())
+    deposits = sum(int(r["deposits"]) for r in view.values())
+    withdrawals = sum(int(r["withdrawals"]) for r in view.values())
+    where = max((int(r["last_position"]) for r in view.values()), default=0)
+    if total != deposits - withdrawals:
+        raise InvariantViolation(f"balances view: sum of balances {total} != deposits {deposits} - withdrawals "
+                                 f"{withdrawals}", where)
+    if (deposits, withdrawals) != (st.deposits, st.withdrawals):
+        raise InvariantViolation(f"balances view: deposits/withdrawals {deposits}/{withdrawals}, the ledger says "
+                                 f"{st.deposits}/{st.withdrawals}", where)
+    got = {a: int(r["balance"]) for a, r in view.items()}
+    if got != st.balances:
+        wrong = sorted(a for a in set(got) | set(st.balances) if got.get(a) != st.balances.get(a))
+        raise InvariantViolation(f"balances view differs from the ledger for accounts {wrong[:10]}", where)
+    return st
