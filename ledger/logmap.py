@@ -94,6 +94,40 @@ def _hex(value: Any) -> str | None:
     return None
 
 
+def text_row_record(source: str, row: Mapping[str, bytes | None]) -> tuple[str, Record, int]:
+    """(topic, record, position) from an events-table row in PostgreSQL's text output form (what
+    the connector receives; TimeZone UTC, bytea as hex): the same bytes as `to_log_record`,
+    converting each column once."""
+    r: Any = row  # NULL in a NOT NULL column fails below (AttributeError/TypeError)
+    try:
+        position = int(r["position"])
+        at = _utc(dt.datetime.fromisoformat(r["recorded_at"].decode()))
+        key = r.get("idempotency_key")
+        h = r.get("hash")
+        value = {
+            "position": position,
+            "stream_id": r["stream_id"].decode(),
+            "stream_type": r["stream_type"].decode(),
+            "stream_version": int(r["stream_version"]),
+            "event_type": r["event_type"].decode(),
+            "schema_version": int(r["schema_version"]),
+            "data": orjson.loads(r["payload"]),
+            "metadata": orjson.loads(r["metadata"] or b"{}"),
+            "recorded_at": at.isoformat(),
+            "idempotency_key": None if key is None else key.decode(),
+            "hash": h[2:].decode() if h is not None and h[:2] == b"\\x" else _hex(h),
+        }
+    except KeyError as exc:
+        raise ValidationError(f"ledger event row: missing column {exc.args[0]!r}") from None
+    except (AttributeError, TypeError, ValueError) as exc:  # orjson.JSONDecodeError is a ValueError
+        raise ValidationError(f"ledger event row at position {row.get('position')!r}: "
+                              f"{type(exc).__name__}: {exc}") from None
+    headers = ((POSITION_HEADER, b"%d" % position), (EVENT_TYPE_HEADER, value["event_type"].encode()))
+    return ledger_topic(source, value["stream_type"]), Record(
+        key=value["stream_id"].encode(), value=orjson.dumps(value), headers=headers,
+        timestamp_ms=_epoch_ms(at)), position
+
+
 def to_log_record(source: str, row: Mapping[str, Any] | RecordedEvent) -> tuple[str, Record]:
     """(topic, record) for one ledger event; the same bytes from a `RecordedEvent` (relay) and
     from an events-table row (connector)."""

@@ -31,6 +31,7 @@ still take back.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from psycopg import sql
@@ -41,8 +42,8 @@ from kappaflow.connectors.offsets import find_last
 from kappaflow.connectors.postgres import slots
 from kappaflow.connectors.postgres.connector import PostgresConnector, postgres_status
 from kappaflow.connectors.postgres.mapping import MappedRecord, RecordMapper
-from kappaflow.errors import Retry, SourceError
-from kappaflow.ledger.logmap import to_log_record
+from kappaflow.errors import Retry, SourceError, ValidationError
+from kappaflow.ledger.logmap import text_row_record
 from kappaflow.ledger.relay import record_position
 from kappaflow.log.base import Log, LogRecord
 
@@ -60,9 +61,12 @@ class LedgerRecordMapper(RecordMapper):
         self._prefix = source + "."
         self._schema_topic = source + ".__schema"
 
-    def map_insert(self, row: dict[str, Any], where: str) -> MappedRecord:
-        topic, record = to_log_record(self.source, row)
-        return MappedRecord(topic, record, int(row["position"]))
+    def map_insert(self, row: Mapping[str, bytes | None], where: str) -> MappedRecord:
+        try:
+            topic, record, position = text_row_record(self.source, row)
+        except ValidationError as exc:
+            raise ValidationError(f"{where}: {exc}") from None
+        return MappedRecord(topic, record, position)
 
     def owns_topic(self, topic: str) -> bool:
         return topic.startswith(self._prefix) and topic != self._schema_topic

@@ -213,8 +213,8 @@ class PgCapture:
         return self.max_tail is None or sort_key > self.max_tail
 
     # -- mapped tables ---------------------------------------------------------------------------
-    def emit_mapped(self, tc: TableCodec, row: dict[str, Any], where: str) -> bool:
-        """Add the mapper's record for an inserted row; False when the log already holds it."""
+    def emit_mapped(self, tc: TableCodec, row: Mapping[str, bytes | None], where: str) -> bool:
+        """Add the mapper's record for an inserted row (text values); False when the log already holds it."""
         m = tc.mapper.map_insert(row, where)
         topic = m.topic
         n = self.topic_partitions.get(topic)

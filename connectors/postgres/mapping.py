@@ -3,7 +3,10 @@
 The PostgreSQL connector normally writes one Debezium change event per row change to
 ``<source>.<schema>.<table>``. A :class:`RecordMapper` attached to a captured table
 replaces that: each row *inserted* into the table (snapshot or stream) is handed to
-:meth:`RecordMapper.map_insert`, which names the topic, the record and its **order**
+:meth:`RecordMapper.map_insert` in PostgreSQL's text output form (what pgoutput and
+``COPY`` send, with the connector's session settings: TimeZone UTC, DateStyle ISO,
+bytea as hex), so the mapper converts only what it needs, once. It names the topic,
+the record and its **order**
 (an integer that increases strictly along the table's commit order, e.g. the ledger's
 global position). Everything else stays the connector's: snapshot, streaming, offsets,
 acknowledging upstream only after the records are durable.
@@ -25,8 +28,8 @@ rewriting history downstream), naming the table and the WAL position.
 from __future__ import annotations
 
 import abc
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
 
 from kappaflow.errors import Retry, SourceError
 from kappaflow.log.base import CleanupPolicy, LogRecord, Record
@@ -50,10 +53,10 @@ class RecordMapper(abc.ABC):
     immutable_hint: str = ""
 
     @abc.abstractmethod
-    def map_insert(self, row: dict[str, Any], where: str) -> MappedRecord:
-        """The record for one inserted row (JSON form, as in the change events' ``after``).
+    def map_insert(self, row: Mapping[str, bytes | None], where: str) -> MappedRecord:
+        """The record for one inserted row: column name -> text output bytes (None: NULL).
 
-        ``where`` names the row's place for error messages ("WAL 0/16B3748", "snapshot").
+        ``where`` names the row's place for error messages ("WAL 0/16B3748", "snapshot of ...").
         """
 
     @abc.abstractmethod

@@ -113,6 +113,8 @@ class PgStreamingSource(StreamingSource):
         self.complete_end = 0  # end LSN of the last complete transaction in the pending batch
         self.duplicates = 0
         self.events = 0  # events emitted since the last flush (added to the offset and summary there)
+        self._where_lsn = -1  # mapped tables: the transaction named in error messages
+        self._where = ""
 
     # -- main loop ------------------------------------------------------------------------------
     def execute(self, offset: Any, stop: StopSignal, *, until_caught_up: bool = False) -> PgOffset:
@@ -596,24 +598,16 @@ class PgStreamingSource(StreamingSource):
     # -- append-only tables with a RecordMapper (mapping.py) ------------------------------------------
     def _mapped(self, m: bytes, tc: TableCodec, op: str) -> None:
         """An inserted row becomes the mapper's record; an UPDATE or DELETE stops the capture."""
-        where = f"WAL {lsn_str(self.tx_lsn)}"
+        if self._where_lsn != self.tx_lsn:  # once per transaction, not per row
+            self._where_lsn, self._where = self.tx_lsn, f"WAL {lsn_str(self.tx_lsn)}"
+        where = self._where
         if op != "INSERT":
             raise tc.mapper.refuse(tc.qualified, op, where)
-        r = None
-        if m[30] == 78:
-            try:
-                r = tc.fast(m, 31)
-            except Exception:
-                r = None
-        if r is not None and r[1] == len(m):
-            row = r[0]
-        else:
-            if m[30] != 78:
-                self.decoder.decode(m[25:], _xlog_start(m, 1)[0])
-            raw, _end = self._tuple(m, 31, "new")
-            row = tc.json_row(raw)
+        if m[30] != 78:
+            self.decoder.decode(m[25:], _xlog_start(m, 1)[0])  # raises the precise error
+        raw, _end = self._tuple(m, 31, "new")
         self.index += 1
-        if self.cap.emit_mapped(tc, row, where):
+        if self.cap.emit_mapped(tc, dict(zip(tc.names, raw, strict=True)), where):
             self.events += 1
         else:
             self.duplicates += 1
