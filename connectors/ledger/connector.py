@@ -14,7 +14,10 @@ row into the record `kappaflow.ledger.logmap.to_log_record` defines:
   timestamp = the recording time.
 
 Byte for byte what `kappaflow.ledger.LedgerRelay` (the fallback where ``wal_level`` is not
-``logical``) writes, so the two are interchangeable on the same log.
+``logical``) writes, so a log started by the relay can be continued by the connector at any
+time (its snapshot skips what the log holds). The other way round needs a clean stop of the
+connector first: the relay resumes after the highest position in the log, which after a
+crash of the connector may be ahead of a partition that missed its last batch.
 
 Exactly-once in effect, from positions: the ledger's global position is dense and in commit
 order, hence in WAL commit order, and it is the events table's primary key, so the snapshot

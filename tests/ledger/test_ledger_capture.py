@@ -93,6 +93,11 @@ def test_snapshot_then_streaming_exactly_once(ledger: Ledger, ledger_dsn: str, s
         per_stream.setdefault(key, []).append(doc["stream_version"])
     assert all(v == list(range(1, len(v) + 1)) for v in per_stream.values())  # stream order, no gaps
 
+    status = LedgerConnector(cfg, any_log).status()
+    assert (status["kind"], status["log_position"], status["ledger_head_position"], status["lag_events"]) == \
+        ("ledger", 100, 100, 0)
+    assert status["topics"] == {f"{source}.account": 50, f"{source}.audit": 50}
+
     # what the log holds is exactly what the ledger holds, event for event
     want = {r.position: to_log_record(source, r)[1].value for r in ledger.iter_all(decode=False)}
     got = {record_position_of(h): v for *_, v, h, _ts in recs}
@@ -116,6 +121,17 @@ def test_connector_and_relay_write_identical_records(ledger: Ledger, ledger_dsn:
         while relay.run_once():
             pass
         assert dump(any_log, source) == dump(relay_log, source)
+
+
+def test_connector_continues_a_log_the_relay_started(ledger: Ledger, ledger_dsn: str, source: str,
+                                                    embedded_log: Log) -> None:
+    fill(ledger, 0, 15)
+    LedgerRelay(ledger, embedded_log, source, partitions=3).run_once()
+    fill(ledger, 15, 10)
+    summary = capture(source_config(ledger_dsn, source), embedded_log)
+    assert summary.duplicates_skipped == 30 and summary.events == 20  # the snapshot skipped the relayed events
+    positions = Counter(record_position_of(h) for *_, h, _ts in dump(embedded_log, source))
+    assert sorted(positions) == list(range(1, 51)) and set(positions.values()) == {1}
 
 
 class Crash(BaseException):
