@@ -1,46 +1,20 @@
-"""Build the SparkSession for projections from `[spark]` config, locally or on a cluster.
+"""Ship kappaflow's code to Spark executors on a cluster.
 
-On a cluster, executors need kappaflow's code (and the user's projection module). It is shipped the
-way `spark-submit --py-files` would: a zip of the importable packages added with `addPyFile`, built
-from the import system so it works for wheels and editable installs alike.
+Executors need kappaflow's code (the data source reader, folds) and sometimes the user's projection
+module. It is shipped the way `spark-submit --py-files` would: a zip of the importable packages added
+with `addPyFile` (see `kappaflow.projections.runtime.spark_session`), built from the import system so it
+works for wheels and editable installs alike.
 """
 
 from __future__ import annotations
 
-import os
-import sys
 import tempfile
 import zipfile
 from collections.abc import Iterable
 from pathlib import Path
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from pyspark.sql import SparkSession
-
-    from kappaflow.config import SparkConfig
 
 _SHIPPED = ("kappaflow", "kappaflow.connectors", "kappaflow.projections", "kappaflow.ledger",
             "kappaflow.migrations")
-
-
-def build_session(config: SparkConfig, *, ship_modules: Iterable[str] = ()) -> SparkSession:
-    """A SparkSession for `config`; `ship_modules` names extra top-level modules (e.g. `examples`)."""
-    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
-    from pyspark.sql import SparkSession
-
-    builder = SparkSession.builder.master(config.master).appName(config.app_name)
-    defaults = {"spark.sql.session.timeZone": "UTC", "spark.ui.showConsoleProgress": "false",
-                "spark.sql.shuffle.partitions": "8" if config.master.startswith("local") else "32"}
-    for key, value in {**defaults, **config.conf}.items():
-        builder = builder.config(key, value)
-    session = builder.getOrCreate()
-    if not config.master.startswith("local"):
-        session.sparkContext.addPyFile(str(code_archive(ship_modules)))
-    from kappaflow.projections.datasource import register
-
-    register(session)
-    return session
 
 
 def code_archive(extra_modules: Iterable[str] = (), target_dir: Path | None = None) -> Path:

@@ -21,8 +21,12 @@ from kappaflow.projections.sinks.base import Sink
 Offsets = dict[str, dict[int, int]]
 
 
-def spark_session(master: str = "local[*]", app_name: str = "kappaflow", conf: dict[str, str] | None = None) -> SparkSession:
-    """A SparkSession for kappaflow jobs (workers run this interpreter; UTC; few shuffle partitions)."""
+def spark_session(master: str = "local[*]", app_name: str = "kappaflow", conf: dict[str, str] | None = None,
+                  ship_modules: tuple[str, ...] = ()) -> SparkSession:
+    """A SparkSession for kappaflow jobs (workers run this interpreter; UTC; few shuffle partitions).
+
+    `ship_modules` names extra top-level modules executors need on a cluster (e.g. `examples`).
+    """
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
     os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
     builder = SparkSession.builder.master(master).appName(app_name)
@@ -38,6 +42,11 @@ def spark_session(master: str = "local[*]", app_name: str = "kappaflow", conf: d
         builder = builder.config(k, v)
     spark = builder.getOrCreate()
     spark.sparkContext.setLogLevel("ERROR")
+    if not master.startswith("local"):
+        # Executors on a cluster get kappaflow's code the way --py-files would ship it.
+        from kappaflow.spark import code_archive
+
+        spark.sparkContext.addPyFile(str(code_archive(ship_modules)))
     register(spark)
     return spark
 
@@ -54,7 +63,7 @@ class Runtime:
     def __post_init__(self) -> None:
         register(self.spark)
         if self.dsn is None and getattr(self.sink, "dsn", None):
-            self.dsn = self.sink.dsn  # type: ignore[attr-defined]
+            self.dsn = self.sink.dsn
 
     @classmethod
     def from_settings(cls, settings: Any, spark: SparkSession | None = None) -> Runtime:
