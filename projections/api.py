@@ -250,8 +250,17 @@ class ProjectionSpec:
         """Stable hash of the definition (sources, key, fold, expressions, schema, apply's code)."""
         import hashlib
 
-        parts: list[str] = [self.name, self.view, str(self.namespace), repr(self.topics), repr(self.key),
-                            self.kind, repr(self.derive), repr(self.where), repr(self.schema)]
+        parts: list[str] = [
+            self.name,
+            self.view,
+            str(self.namespace),
+            repr(self.topics),
+            repr(self.key),
+            self.kind,
+            repr(self.derive),
+            repr(self.where),
+            repr(self.schema),
+        ]
         for s in self.sources:
             parts.append(repr(sorted((s.key or {}).items())))
         if isinstance(self.fold, LatestFold):
@@ -318,17 +327,23 @@ class ProjectionSpec:
         if not isinstance(derive, Mapping) or not all(
             isinstance(k, str) and isinstance(v, str) and v.strip() for k, v in derive.items()
         ):
-            raise ConfigError(f"{where}: 'derive': expected a dict of column name -> Spark SQL expression, got {derive!r}")
+            raise ConfigError(
+                f"{where}: 'derive': expected a dict of column name -> Spark SQL expression, got {derive!r}"
+            )
         cond = attr("where")
         if cond is not None and (not isinstance(cond, str) or not cond.strip()):
             raise ConfigError(f"{where}: 'where': expected a Spark SQL boolean expression, got {cond!r}")
         schema = attr("schema")
         if schema is not None and (not isinstance(schema, str) or not schema.strip()):
-            raise ConfigError(f"{where}: 'schema': expected Spark DDL like 'id bigint, total decimal(18,2)', got {schema!r}")
+            raise ConfigError(
+                f"{where}: 'schema': expected Spark DDL like 'id bigint, total decimal(18,2)', got {schema!r}"
+            )
 
         aggregates = attr("aggregates") or {}
         if not isinstance(aggregates, Mapping):
-            raise ConfigError(f"{where}: 'aggregates': expected a dict of column name -> Count()/Sum(col)/..., got {aggregates!r}")
+            raise ConfigError(
+                f"{where}: 'aggregates': expected a dict of column name -> Count()/Sum(col)/..., got {aggregates!r}"
+            )
         custom = klass.apply is not Projection.apply
         columns = attr("columns")
 
@@ -337,8 +352,10 @@ class ProjectionSpec:
             if aggregates:
                 raise ConfigError(f"{where}: declare either 'aggregates' or an 'apply' method, not both")
             if schema is None:
-                raise ConfigError(f"{where}: 'schema': a custom fold (apply) must declare its output schema, "
-                                  "e.g. schema = 'customer_id bigint, total decimal(18,2)'")
+                raise ConfigError(
+                    f"{where}: 'schema': a custom fold (apply) must declare its output schema, "
+                    "e.g. schema = 'customer_id bigint, total decimal(18,2)'"
+                )
             if derive or cond:
                 raise ConfigError(f"{where}: 'derive'/'where' apply to declarative folds; filter inside apply()")
             params = list(inspect.signature(klass.apply).parameters)
@@ -361,8 +378,10 @@ class ProjectionSpec:
                     raise ConfigError(f"{where}: 'aggregates'[{out!r}]: the name is also a key column")
                 aggs.append((out, agg))
             if columns is not None:
-                raise ConfigError(f"{where}: 'columns' selects the columns of a latest-row view; "
-                                  "a grouped view's columns are its key and aggregates")
+                raise ConfigError(
+                    f"{where}: 'columns' selects the columns of a latest-row view; "
+                    "a grouped view's columns are its key and aggregates"
+                )
             fold = GroupFold(tuple(aggs))
         else:
             if columns is not None:

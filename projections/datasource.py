@@ -52,9 +52,7 @@ from pyspark.sql.types import StructType
 from kappaflow.errors import ConfigError, LogError
 
 FORMAT = "kappaflow"
-SCHEMA_DDL = (
-    "topic string, partition int, offset bigint, key binary, value binary, timestamp timestamp, op string"
-)
+SCHEMA_DDL = "topic string, partition int, offset bigint, key binary, value binary, timestamp timestamp, op string"
 ARROW_SCHEMA = pa.schema(
     [
         ("topic", pa.string()),
@@ -82,7 +80,7 @@ def _client_options(options: Mapping[str, str]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for k, v in options.items():
         if k.lower().startswith("kafka."):
-            name = k[len("kafka."):]
+            name = k[len("kafka.") :]
             out[name] = int(v) if isinstance(v, str) and v.isdigit() else v
     return out
 
@@ -146,13 +144,17 @@ def parse_offsets(option: str, value: str | None, default: str) -> str | Offsets
     out: Offsets = {}
     for topic, parts in raw.items():
         if not isinstance(parts, dict):
-            raise ConfigError(f"kappaflow data source option {option!r}.{topic}: expected an object of partition -> offset")
+            raise ConfigError(
+                f"kappaflow data source option {option!r}.{topic}: expected an object of partition -> offset"
+            )
         out[topic] = {}
         for p, off in parts.items():
             try:
                 pi = int(p)
             except ValueError:
-                raise ConfigError(f"kappaflow data source option {option!r}.{topic}: partition {p!r} is not an integer") from None
+                raise ConfigError(
+                    f"kappaflow data source option {option!r}.{topic}: partition {p!r} is not an integer"
+                ) from None
             if not isinstance(off, int) or isinstance(off, bool) or off < -2:
                 raise ConfigError(
                     f"kappaflow data source option {option!r}.{topic}.{p}: expected an offset >= 0 "
@@ -187,12 +189,14 @@ def _resolve(log: Any, topics: list[str], spec: str | Offsets, *, end: bool) -> 
                 out[topic][p] = off
         unknown = set(given) - set(range(n))
         if unknown:
-            raise ConfigError(f"kappaflow data source: topic {topic!r} has {n} partitions, no partition {sorted(unknown)}")
+            raise ConfigError(
+                f"kappaflow data source: topic {topic!r} has {n} partitions, no partition {sorted(unknown)}"
+            )
     return out
 
 
 # ---------------------------------------------------------------------------------------------
-class LogRange(InputPartition):  # type: ignore[misc]
+class LogRange(InputPartition):
     """One Spark partition: offsets [start, end) of one log partition."""
 
     def __init__(self, topic: str, partition: int, start: int, end: int) -> None:
@@ -232,17 +236,20 @@ def _record_chunks(log: Any, rng: LogRange, chunk: int, start: int | None = None
         try:
             recs = log.read(topic, rng.partition, offset, min(chunk, rng.end - offset))
         except LogError as exc:
-            raise LogError(
-                f"reading {topic}[{rng.partition}] at offset {offset}: {exc}", retry=exc.retry
-            ) from exc
+            raise LogError(f"reading {topic}[{rng.partition}] at offset {offset}: {exc}", retry=exc.retry) from exc
         if not recs:
             break
         if recs[-1].offset >= rng.end:
             recs = [r for r in recs if r.offset < rng.end]
             if not recs:
                 break
-        yield ([r.offset for r in recs], [r.key for r in recs], [r.value for r in recs],
-               [r.timestamp_ms for r in recs], [r.headers for r in recs])
+        yield (
+            [r.offset for r in recs],
+            [r.key for r in recs],
+            [r.value for r in recs],
+            [r.timestamp_ms for r in recs],
+            [r.headers for r in recs],
+        )
         offset = recs[-1].offset + 1
 
 
@@ -327,13 +334,14 @@ def _op_of(headers: Any) -> str | None:
 
             return _op_of(decode_headers(headers))
     else:
-        v = None
+        found: bytes | None = None
         for hk, hv in headers:
             if hk == "kf.op":
-                v = hv
+                found = hv
                 break
-        if v is None:
+        if found is None:
             return None
+        v = found
     op = _OP_TEXT.get(v, "")
     if op == "":
         op = _OP_TEXT[v] = str(v.decode("ascii", "replace"))
@@ -357,8 +365,9 @@ def _batch(topic: str, partition: int, cols: Columns) -> pa.RecordBatch:
     )
 
 
-def read_range(log: Any, rng: LogRange, chunk: int = READ_CHUNK, *, latest_per_key: bool = False
-               ) -> Iterator[pa.RecordBatch]:
+def read_range(
+    log: Any, rng: LogRange, chunk: int = READ_CHUNK, *, latest_per_key: bool = False
+) -> Iterator[pa.RecordBatch]:
     """Arrow batches of the records in `rng` (compaction gaps are simply absent).
 
     ``latest_per_key``: only the last record of each key in the range (keyless records
@@ -375,17 +384,23 @@ def read_range(log: Any, rng: LogRange, chunk: int = READ_CHUNK, *, latest_per_k
     keyless: list[tuple[int, Any, Any, int, Any]] = []
     for offsets, keys, values, ts, heads in _chunks(log, rng, chunk):
         if None in keys:
-            keyless += [(o, None, v, t, h) for o, k, v, t, h in zip(offsets, keys, values, ts, heads, strict=True)
-                        if k is None]
+            keyless += [
+                (o, None, v, t, h) for o, k, v, t, h in zip(offsets, keys, values, ts, heads, strict=True) if k is None
+            ]
         # dict.update keeps the last value per key: one C-level pass per chunk
         latest.update(zip(keys, zip(offsets, values, ts, heads, strict=True), strict=True))
     latest.pop(None, None)
     survivors = sorted([(o, k, v, t, h) for k, (o, v, t, h) in latest.items()] + keyless, key=_first)
     for i in range(0, len(survivors), chunk):
-        part = survivors[i:i + chunk]
-        cols: Columns = ([r[0] for r in part], [r[1] for r in part], [r[2] for r in part], [r[3] for r in part],
-                         [r[4] for r in part])
-        yield _batch(rng.topic, rng.partition, cols)
+        part = survivors[i : i + chunk]
+        out: Columns = (
+            [r[0] for r in part],
+            [r[1] for r in part],
+            [r[2] for r in part],
+            [r[3] for r in part],
+            [r[4] for r in part],
+        )
+        yield _batch(rng.topic, rng.partition, out)
 
 
 def _first(r: tuple[Any, ...]) -> Any:
@@ -425,7 +440,7 @@ def _positive(opts: Mapping[str, str], name: str) -> int | None:
     return n
 
 
-class KappaflowDataSource(DataSource):  # type: ignore[misc]
+class KappaflowDataSource(DataSource):
     """``spark.read.format("kappaflow")`` and ``spark.readStream.format("kappaflow")``."""
 
     @classmethod
@@ -442,7 +457,7 @@ class KappaflowDataSource(DataSource):  # type: ignore[misc]
         return _StreamReader(_Options(self.options))
 
 
-class _BatchReader(DataSourceReader):  # type: ignore[misc]
+class _BatchReader(DataSourceReader):
     def __init__(self, opts: _Options) -> None:
         self.opts = opts
 
@@ -452,11 +467,11 @@ class _BatchReader(DataSourceReader):  # type: ignore[misc]
         end = _resolve(log, self.opts.topics, self.opts.ending, end=True)
         return plan_ranges(start, end, self.opts.max_per_split)
 
-    def read(self, partition: LogRange) -> Iterator[pa.RecordBatch]:
+    def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
         return _read_with_reconnect(self.opts, partition)
 
 
-def _read_with_reconnect(opts: _Options, partition: LogRange) -> Iterator[pa.RecordBatch]:
+def _read_with_reconnect(opts: _Options, partition: InputPartition) -> Iterator[pa.RecordBatch]:
     if not isinstance(partition, LogRange):
         return  # Spark's placeholder partition when there is nothing to read
     try:
@@ -471,7 +486,7 @@ def _read_with_reconnect(opts: _Options, partition: LogRange) -> Iterator[pa.Rec
         raise
 
 
-class _StreamReader(DataSourceStreamReader):  # type: ignore[misc]
+class _StreamReader(DataSourceStreamReader):
     """Offsets are JSON-safe dicts ``{topic: {"partition": next_offset}}``."""
 
     def __init__(self, opts: _Options) -> None:
@@ -525,7 +540,7 @@ class _StreamReader(DataSourceStreamReader):  # type: ignore[misc]
     def partitions(self, start: dict[str, Any], end: dict[str, Any]) -> list[LogRange]:
         return plan_ranges(self._from_json_safe(start), self._from_json_safe(end), self.opts.max_per_split)
 
-    def read(self, partition: LogRange) -> Iterator[pa.RecordBatch]:
+    def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
         return _read_with_reconnect(self.opts, partition)
 
     def commit(self, end: dict[str, Any]) -> None:

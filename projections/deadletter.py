@@ -57,8 +57,9 @@ def _open_writer(log_url: str, client_options: Mapping[str, Any], timeout_s: flo
             delay = min(delay * 2, 0.5)
 
 
-def write_dead_letters(log_url: str, client_options: Mapping[str, Any], projection: str,
-                       rows: Sequence[Mapping[str, Any]]) -> int:
+def write_dead_letters(
+    log_url: str, client_options: Mapping[str, Any], projection: str, rows: Sequence[Mapping[str, Any]]
+) -> int:
     """Append dead letters (dicts with topic, partition, offset, key, reason)."""
     if not rows:
         return 0

@@ -103,28 +103,36 @@ def _dead_rows(rows: list[Any]) -> list[dict[str, Any]]:
     for r in rows:
         d = r.asDict() if hasattr(r, "asDict") else dict(r)
         if d.get("_kf_dl_reason") is not None:
-            out.append({"topic": d["_kf_dl_topic"], "partition": d["_kf_dl_partition"],
-                        "offset": d["_kf_dl_offset"], "key": d.get("_kf_dl_key"), "reason": d["_kf_dl_reason"]})
+            out.append(
+                {
+                    "topic": d["_kf_dl_topic"],
+                    "partition": d["_kf_dl_partition"],
+                    "offset": d["_kf_dl_offset"],
+                    "key": d.get("_kf_dl_key"),
+                    "reason": d["_kf_dl_reason"],
+                }
+            )
     return out
 
 
 def _collect_bad(plan: Plan, raws: dict[str, DataFrame]) -> list[dict[str, Any]]:
     ev = plan.all_events(raws).where("_kf_bad").select("_kf_topic", "_kf_partition", "_kf_offset", "_kf_key")
-    return [{"topic": r[0], "partition": r[1], "offset": r[2], "key": r[3], "reason": BAD_REASON}
-            for r in ev.collect()]
+    return [{"topic": r[0], "partition": r[1], "offset": r[2], "key": r[3], "reason": BAD_REASON} for r in ev.collect()]
 
 
 def _dead_letter(rt: Runtime, plan: Plan, rows: list[dict[str, Any]]) -> int:
     if not rows:
         return 0
     for r in rows[:5]:
-        log.warning("dead letter for %s: %s[%s]@%s: %s", plan.spec.name, r["topic"], r["partition"], r["offset"],
-                    r["reason"])
+        log.warning(
+            "dead letter for %s: %s[%s]@%s: %s", plan.spec.name, r["topic"], r["partition"], r["offset"], r["reason"]
+        )
     return write_dead_letters(rt.log_url, rt.log_options, plan.spec.name, rows)
 
 
-def _fold_job(plan: Plan, version: int, sink: Sink | None = None, target: Target | None = None, *,
-              sorted_input: bool = True) -> FoldJob:
+def _fold_job(
+    plan: Plan, version: int, sink: Sink | None = None, target: Target | None = None, *, sorted_input: bool = True
+) -> FoldJob:
     spec = plan.spec
     assert spec.cls is not None
     _pickle_by_value(spec.cls)
@@ -182,25 +190,32 @@ def build(plan: Plan, rt: Runtime, target: Target, end: Offsets, *, dead_letters
         if in_place:
             # One Spark task per log partition reads and folds it directly (see executor._run_direct).
             ranges = [(r.topic, r.partition, r.start, r.end) for r in plan_ranges({}, end, None)]
-            job = replace(_fold_job(plan, version, sorted_input=False), log_url=rt.log_url,
-                          log_options=dict(rt.log_options), key_columns=_key_columns(plan))
+            job = replace(
+                _fold_job(plan, version, sorted_input=False),
+                log_url=rt.log_url,
+                log_options=dict(rt.log_options),
+                key_columns=_key_columns(plan),
+            )
             src = rt.spark.createDataFrame(
                 rt.spark.sparkContext.parallelize(ranges or [("", 0, 0, 0)], max(1, len(ranges))),
-                "topic string, partition int, start bigint, end bigint")
+                "topic string, partition int, start bigint, end bigint",
+            )
             folded = src.mapInArrow(make_folder(job), fold_output_type(plan))
         else:
             raws = {t: rt.raw(t, "earliest", end, split) for t in spec.topics}
             ev = plan.custom_events(raws)
             parts = int(rt.spark.conf.get("spark.sql.shuffle.partitions") or 4)
-            folded = plan.sorted_for_fold(ev, parts).mapInArrow(make_folder(_fold_job(plan, version)),
-                                                                fold_output_type(plan))
+            folded = plan.sorted_for_fold(ev, parts).mapInArrow(
+                make_folder(_fold_job(plan, version)), fold_output_type(plan)
+            )
         out = folded.mapInArrow(make_loader(cfg, target), LOAD_RESULT_DDL).collect()
         res.rows = sum(r["_kf_loaded"] or 0 for r in out)
         dead = _dead_rows(out)
     else:
         deduped = max(spans, default=0) <= LATEST_SPLIT
-        raws = {t: rt.raw(t, "earliest", end, None if deduped else LATEST_SPLIT, latest_per_key=True)
-                for t in spec.topics}
+        raws = {
+            t: rt.raw(t, "earliest", end, None if deduped else LATEST_SPLIT, latest_per_key=True) for t in spec.topics
+        }
         ev = plan.all_events(raws).observe(obs, F.count(F.when(F.col("_kf_bad"), 1)).alias("bad"))
         rows = plan.rows(plan.latest(ev, deduped=deduped))
         if isinstance(spec.fold, LatestFold):
@@ -211,8 +226,9 @@ def build(plan: Plan, rt: Runtime, target: Target, end: Offsets, *, dead_letters
             state = plan.state_rows(rows).persist(StorageLevel.MEMORY_AND_DISK)
             try:
                 state.mapInArrow(make_loader(cfg, target, state=True), LOAD_RESULT_DDL).collect()
-                out = plan.group_view_rows(state, version).mapInArrow(
-                    make_loader(cfg, target), LOAD_RESULT_DDL).collect()
+                out = (
+                    plan.group_view_rows(state, version).mapInArrow(make_loader(cfg, target), LOAD_RESULT_DDL).collect()
+                )
                 res.rows = sum(r["_kf_loaded"] or 0 for r in out)
             finally:
                 state.unpersist()
@@ -239,14 +255,22 @@ def _offset_filter(before: Positions) -> Any:
     for (t, p), o in before.items():
         pairs += [F.lit(f"{t}\x00{p}"), F.lit(int(o))]
     m = F.create_map(*pairs)
-    start = F.coalesce(F.element_at(m, F.concat_ws("\x00", F.col("topic"), F.col("partition").cast("string"))),
-                       F.lit(0).cast("bigint"))
+    start = F.coalesce(
+        F.element_at(m, F.concat_ws("\x00", F.col("topic"), F.col("partition").cast("string"))), F.lit(0).cast("bigint")
+    )
     return F.col("offset") >= start
 
 
-def apply_batch(plan: Plan, rt: Runtime, target: Target, raws: dict[str, DataFrame], before: Positions,
-                known_end: Offsets | None = None, sink: Sink | None = None,
-                deduped_input: bool | None = None) -> BatchResult:
+def apply_batch(
+    plan: Plan,
+    rt: Runtime,
+    target: Target,
+    raws: dict[str, DataFrame],
+    before: Positions,
+    known_end: Offsets | None = None,
+    sink: Sink | None = None,
+    deduped_input: bool | None = None,
+) -> BatchResult:
     """Fold `raws` (already bounded) into `target` in one sink transaction with the positions.
 
     `sink` defaults to ``rt.sink``; a follower passes its own (a sink's connection is not
@@ -264,8 +288,13 @@ def apply_batch(plan: Plan, rt: Runtime, target: Target, raws: dict[str, DataFra
         if cond is not None:
             df = df.where(cond)
         obs = Observation(f"kf_batch_{spec.name}_{t}_{time.monotonic_ns()}")
-        metrics = [F.count(F.lit(1)).alias("events")]
-        metrics += [F.max(F.when(F.col("partition") == p, F.col("offset"))).alias(f"p{p}") for p in range(partitions[t])]
+        metrics = plan._cached(
+            ("metrics", t, partitions[t]),
+            lambda t=t: (
+                [F.count(F.lit(1)).alias("events")]
+                + [F.max(F.when(F.col("partition") == p, F.col("offset"))).alias(f"p{p}") for p in range(partitions[t])]
+            ),
+        )
         observed[t] = df.observe(obs, *metrics)
         observations.append(obs)
     res = BatchResult()
@@ -276,24 +305,35 @@ def apply_batch(plan: Plan, rt: Runtime, target: Target, raws: dict[str, DataFra
         in_place = plan.fold_in_place and deduped_input is not None
         ev = plan.custom_events(observed, in_place=in_place)
         if in_place:
-            folded = ev.mapInArrow(make_folder(_fold_job(plan, 0, sink, target, sorted_input=False)),
-                                   fold_output_type(plan))
+            folded = ev.mapInArrow(
+                make_folder(_fold_job(plan, 0, sink, target, sorted_input=False)), fold_output_type(plan)
+            )
         else:
             parts = int(rt.spark.conf.get("spark.sql.shuffle.partitions") or 4)
-            folded = plan.sorted_for_fold(ev, parts).mapInArrow(make_folder(_fold_job(plan, 0, sink, target)),
-                                                                fold_output_type(plan))
+            folded = plan.sorted_for_fold(ev, parts).mapInArrow(
+                make_folder(_fold_job(plan, 0, sink, target)), fold_output_type(plan)
+            )
         out = folded.toArrow()
         reasons = out.column("_kf_dl_reason")
         dl_mask = pc.is_valid(reasons)
         if pc.any(dl_mask).as_py():
             d = out.filter(dl_mask)
-            dead = [{"topic": r["_kf_dl_topic"], "partition": r["_kf_dl_partition"], "offset": r["_kf_dl_offset"],
-                     "key": r["_kf_dl_key"], "reason": r["_kf_dl_reason"]} for r in d.to_pylist()]
+            dead = [
+                {
+                    "topic": r["_kf_dl_topic"],
+                    "partition": r["_kf_dl_partition"],
+                    "offset": r["_kf_dl_offset"],
+                    "key": r["_kf_dl_key"],
+                    "reason": r["_kf_dl_reason"],
+                }
+                for r in d.to_pylist()
+            ]
             out = out.filter(pc.invert(dl_mask))
         tbl = out.select([*plan.view.column_names, VERSION, DELETED])
     else:
         bad_obs = Observation(f"kf_bad_{spec.name}_{time.monotonic_ns()}")
-        ev = plan.all_events(observed).observe(bad_obs, F.count(F.when(F.col("_kf_bad"), 1)).alias("bad"))
+        bad_metric = plan._cached("bad_metric", lambda: F.count(F.when(F.col("_kf_bad"), 1)).alias("bad"))
+        ev = plan.all_events(observed).observe(bad_obs, bad_metric)
         rows = plan.rows(plan.latest(ev, deduped=bool(deduped_input)))
         if isinstance(spec.fold, LatestFold):
             tbl = plan.latest_changes(rows).toArrow()
@@ -320,19 +360,21 @@ def apply_batch(plan: Plan, rt: Runtime, target: Target, raws: dict[str, DataFra
     res.events = sum(v - before.get(k, 0) for k, v in changed.items())  # log records consumed
     wm = watermark(after)
     if isinstance(spec.fold, GroupFold):
-        w = _with_retry("applying the batch", lambda: sink.apply_grouped(target, tbl, wm, changed))  # type: ignore[union-attr]
+        w = _with_retry("applying the batch", lambda: sink.apply_grouped(target, tbl, wm, changed))
     else:
         if isinstance(spec.fold, CustomFold) and tbl.num_rows:
-            tbl = tbl.set_column(tbl.schema.get_field_index(VERSION), VERSION,
-                                 pa.array([wm] * tbl.num_rows, pa.int64()))
-        w = _with_retry("applying the batch", lambda: sink.write(target, tbl, changed))  # type: ignore[union-attr]
+            tbl = tbl.set_column(
+                tbl.schema.get_field_index(VERSION), VERSION, pa.array([wm] * tbl.num_rows, pa.int64())
+            )
+        w = _with_retry("applying the batch", lambda: sink.write(target, tbl, changed))
     res.upserted, res.deleted = w.upserted, w.deleted
     res.positions = after
     return res
 
 
-def apply_range(plan: Plan, rt: Runtime, target: Target, start: Offsets, end: Offsets,
-                sink: Sink | None = None) -> BatchResult:
+def apply_range(
+    plan: Plan, rt: Runtime, target: Target, start: Offsets, end: Offsets, sink: Sink | None = None
+) -> BatchResult:
     declarative = not isinstance(plan.spec.fold, CustomFold)
     raws = {t: rt.raw(t, start, end, latest_per_key=declarative) for t in plan.spec.topics}
     return apply_batch(plan, rt, target, raws, flatten(start), known_end=end, sink=sink, deduped_input=True)
@@ -342,5 +384,14 @@ class ProjectionBusy(SinkError):
     """Another replay or follow holds the projection's lock."""
 
 
-__all__ = ["BatchResult", "BuildResult", "ProjectionBusy", "apply_batch", "apply_range", "build", "flatten",
-           "prepare", "watermark"]
+__all__ = [
+    "BatchResult",
+    "BuildResult",
+    "ProjectionBusy",
+    "apply_batch",
+    "apply_range",
+    "build",
+    "flatten",
+    "prepare",
+    "watermark",
+]

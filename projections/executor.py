@@ -24,12 +24,14 @@ EMIT_CHUNK = 4096
 def _no_migrate(cfg: SinkConfig) -> SinkConfig:
     """Workers never run migrations (the driver did)."""
     if hasattr(cfg, "migrate"):
-        return replace(cfg, migrate=False)  # type: ignore[type-var]
+        return replace(cfg, migrate=False)
     return cfg
 
 
 # --- bulk load of replay output -------------------------------------------------------------------
-def make_loader(cfg: SinkConfig, target: Target, *, state: bool = False) -> Callable[[Iterator[pa.RecordBatch]], Iterator[pa.RecordBatch]]:
+def make_loader(
+    cfg: SinkConfig, target: Target, *, state: bool = False
+) -> Callable[[Iterator[pa.RecordBatch]], Iterator[pa.RecordBatch]]:
     """mapInArrow function: COPY one partition's rows into `target`, output one count row.
 
     Rows carrying a dead-letter reason are passed through instead (as output rows), so one
@@ -52,10 +54,7 @@ def make_loader(cfg: SinkConfig, target: Target, *, state: bool = False) -> Call
 
         sink = cfg.open()
         try:
-            if state:
-                n = sink.load_state(target, rows())  # type: ignore[attr-defined]
-            else:
-                n = sink.load(target, rows())
+            n = sink.load_state(target, rows()) if state else sink.load(target, rows())
         finally:
             sink.close()
         yield _count_batch(n, dead)
@@ -63,12 +62,20 @@ def make_loader(cfg: SinkConfig, target: Target, *, state: bool = False) -> Call
     return load
 
 
-LOAD_RESULT_DDL = ("_kf_loaded bigint, _kf_dl_topic string, _kf_dl_partition int, _kf_dl_offset bigint, "
-                   "_kf_dl_key binary, _kf_dl_reason string")
-_LOAD_RESULT = pa.schema([
-    ("_kf_loaded", pa.int64()), ("_kf_dl_topic", pa.string()), ("_kf_dl_partition", pa.int32()),
-    ("_kf_dl_offset", pa.int64()), ("_kf_dl_key", pa.binary()), ("_kf_dl_reason", pa.string()),
-])
+LOAD_RESULT_DDL = (
+    "_kf_loaded bigint, _kf_dl_topic string, _kf_dl_partition int, _kf_dl_offset bigint, "
+    "_kf_dl_key binary, _kf_dl_reason string"
+)
+_LOAD_RESULT = pa.schema(
+    [
+        ("_kf_loaded", pa.int64()),
+        ("_kf_dl_topic", pa.string()),
+        ("_kf_dl_partition", pa.int32()),
+        ("_kf_dl_offset", pa.int64()),
+        ("_kf_dl_key", pa.binary()),
+        ("_kf_dl_reason", pa.string()),
+    ]
+)
 
 
 def _count_batch(n: int, dead: list[pa.RecordBatch]) -> pa.RecordBatch:
@@ -126,8 +133,9 @@ def row_decoder(schema: Any) -> Callable[[dict[str, Any]], dict[str, Any]]:
     """
     from kappaflow.events.values import default_wire, make_decoder
 
-    convs = tuple((c.name, make_decoder(c, default_wire(c, "string"))) for c in schema.columns
-                  if c.type.value not in _PLAIN_TYPES)
+    convs = tuple(
+        (c.name, make_decoder(c, default_wire(c, "string"))) for c in schema.columns if c.type.value not in _PLAIN_TYPES
+    )
 
     def dec(row: dict[str, Any]) -> dict[str, Any]:
         for name, fn in convs:
@@ -155,8 +163,15 @@ class _Folder:
         self.follow = job.sink is not None
 
     # -- decoding --------------------------------------------------------------------------
-    def _event(self, topic: str, partition: int, offset: int, key: bytes | None, value: bytes,
-               key_dict: dict[str, Any] | None = None) -> Any:
+    def _event(
+        self,
+        topic: str,
+        partition: int,
+        offset: int,
+        key: bytes | None,
+        value: bytes,
+        key_dict: dict[str, Any] | None = None,
+    ) -> Any:
         from kappaflow.projections.api import Event
 
         obj = orjson.loads(value)
@@ -198,8 +213,15 @@ class _Folder:
         self.out.append(out)
 
     def _dead(self, topic: str, partition: int, offset: int, key: bytes | None, reason: str) -> None:
-        self.out.append({"_kf_dl_topic": topic, "_kf_dl_partition": partition, "_kf_dl_offset": offset,
-                         "_kf_dl_key": key, "_kf_dl_reason": reason[:2000]})
+        self.out.append(
+            {
+                "_kf_dl_topic": topic,
+                "_kf_dl_partition": partition,
+                "_kf_dl_offset": offset,
+                "_kf_dl_key": key,
+                "_kf_dl_reason": reason[:2000],
+            }
+        )
 
     def _flush_out(self) -> Iterator[pa.RecordBatch]:
         if not self.out:
@@ -219,9 +241,16 @@ class _Folder:
             except (pa.ArrowException, TypeError, ValueError, OverflowError) as exc:
                 bad_col = _bad_column(r, schema)
                 t, p, o, k = r.get("_kf_last") or (None, None, None, None)
-                good.append({"_kf_dl_topic": t, "_kf_dl_partition": p, "_kf_dl_offset": o, "_kf_dl_key": k,
-                             "_kf_dl_reason": f"apply() returned a row that does not fit the view schema: column "
-                                              f"{bad_col!r}: {exc}"[:2000]})
+                good.append(
+                    {
+                        "_kf_dl_topic": t,
+                        "_kf_dl_partition": p,
+                        "_kf_dl_offset": o,
+                        "_kf_dl_key": k,
+                        "_kf_dl_reason": f"apply() returned a row that does not fit the view schema: column "
+                        f"{bad_col!r}: {exc}"[:2000],
+                    }
+                )
         yield pa.RecordBatch.from_pylist(good, schema=schema)
 
     # -- the fold loop ---------------------------------------------------------------------
@@ -238,13 +267,28 @@ class _Folder:
         elif initial is None or row != initial:
             self._emit_row(row, False, last)
 
-    def _apply_one(self, row: Any, k: tuple[Any, ...], t: str, p: int, o: int, rk: bytes | None,
-                   value: bytes, key_dict: dict[str, Any] | None = None) -> tuple[bool, Any]:
+    def _apply_one(
+        self,
+        row: Any,
+        k: tuple[Any, ...],
+        t: str,
+        p: int,
+        o: int,
+        rk: bytes | None,
+        value: bytes,
+        key_dict: dict[str, Any] | None = None,
+    ) -> tuple[bool, Any]:
         """Fold one event into `row`; (applied, new row). Failures become dead letters."""
         key_names = self.job.key
         if None in k:
-            self._dead(t, p, o, rk, f"cannot determine the view key {list(key_names)} of this event "
-                                    "(column missing or NULL in the record key / row)")
+            self._dead(
+                t,
+                p,
+                o,
+                rk,
+                f"cannot determine the view key {list(key_names)} of this event "
+                "(column missing or NULL in the record key / row)",
+            )
             return False, row
         try:
             ev = self._event(t, p, o, rk, value, key_dict)
@@ -285,16 +329,21 @@ class _Folder:
             yield from self._run_in_place(source, current)
 
     def _columns(self, b: pa.RecordBatch) -> tuple[list[Any], ...]:
-        return (b.column("_kf_topic").to_pylist(), b.column("_kf_partition").to_pylist(),
-                b.column("_kf_offset").to_pylist(), b.column("_kf_key").to_pylist(),
-                b.column("_kf_value").to_pylist())
+        return (
+            b.column("_kf_topic").to_pylist(),
+            b.column("_kf_partition").to_pylist(),
+            b.column("_kf_offset").to_pylist(),
+            b.column("_kf_key").to_pylist(),
+            b.column("_kf_value").to_pylist(),
+        )
 
     def _keys(self, b: pa.RecordBatch) -> list[tuple[Any, ...]]:
         cols = [b.column(k).to_pylist() for k in self.job.key]
         return list(zip(*cols, strict=True))
 
-    def _run_sorted(self, source: Iterable[pa.RecordBatch],
-                    current: dict[tuple[Any, ...], dict[str, Any]]) -> Iterator[pa.RecordBatch]:
+    def _run_sorted(
+        self, source: Iterable[pa.RecordBatch], current: dict[tuple[Any, ...], dict[str, Any]]
+    ) -> Iterator[pa.RecordBatch]:
         """Events sorted by (view key, position): one key at a time, O(1) state."""
         cur_key: Any = _MISSING
         initial: Any = None
@@ -320,8 +369,9 @@ class _Folder:
             self._finish_key(initial, row, last)
         yield from self._flush_out()
 
-    def _run_in_place(self, source: Iterable[pa.RecordBatch],
-                      current: dict[tuple[Any, ...], dict[str, Any]]) -> Iterator[pa.RecordBatch]:
+    def _run_in_place(
+        self, source: Iterable[pa.RecordBatch], current: dict[tuple[Any, ...], dict[str, Any]]
+    ) -> Iterator[pa.RecordBatch]:
         """Events in offset order with keys interleaved (one log partition): a dict of rows."""
         rows: dict[tuple[Any, ...], Any] = {}
         lasts: dict[tuple[Any, ...], tuple[Any, ...]] = {}
@@ -396,7 +446,7 @@ class _Folder:
                                 after = dec(after)
                             src = obj.get("source") or {}
                             ev = Event(t, p, o, op, kd, before, after, obj.get("ts_ms"), src.get("kf_pos"), src)
-                        except Exception as exc:  # noqa: BLE001 - any decoding problem is this record's
+                        except Exception as exc:
                             dead(t, p, o, rk, f"malformed change event: {type(exc).__name__}: {exc}")
                             continue
                         if None in k:
@@ -404,7 +454,7 @@ class _Folder:
                             continue
                         try:
                             new = apply(rows.get(k), ev)
-                        except Exception as exc:  # noqa: BLE001 - the user's fold failed on this event
+                        except Exception as exc:
                             dead(t, p, o, rk, f"apply() raised {type(exc).__name__}: {exc}")
                             continue
                         if new is not None:
@@ -416,13 +466,20 @@ class _Folder:
                                 if kv is _MISSING:
                                     new[kname] = k[0]
                                 elif kv != k[0]:
-                                    dead(t, p, o, rk, f"apply() changed the view key column(s) [{kname!r}] of key "
-                                                      f"{list(k)}")
+                                    dead(
+                                        t,
+                                        p,
+                                        o,
+                                        rk,
+                                        f"apply() changed the view key column(s) [{kname!r}] of key {list(k)}",
+                                    )
                                     continue
                             else:
                                 wrong = [n for n, kv in zip(key_names, k, strict=True) if n in new and new[n] != kv]
                                 if wrong:
-                                    dead(t, p, o, rk, f"apply() changed the view key column(s) {wrong} of key {list(k)}")
+                                    dead(
+                                        t, p, o, rk, f"apply() changed the view key column(s) {wrong} of key {list(k)}"
+                                    )
                                     continue
                                 for n, kv in zip(key_names, k, strict=True):
                                     new.setdefault(n, kv)
@@ -448,7 +505,7 @@ class _Folder:
             out: dict[tuple[Any, ...], dict[str, Any]] = {}
             ordered = sorted(keys, key=repr)
             for i in range(0, len(ordered), 5000):
-                for k, r in sink.fetch(self.job.target, ordered[i:i + 5000]).items():
+                for k, r in sink.fetch(self.job.target, ordered[i : i + 5000]).items():
                     r.pop(VERSION, None)
                     out[k] = r
             return out
@@ -468,10 +525,15 @@ def _bad_column(row: dict[str, Any], schema: pa.Schema) -> str:
 def fold_arrow_schema(view_schema: pa.Schema) -> pa.Schema:
     """The worker-side Arrow schema matching ``plan.fold_output_type``."""
     fields = [f for f in view_schema if f.name not in (VERSION, DELETED)]
-    fields += [pa.field(VERSION, pa.int64()), pa.field(DELETED, pa.bool_()),
-               pa.field("_kf_dl_topic", pa.string()), pa.field("_kf_dl_partition", pa.int32()),
-               pa.field("_kf_dl_offset", pa.int64()), pa.field("_kf_dl_key", pa.binary()),
-               pa.field("_kf_dl_reason", pa.string())]
+    fields += [
+        pa.field(VERSION, pa.int64()),
+        pa.field(DELETED, pa.bool_()),
+        pa.field("_kf_dl_topic", pa.string()),
+        pa.field("_kf_dl_partition", pa.int32()),
+        pa.field("_kf_dl_offset", pa.int64()),
+        pa.field("_kf_dl_key", pa.binary()),
+        pa.field("_kf_dl_reason", pa.string()),
+    ]
     return pa.schema(fields)
 
 

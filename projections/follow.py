@@ -66,16 +66,22 @@ def parse_trigger(text: str) -> str:
         raise ConfigError(f"--trigger: expected a duration like 0.5s or 500ms, got {text!r}") from None
     if secs < 0:
         raise ConfigError(f"--trigger: expected a duration >= 0, got {text!r}")
-    return f"{int(round(secs * 1000))} milliseconds"
+    return f"{round(secs * 1000)} milliseconds"
 
 
 class Follower:
     """A running follow of one projection. ``start()``, then ``stop()`` or ``run_until(...)``."""
 
-    def __init__(self, projection: ProjectionSpec | type[Projection] | Projection, rt: Any, *,
-                 trigger: str = "0.5s", max_records_per_batch: int | None = 200_000,
-                 on_batch: Callable[[FollowStats, BatchResult], None] | None = None,
-                 checkpoint: str | None = None) -> None:
+    def __init__(
+        self,
+        projection: ProjectionSpec | type[Projection] | Projection,
+        rt: Any,
+        *,
+        trigger: str = "0.5s",
+        max_records_per_batch: int | None = 200_000,
+        on_batch: Callable[[FollowStats, BatchResult], None] | None = None,
+        checkpoint: str | None = None,
+    ) -> None:
         self.spec = as_spec(projection)
         self.rt = rt
         self.trigger = parse_trigger(trigger)
@@ -144,8 +150,11 @@ class Follower:
         try:
             spec = self.spec
             before = self.sink.read_positions(self.target)
-            raws = {t: df.where(F.col("topic") == t) for t in spec.topics} if len(spec.topics) > 1 else {
-                spec.topics[0]: df}
+            raws = (
+                {t: df.where(F.col("topic") == t) for t in spec.topics}
+                if len(spec.topics) > 1
+                else {spec.topics[0]: df}
+            )
             res = apply_batch(self.plan, self.rt, self.target, raws, before, sink=self.sink, deduped_input=True)
             s = self.stats
             s.batches += 1
@@ -205,7 +214,7 @@ class Follower:
     def run_forever(self, stop: threading.Event | None = None) -> None:
         """Run until SIGINT/SIGTERM (or `stop` is set), then stop cleanly."""
         stop = stop or threading.Event()
-        prev: dict[int, Any] = {}
+        prev: dict[signal.Signals, Any] = {}
         if threading.current_thread() is threading.main_thread():
             for sig in (signal.SIGINT, signal.SIGTERM):
                 prev[sig] = signal.signal(sig, lambda *_: stop.set())

@@ -29,6 +29,7 @@ Strategies, one per fold kind (``LatestFold``, ``GroupFold``, ``CustomFold``):
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from pyspark.sql import Column as SparkColumn
 from pyspark.sql import DataFrame, SparkSession
@@ -95,6 +96,15 @@ class Plan:
     row_columns: tuple[str, ...] = ()  # source columns of the (common) row struct
     state_columns: tuple[ViewColumn, ...] = ()  # grouped: columns kept per source key
     view_key_types: dict[str, DataType] = field(default_factory=dict)
+    # Column expressions are built once and reused for every batch: each builder call is a
+    # py4j round trip, and a follow micro-batch would otherwise pay hundreds of them.
+    _memo: dict[Any, Any] = field(default_factory=dict, repr=False)
+
+    def _cached(self, key: Any, build: Any) -> Any:
+        hit = self._memo.get(key)
+        if hit is None:
+            hit = self._memo[key] = build()
+        return hit
 
     # --- building --------------------------------------------------------------------------
     @classmethod
@@ -112,8 +122,11 @@ class Plan:
         row_cols = first.column_names
         for t in spec.topics[1:]:
             other = schemas[t]
-            diff = [c.name for c in first.columns
-                    if c.name not in other.column_names or spark_type(other.column(c.name)) != spark_type(c)]
+            diff = [
+                c.name
+                for c in first.columns
+                if c.name not in other.column_names or spark_type(other.column(c.name)) != spark_type(c)
+            ]
             if diff:
                 raise ConfigError(
                     f"{where}: declarative projections over several topics need the same columns; "
@@ -127,26 +140,31 @@ class Plan:
                     f"{list(first.key)}, got {list(spec.key)}; to key by other columns declare 'aggregates' "
                     "(group by) or an apply() fold"
                 )
-        plan = cls(spec, schemas, view=None, row_columns=row_cols)  # type: ignore[arg-type]
+        plan = cls(spec, schemas, view=None, row_columns=row_cols)
         empty = spark.createDataFrame([], plan._event_schema())
         rows = plan._rows(empty)  # derive + where validated here
         if isinstance(spec.fold, LatestFold):
             out = plan._latest_output(rows)
-            cols = [ViewColumn(f.name, f.dataType, f.name not in spec.key) for f in out.schema.fields
-                    if f.name != VERSION]
+            cols = [
+                ViewColumn(f.name, f.dataType, f.name not in spec.key) for f in out.schema.fields if f.name != VERSION
+            ]
             plan.view = ViewSpec(spec.view, spec.name, spec.key, tuple(cols), spec.namespace)
         else:
             assert isinstance(spec.fold, GroupFold)
             missing = [k for k in spec.key if k not in rows.columns]
             if missing:
-                raise ConfigError(f"{where}: 'key' (group by) column(s) {missing} are neither source columns "
-                                  f"nor 'derive' names (have {[c for c in rows.columns if not c.startswith('_kf_')]})")
+                raise ConfigError(
+                    f"{where}: 'key' (group by) column(s) {missing} are neither source columns "
+                    f"nor 'derive' names (have {[c for c in rows.columns if not c.startswith('_kf_')]})"
+                )
             inputs: list[str] = []
             for out_name, agg in spec.fold.aggregates:
                 if agg.column is not None:
                     if agg.column not in rows.columns:
-                        raise ConfigError(f"{where}: 'aggregates'[{out_name!r}]: column {agg.column!r} is neither a "
-                                          "source column nor a 'derive' name")
+                        raise ConfigError(
+                            f"{where}: 'aggregates'[{out_name!r}]: column {agg.column!r} is neither a "
+                            "source column nor a 'derive' name"
+                        )
                     if agg.column not in inputs and agg.column not in spec.key:
                         inputs.append(agg.column)
             state_names = list(spec.key) + inputs
@@ -156,14 +174,20 @@ class Plan:
                 if agg.column is not None:
                     _check_agg_type(where, out_name, agg, types[agg.column])
             agg_df = plan._aggregate(plan._state_frame(rows), 0)
-            cols = [ViewColumn(f.name, f.dataType, f.name not in spec.key) for f in agg_df.schema.fields
-                    if f.name != VERSION]
+            cols = [
+                ViewColumn(f.name, f.dataType, f.name not in spec.key)
+                for f in agg_df.schema.fields
+                if f.name != VERSION
+            ]
             group = {
                 "group_by": list(spec.key),
                 "state_columns": [{"name": c.name, "pg_type": pg_type(c.type)} for c in plan.state_columns],
                 "aggregates": [
-                    {"name": n, "sql": _pg_agg_sql(a, types.get(a.column) if a.column else None),
-                     "pg_type": pg_type(next(c.type for c in cols if c.name == n))}
+                    {
+                        "name": n,
+                        "sql": _pg_agg_sql(a, types.get(a.column) if a.column else None),
+                        "pg_type": pg_type(next(c.type for c in cols if c.name == n)),
+                    }
                     for n, a in spec.fold.aggregates
                 ],
             }
@@ -175,7 +199,7 @@ class Plan:
     def _build_custom(cls, spark: SparkSession, spec: ProjectionSpec, schemas: dict[str, TableSchema]) -> Plan:
         where = f"projection {spec.name!r}"
         try:
-            struct = spark.createDataFrame([], spec.schema).schema  # type: ignore[arg-type]
+            struct = spark.createDataFrame([], spec.schema).schema
         except Exception as exc:
             raise _analysis_error(f"{where}: 'schema'", exc) from None
         names = [f.name for f in struct.fields]
@@ -188,13 +212,17 @@ class Plan:
         for src in spec.sources:
             mapping = dict(src.key or {k: k for k in spec.key})
             if sorted(mapping) != sorted(spec.key):
-                raise ConfigError(f"{where}: Source({src.topic!r}).key must map every view key column "
-                                  f"{list(spec.key)}, got {sorted(mapping)}")
+                raise ConfigError(
+                    f"{where}: Source({src.topic!r}).key must map every view key column "
+                    f"{list(spec.key)}, got {sorted(mapping)}"
+                )
             schema = schemas[src.topic]
             unknown = [c for c in mapping.values() if c not in schema.column_names]
             if unknown:
-                raise ConfigError(f"{where}: Source({src.topic!r}).key names column(s) {unknown} the topic does not "
-                                  f"have (columns: {list(schema.column_names)})")
+                raise ConfigError(
+                    f"{where}: Source({src.topic!r}).key names column(s) {unknown} the topic does not "
+                    f"have (columns: {list(schema.column_names)})"
+                )
         return plan
 
     def _check_declared_schema(self, spark: SparkSession) -> None:
@@ -207,43 +235,61 @@ class Plan:
             raise _analysis_error(f"projection {self.spec.name!r}: 'schema'", exc) from None
         got = {c.name: c.type for c in self.view.columns}
         want = {f.name: f.dataType for f in declared.fields}
-        problems = [f"{n}: declared {t.simpleString()}, computed {got[n].simpleString() if n in got else 'nothing'}"
-                    for n, t in want.items() if got.get(n) != t]
+        problems = [
+            f"{n}: declared {t.simpleString()}, computed {got[n].simpleString() if n in got else 'nothing'}"
+            for n, t in want.items()
+            if got.get(n) != t
+        ]
         problems += [f"{n}: computed but not declared" for n in got if n not in want]
         if problems:
-            raise ConfigError(f"projection {self.spec.name!r}: 'schema' does not match the computed columns: "
-                              + "; ".join(problems))
+            raise ConfigError(
+                f"projection {self.spec.name!r}: 'schema' does not match the computed columns: " + "; ".join(problems)
+            )
 
     # --- parsing ---------------------------------------------------------------------------
     def _event_schema(self) -> StructType:
         row = row_struct(self.schemas[self.spec.topics[0]], self.row_columns)
-        return StructType([
-            StructField("_kf_topic", StringType()), StructField("_kf_partition", IntegerType()),
-            StructField("_kf_offset", LongType()), StructField("_kf_key", BinaryType()),
-            StructField("_kf_op", StringType()), StructField("_kf_deleted", BooleanType()),
-            StructField("_kf_bad", BooleanType()), StructField("_kf_row", row),
-        ])
+        return StructType(
+            [
+                StructField("_kf_topic", StringType()),
+                StructField("_kf_partition", IntegerType()),
+                StructField("_kf_offset", LongType()),
+                StructField("_kf_key", BinaryType()),
+                StructField("_kf_op", StringType()),
+                StructField("_kf_deleted", BooleanType()),
+                StructField("_kf_bad", BooleanType()),
+                StructField("_kf_row", row),
+            ]
+        )
 
     def events(self, raw: DataFrame, topic: str) -> DataFrame:
         """Canonical event frame of one topic's raw records (declarative folds)."""
+        first, second = self._cached(("events", topic), lambda: self._event_columns(topic))
+        return raw.select(*first).select(*second)
+
+    def _event_columns(self, topic: str) -> tuple[list[SparkColumn], list[SparkColumn]]:
         schema = self.schemas[topic]
         j = F.from_json(F.col("value").cast("string"), envelope_struct(schema))
-        parsed = raw.select(
-            F.col("topic").alias("_kf_topic"), F.col("partition").alias("_kf_partition"),
-            F.col("offset").alias("_kf_offset"), F.col("key").alias("_kf_key"),
-            F.col("value").isNull().alias("_kf_tomb"), j.alias("_kf_j"),
-        )
+        first = [
+            F.col("topic").alias("_kf_topic"),
+            F.col("partition").alias("_kf_partition"),
+            F.col("offset").alias("_kf_offset"),
+            F.col("key").alias("_kf_key"),
+            F.col("value").isNull().alias("_kf_tomb"),
+            j.alias("_kf_j"),
+        ]
         env = F.col("_kf_j")
         after = F.coalesce(env["payload"]["after"], env["after"])
         op = F.coalesce(env["payload"]["op"], env["op"])
         tomb = F.col("_kf_tomb")
-        return parsed.select(
-            *META,
+        second = [
+            *[F.col(m) for m in META],
             F.when(tomb, F.lit(None).cast("string")).otherwise(op).alias("_kf_op"),
             (tomb | (op == "d") | after.isNull()).alias("_kf_deleted"),
             (~tomb & (op.isNull() | ~op.isin(*VALID_OPS))).alias("_kf_bad"),
             converted_row(after, schema, self.row_columns).alias("_kf_row"),
-        )
+        ]
+        return first, second
 
     def all_events(self, raws: dict[str, DataFrame]) -> DataFrame:
         frames = [self.events(raws[t], t) for t in self.spec.topics]
@@ -262,32 +308,55 @@ class Plan:
         the same rule in replay and follow. The ``_kf_bad`` flag is not used as a filter
         before this point, so Spark never pushes the JSON parse into a second filter.
         """
-        ev = events.where(F.col("_kf_key").isNotNull()).withColumn(
-            "_kf_deleted", F.col("_kf_deleted") | F.col("_kf_bad"))
-        cols = ["_kf_partition", "_kf_offset", "_kf_op", "_kf_deleted", "_kf_row"]
+        cond, cols = self._cached(
+            "latest",
+            lambda: (
+                F.col("_kf_key").isNotNull(),
+                [
+                    F.col("_kf_topic"),
+                    F.col("_kf_key"),
+                    F.col("_kf_partition"),
+                    F.col("_kf_offset"),
+                    F.col("_kf_op"),
+                    (F.col("_kf_deleted") | F.col("_kf_bad")).alias("_kf_deleted"),
+                    F.col("_kf_row"),
+                ],
+            ),
+        )
+        ev = events.where(cond).select(*cols)
         if deduped:
-            return ev.select("_kf_topic", "_kf_key", *cols)
+            return ev
+        cols = ["_kf_partition", "_kf_offset", "_kf_op", "_kf_deleted", "_kf_row"]
         agg = ev.groupBy("_kf_topic", "_kf_key").agg(F.max_by(F.struct(*cols), "_kf_offset").alias("_kf_l"))
         return agg.select("_kf_topic", "_kf_key", "_kf_l.*")
 
     def _rows(self, latest: DataFrame) -> DataFrame:
         """Expand the row struct, add derived columns and the ``where`` verdict (``_kf_keep``)."""
         meta = [c for c in latest.columns if c.startswith("_kf_") and c not in ("_kf_row", "_kf_row_present")]
-        df = latest.select(*meta, F.col("_kf_row").isNotNull().alias("_kf_row_present"), "_kf_row.*")
-        for name, expr in self.spec.derive:
+        checked = ("rows", tuple(meta)) in self._memo
+        head, derived, keep = self._cached(("rows", tuple(meta)), lambda: self._row_columns(meta))
+        df = latest.select(*head)
+        for name, expr in derived:
             try:
-                df = df.withColumn(name, F.expr(expr))
+                df = df.withColumn(name, expr)
             except Exception as exc:
-                raise _analysis_error(f"projection {self.spec.name!r}: 'derive'[{name!r}] = {expr!r}", exc) from None
-        keep: SparkColumn = ~F.col("_kf_deleted") & F.col("_kf_row_present")
-        if self.spec.where:
+                raise _analysis_error(
+                    f"projection {self.spec.name!r}: 'derive'[{name!r}] = {dict(self.spec.derive)[name]!r}", exc
+                ) from None
+        if self.spec.where and not checked:
             try:
-                cond = F.expr(self.spec.where)
-                df.select(cond)  # analysis check
+                df.select(F.expr(self.spec.where))  # analysis check, once
             except Exception as exc:
                 raise _analysis_error(f"projection {self.spec.name!r}: 'where' = {self.spec.where!r}", exc) from None
-            keep = keep & F.coalesce(cond, F.lit(False))
         return df.withColumn("_kf_keep", keep)
+
+    def _row_columns(self, meta: list[str]) -> tuple[list[Any], list[tuple[str, SparkColumn]], SparkColumn]:
+        head = [*[F.col(m) for m in meta], F.col("_kf_row").isNotNull().alias("_kf_row_present"), F.col("_kf_row.*")]
+        derived = [(name, F.expr(expr)) for name, expr in self.spec.derive]
+        keep: SparkColumn = ~F.col("_kf_deleted") & F.col("_kf_row_present")
+        if self.spec.where:
+            keep = keep & F.coalesce(F.expr(self.spec.where), F.lit(False))
+        return head, derived, keep
 
     def rows(self, latest: DataFrame) -> DataFrame:
         return self._rows(latest)
@@ -300,8 +369,9 @@ class Plan:
             names = list(fold.columns)
             unknown = [c for c in names if c not in rows.columns or c.startswith("_kf_")]
             if unknown:
-                raise ConfigError(f"projection {self.spec.name!r}: 'columns' {unknown} are neither source columns "
-                                  "nor 'derive' names")
+                raise ConfigError(
+                    f"projection {self.spec.name!r}: 'columns' {unknown} are neither source columns nor 'derive' names"
+                )
             return names + [d for d in derived if d not in names]
         return [c for c in self.row_columns if c not in derived] + derived
 
@@ -311,28 +381,42 @@ class Plan:
     def latest_view_rows(self, rows: DataFrame) -> DataFrame:
         """Replay: the live rows of a latest-row view (version = offset)."""
         return self._latest_output(rows.where("_kf_keep")).select(
-            *self.view.column_names, VERSION, F.lit(False).alias(DELETED))
+            *self.view.column_names, VERSION, F.lit(False).alias(DELETED)
+        )
 
     def latest_changes(self, rows: DataFrame) -> DataFrame:
         """Follow: one upsert or delete per key touched by the batch."""
         # Deletes and tombstones have no row: their key comes from the record key (the view
         # key of a latest-row view is the source primary key).
+        cols, cond = self._cached("latest_changes", lambda: self._latest_change_columns(rows))
+        # Records without a usable key (e.g. a truncate marker) change no row.
+        return rows.select(*cols).where(cond)
+
+    def _latest_change_columns(self, rows: DataFrame) -> tuple[list[SparkColumn], SparkColumn]:
         schema = self.schemas[self.spec.topics[0]]
         kj = F.from_json(F.col("_kf_key").cast("string"), key_struct(schema))
-        krow = converted_row(F.coalesce(kj["payload"], F.struct(*[kj[c].alias(c) for c in schema.key])),
-                             schema.key_schema())
-        cols = [F.when(F.col("_kf_keep"), F.col(c)).alias(c) if c not in self.spec.key
-                else F.coalesce(F.col(c), krow[c]).alias(c)
-                for c in self._view_value_columns(rows)]
-        out = rows.select(*cols, F.col("_kf_offset").alias(VERSION), (~F.col("_kf_keep")).alias(DELETED))
-        # Records without a usable key (e.g. a truncate marker) change no row.
-        return out.where(" AND ".join(f"`{k}` IS NOT NULL" for k in self.spec.key))
+        krow = converted_row(
+            F.coalesce(kj["payload"], F.struct(*[kj[c].alias(c) for c in schema.key])), schema.key_schema()
+        )
+        cols = [
+            F.when(F.col("_kf_keep"), F.col(c)).alias(c)
+            if c not in self.spec.key
+            else F.coalesce(F.col(c), krow[c]).alias(c)
+            for c in self._view_value_columns(rows)
+        ]
+        cols += [F.col("_kf_offset").alias(VERSION), (~F.col("_kf_keep")).alias(DELETED)]
+        cond = F.lit(True)
+        for k in self.spec.key:
+            cond = cond & F.col(k).isNotNull()
+        return cols, cond
 
     # --- declarative: grouped --------------------------------------------------------------
     def _state_frame(self, rows: DataFrame) -> DataFrame:
         return rows.select(
-            F.col("_kf_topic").alias(STATE_TOPIC), F.col("_kf_key").alias(STATE_KEY),
-            F.col("_kf_offset").alias(VERSION), *[c.name for c in self.state_columns],
+            F.col("_kf_topic").alias(STATE_TOPIC),
+            F.col("_kf_key").alias(STATE_KEY),
+            F.col("_kf_offset").alias(VERSION),
+            *[c.name for c in self.state_columns],
             F.col("_kf_keep"),
         )
 
@@ -350,10 +434,26 @@ class Plan:
     def state_changes(self, rows: DataFrame) -> DataFrame:
         """Follow: keyed-state upserts/deletes of the batch (a row leaving the filter or
         its groups becoming NULL is a delete)."""
-        st = self._state_frame(rows)
+        first, second = self._cached("state_changes", self._state_change_columns)
+        return rows.select(*first).select(*second)
+
+    def _state_change_columns(self) -> tuple[list[SparkColumn], list[SparkColumn]]:
+        first = [
+            F.col("_kf_topic").alias(STATE_TOPIC),
+            F.col("_kf_key").alias(STATE_KEY),
+            F.col("_kf_offset").alias(VERSION),
+            *[F.col(c.name) for c in self.state_columns],
+            F.col("_kf_keep"),
+        ]
         keep = F.col("_kf_keep") & self._group_present()
-        cols = [F.when(keep, F.col(c.name)).alias(c.name) for c in self.state_columns]
-        return st.select(STATE_TOPIC, STATE_KEY, VERSION, *cols, (~keep).alias(DELETED))
+        second = [
+            F.col(STATE_TOPIC),
+            F.col(STATE_KEY),
+            F.col(VERSION),
+            *[F.when(keep, F.col(c.name)).alias(c.name) for c in self.state_columns],
+            (~keep).alias(DELETED),
+        ]
+        return first, second
 
     def _aggregate(self, state: DataFrame, version: int) -> DataFrame:
         fold = self.spec.fold
@@ -381,10 +481,16 @@ class Plan:
                 krow = F.coalesce(kj["payload"], F.struct(*[kj[c].alias(c) for c in schema.key]))
                 kconv = converted_row(krow, schema.key_schema())
                 vk = [kconv[mapping[k]].cast(self.view_key_types[k]).alias(k) for k in self.spec.key]
-                frames.append(raw.where(F.col("value").isNotNull()).select(
-                    F.col("topic").alias("_kf_topic"), F.col("partition").alias("_kf_partition"),
-                    F.col("offset").alias("_kf_offset"), F.col("key").alias("_kf_key"),
-                    F.col("value").alias("_kf_value"), *vk))
+                frames.append(
+                    raw.where(F.col("value").isNotNull()).select(
+                        F.col("topic").alias("_kf_topic"),
+                        F.col("partition").alias("_kf_partition"),
+                        F.col("offset").alias("_kf_offset"),
+                        F.col("key").alias("_kf_key"),
+                        F.col("value").alias("_kf_value"),
+                        *vk,
+                    )
+                )
                 continue
             env = F.from_json(F.col("value").cast("string"), envelope_struct(schema, with_before=True))
             pos = F.coalesce(env["payload"]["source"]["kf_pos"], env["source"]["kf_pos"])
@@ -401,11 +507,18 @@ class Plan:
                 conv = converted_row(row, schema, sorted(set(mapping.values())))
                 vk = [conv[mapping[k]].cast(self.view_key_types[k]).alias(k) for k in self.spec.key]
             frames.append(
-                raw.where(F.col("value").isNotNull()).select(
-                    F.col("topic").alias("_kf_topic"), F.col("partition").alias("_kf_partition"),
-                    F.col("offset").alias("_kf_offset"), F.col("key").alias("_kf_key"),
-                    F.col("value").alias("_kf_value"), op.alias("_kf_op"), pos_order(pos).alias("_kf_order"), *vk,
-                ).where(F.col("_kf_op").isNull() | (F.col("_kf_op") != "t"))
+                raw.where(F.col("value").isNotNull())
+                .select(
+                    F.col("topic").alias("_kf_topic"),
+                    F.col("partition").alias("_kf_partition"),
+                    F.col("offset").alias("_kf_offset"),
+                    F.col("key").alias("_kf_key"),
+                    F.col("value").alias("_kf_value"),
+                    op.alias("_kf_op"),
+                    pos_order(pos).alias("_kf_order"),
+                    *vk,
+                )
+                .where(F.col("_kf_op").isNull() | (F.col("_kf_op") != "t"))
             )
         out = frames[0]
         for f in frames[1:]:
@@ -426,7 +539,8 @@ class Plan:
     def sorted_for_fold(self, events: DataFrame, partitions: int) -> DataFrame:
         keys = list(self.spec.key)
         return events.repartition(partitions, *keys).sortWithinPartitions(
-            *keys, "_kf_order", "_kf_topic", "_kf_partition", "_kf_offset")
+            *keys, "_kf_order", "_kf_topic", "_kf_partition", "_kf_offset"
+        )
 
 
 # --- aggregates in both engines ------------------------------------------------------------------
@@ -435,11 +549,14 @@ _NUMERIC = (ShortType, IntegerType, LongType, FloatType, DoubleType, DecimalType
 
 def _check_agg_type(where: str, name: str, agg: Aggregate, dt: DataType) -> None:
     if isinstance(agg, (Sum, Avg)) and not isinstance(dt, _NUMERIC):
-        raise ConfigError(f"{where}: 'aggregates'[{name!r}]: {type(agg).__name__} needs a numeric column, "
-                          f"{agg.column!r} is {dt.simpleString()}")
+        raise ConfigError(
+            f"{where}: 'aggregates'[{name!r}]: {type(agg).__name__} needs a numeric column, "
+            f"{agg.column!r} is {dt.simpleString()}"
+        )
     if isinstance(agg, (Min, Max, CollectList, CollectSet)) and isinstance(dt, (ArrayType, StructType, BinaryType)):
-        raise ConfigError(f"{where}: 'aggregates'[{name!r}]: {type(agg).__name__} over {dt.simpleString()} "
-                          "is not supported")
+        raise ConfigError(
+            f"{where}: 'aggregates'[{name!r}]: {type(agg).__name__} over {dt.simpleString()} is not supported"
+        )
 
 
 def _spark_agg(agg: Aggregate) -> SparkColumn:
@@ -490,9 +607,12 @@ def fold_output_type(plan: Plan) -> StructType:
     """mapInArrow output of a custom fold: view columns, version, deleted, dead-letter info."""
     fields = [StructField(c.name, c.type, True) for c in plan.view.columns]
     fields += [
-        StructField(VERSION, LongType(), True), StructField(DELETED, BooleanType(), True),
-        StructField("_kf_dl_topic", StringType(), True), StructField("_kf_dl_partition", IntegerType(), True),
-        StructField("_kf_dl_offset", LongType(), True), StructField("_kf_dl_key", BinaryType(), True),
+        StructField(VERSION, LongType(), True),
+        StructField(DELETED, BooleanType(), True),
+        StructField("_kf_dl_topic", StringType(), True),
+        StructField("_kf_dl_partition", IntegerType(), True),
+        StructField("_kf_dl_offset", LongType(), True),
+        StructField("_kf_dl_key", BinaryType(), True),
         StructField("_kf_dl_reason", StringType(), True),
     ]
     return StructType(fields)

@@ -8,6 +8,7 @@ follower never resumes from a Spark checkpoint written against an older table.
 
 from __future__ import annotations
 
+import builtins
 from dataclasses import dataclass
 from typing import Any
 
@@ -59,8 +60,10 @@ class Registry:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    _COLS = ("name, kind, view_schema, view_table, key_columns, columns, topics, class_path, fingerprint, "
-             "generation, replayed_at, updated_at")
+    _COLS = (
+        "name, kind, view_schema, view_table, key_columns, columns, topics, class_path, fingerprint, "
+        "generation, replayed_at, updated_at"
+    )
 
     def _row(self, r: tuple[Any, ...]) -> Registered:
         cols = r[5] if isinstance(r[5], dict) else orjson.loads(r[5])
@@ -73,17 +76,29 @@ class Registry:
     def by_view(self, view: str) -> Registered | None:
         """A projection by its name, its view table, or ``schema.table``."""
         r = self.conn.execute(
-            f"SELECT {self._COLS} FROM {TABLE} WHERE name = %s OR view_table = %s OR view_schema || '.' || view_table = %s "
+            f"SELECT {self._COLS} FROM {TABLE} "
+            "WHERE name = %s OR view_table = %s OR view_schema || '.' || view_table = %s "
             "ORDER BY (name = %s) DESC LIMIT 1",
             (view, view, view, view),
         ).fetchone()
         return self._row(r) if r else None
 
-    def list(self) -> list[Registered]:
+    def list(self) -> builtins.list[Registered]:
         return [self._row(r) for r in self.conn.execute(f"SELECT {self._COLS} FROM {TABLE} ORDER BY name").fetchall()]
 
-    def record(self, *, name: str, kind: str, view: ViewSpec, schema: str, topics: list[str], class_path: str | None,
-               fingerprint: str, new_generation: bool, replayed: bool) -> int:
+    def record(
+        self,
+        *,
+        name: str,
+        kind: str,
+        view: ViewSpec,
+        schema: str,
+        topics: builtins.list[str],
+        class_path: str | None,
+        fingerprint: str,
+        new_generation: bool,
+        replayed: bool,
+    ) -> int:
         """Insert or update a projection's row; returns its generation."""
         gen_expr = "p.generation + 1" if new_generation else "p.generation"
         r = self.conn.execute(
@@ -99,8 +114,18 @@ class Registry:
                 replayed_at = coalesce(excluded.replayed_at, p.replayed_at), updated_at = now()
             RETURNING generation
             """,
-            (name, kind, schema, view.name, list(view.key), orjson.dumps(view.to_dict()).decode(), topics, class_path,
-             fingerprint, replayed),
+            (
+                name,
+                kind,
+                schema,
+                view.name,
+                list(view.key),
+                orjson.dumps(view.to_dict()).decode(),
+                topics,
+                class_path,
+                fingerprint,
+                replayed,
+            ),
         ).fetchone()
         return int(r[0]) if r else 1
 

@@ -84,16 +84,22 @@ class _Progress:
         self.report(self.total, self.total)
 
 
-def replay(projection: ProjectionSpec | type[Projection] | Projection, rt: Runtime, *,
-           catch_up_rounds: int = 3, progress: Callable[[int, int], None] | None = None,
-           plan: Plan | None = None, wait_lock_s: float = 0.0) -> ReplayResult:
+def replay(
+    projection: ProjectionSpec | type[Projection] | Projection,
+    rt: Runtime,
+    *,
+    catch_up_rounds: int = 3,
+    progress: Callable[[int, int], None] | None = None,
+    plan: Plan | None = None,
+    wait_lock_s: float = 0.0,
+) -> ReplayResult:
     """Rebuild `projection`'s view from the log (see the module docstring)."""
     t0 = time.monotonic()
     spec = as_spec(projection)
     plan = plan or prepare(spec, rt)
     sink = rt.sink
     deadline = time.monotonic() + wait_lock_s
-    while not sink.try_lock(spec.name):  # type: ignore[attr-defined]
+    while not sink.try_lock(spec.name):
         if time.monotonic() >= deadline:
             raise ProjectionBusy(
                 f"projection {spec.name!r} is being followed or replayed by another process; stop it first "
@@ -131,14 +137,20 @@ def replay(projection: ProjectionSpec | type[Projection] | Projection, rt: Runti
                 pass
             raise
         _record(rt, plan, new_generation=True, replayed=True)
-        rows = sink.count(sink.live(plan.view))  # type: ignore[arg-type]
+        rows = sink.count(sink.live(plan.view))
         return ReplayResult(
-            projection=spec.name, view=plan.view.name, events=events, rows=rows, dead_letters=dead,
-            seconds=time.monotonic() - t0, build_seconds=built.seconds, positions=flatten(end),
+            projection=spec.name,
+            view=plan.view.name,
+            events=events,
+            rows=rows,
+            dead_letters=dead,
+            seconds=time.monotonic() - t0,
+            build_seconds=built.seconds,
+            positions=flatten(end),
             catch_up_rounds=rounds,
         )
     finally:
-        sink.unlock(spec.name)  # type: ignore[attr-defined]
+        sink.unlock(spec.name)
 
 
 def _record(rt: Runtime, plan: Plan, *, new_generation: bool, replayed: bool) -> int:
@@ -146,12 +158,19 @@ def _record(rt: Runtime, plan: Plan, *, new_generation: bool, replayed: bool) ->
         return 1
     spec = plan.spec
     with rt.registry() as reg:
-        return int(reg.record(
-            name=spec.name, kind=spec.kind, view=plan.view,
-            schema=plan.view.namespace or getattr(rt.sink, "default_schema", "public"),
-            topics=spec.topics, class_path=spec.class_path, fingerprint=spec.fingerprint(),
-            new_generation=new_generation, replayed=replayed,
-        ))
+        return int(
+            reg.record(
+                name=spec.name,
+                kind=spec.kind,
+                view=plan.view,
+                schema=plan.view.namespace or getattr(rt.sink, "default_schema", "public"),
+                topics=spec.topics,
+                class_path=spec.class_path,
+                fingerprint=spec.fingerprint(),
+                new_generation=new_generation,
+                replayed=replayed,
+            )
+        )
 
 
 def replay_class(path: str, rt: Runtime, **kwargs: Any) -> ReplayResult:

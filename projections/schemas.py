@@ -187,7 +187,10 @@ def pos_order(pos: SparkColumn) -> SparkColumn:
         F.when(kind == "binlog", file_base).otherwise(F.lit("")).alias("b"),
         F.when(kind == "binlog", pos["pos"]).otherwise(F.lit(0).cast("bigint")).alias("c"),
         F.when(kind.isin("pg", "binlog"), snap).otherwise(F.lit(1)).alias("d"),
-        F.when(kind == "pg", pos["index"]).when(kind == "binlog", pos["row"]).otherwise(F.lit(0).cast("bigint")).alias("e"),
+        F.when(kind == "pg", pos["index"])
+        .when(kind == "binlog", pos["row"])
+        .otherwise(F.lit(0).cast("bigint"))
+        .alias("e"),
     )
 
 
@@ -197,7 +200,9 @@ def schema_topic(topic: str) -> str:
     return topic.split(".", 1)[0] + SCHEMA_TOPIC_SUFFIX
 
 
-def load_table_schemas(log: Any, topics: Iterable[str], given: dict[str, TableSchema] | None = None) -> dict[str, TableSchema]:
+def load_table_schemas(
+    log: Any, topics: Iterable[str], given: dict[str, TableSchema] | None = None
+) -> dict[str, TableSchema]:
     """The latest ``TableSchema`` of each topic from its source's schema topic."""
     from kappaflow.errors import UnknownTopicError
 

@@ -19,8 +19,9 @@ from kappaflow.log.base import CleanupPolicy, Log, Record, TopicConfig
 
 
 class TableWriter:
-    def __init__(self, log: Log, schema: TableSchema, *, partitions: int = 4, lsn: int = 1_000,
-                 codec: EventCodec | None = None) -> None:
+    def __init__(
+        self, log: Log, schema: TableSchema, *, partitions: int = 4, lsn: int = 1_000, codec: EventCodec | None = None
+    ) -> None:
         self.log = log
         self.schema = schema
         self.codec = codec or EventCodec()
@@ -40,11 +41,18 @@ class TableWriter:
     def _key(self, row: Mapping[str, Any]) -> tuple[Any, ...]:
         return tuple(row[k] for k in self.schema.key)
 
-    def _event(self, op: Op, before: dict[str, Any] | None, after: dict[str, Any] | None,
-               key: dict[str, Any]) -> None:
+    def _event(self, op: Op, before: dict[str, Any] | None, after: dict[str, Any] | None, key: dict[str, Any]) -> None:
         self.lsn += 1
-        src = SourceInfo("postgresql", self.source, "db", self.pg_schema, self.table, PgPosition(self.lsn, 0),
-                         ts_ms=int(time.time() * 1000), tx_id=self.lsn)
+        src = SourceInfo(
+            "postgresql",
+            self.source,
+            "db",
+            self.pg_schema,
+            self.table,
+            PgPosition(self.lsn, 0),
+            ts_ms=int(time.time() * 1000),
+            tx_id=self.lsn,
+        )
         ev = ChangeEvent(op, key, before, after, src, ts_ms=int(time.time() * 1000))
         kb = self.codec.encode_key(key, self.schema)
         self.pending.append(Record(kb, self.codec.encode_value(ev, self.schema), (("kf.op", op.value.encode()),)))

@@ -40,13 +40,20 @@ class ProjectionStatus:
 
     def to_dict(self) -> dict[str, Any]:
         return {
-            "name": self.name, "kind": self.kind, "view": self.view, "rows": self.rows,
-            "generation": self.generation, "class_path": self.class_path,
+            "name": self.name,
+            "kind": self.kind,
+            "view": self.view,
+            "rows": self.rows,
+            "generation": self.generation,
+            "class_path": self.class_path,
             "replayed_at": str(self.replayed_at) if self.replayed_at else None,
             "updated_at": str(self.updated_at) if self.updated_at else None,
-            "following": self.following, "lag": self.lag,
-            "partitions": [{"topic": p.topic, "partition": p.partition, "position": p.position, "end": p.end,
-                            "lag": p.lag} for p in self.partitions],
+            "following": self.following,
+            "lag": self.lag,
+            "partitions": [
+                {"topic": p.topic, "partition": p.partition, "position": p.position, "end": p.end, "lag": p.lag}
+                for p in self.partitions
+            ],
         }
 
 
@@ -78,8 +85,20 @@ def projection_status(rt: Runtime, name: str | None = None) -> list[ProjectionSt
                 for p, end in sorted(ends.items()):
                     parts.append(PartitionLag(t, p, positions.get((t, p), 0), end))
             following = _is_locked(rt, e.name)
-            out.append(ProjectionStatus(e.name, e.kind, f"{e.view_schema}.{e.view_table}", rows, e.generation,
-                                        e.class_path, e.replayed_at, e.updated_at, parts, following))
+            out.append(
+                ProjectionStatus(
+                    e.name,
+                    e.kind,
+                    f"{e.view_schema}.{e.view_table}",
+                    rows,
+                    e.generation,
+                    e.class_path,
+                    e.replayed_at,
+                    e.updated_at,
+                    parts,
+                    following,
+                )
+            )
     return out
 
 

@@ -37,15 +37,23 @@ class VerifyResult:
         return self.drift_count == 0
 
 
-def verify(projection: ProjectionSpec | type[Projection] | Projection, rt: Runtime, *, limit: int = 100,
-           attempts: int = 5, plan: Plan | None = None) -> VerifyResult:
+def verify(
+    projection: ProjectionSpec | type[Projection] | Projection,
+    rt: Runtime,
+    *,
+    limit: int = 100,
+    attempts: int = 5,
+    plan: Plan | None = None,
+) -> VerifyResult:
     t0 = time.monotonic()
     spec = as_spec(projection)
     plan = plan or prepare(spec, rt)
     sink = rt.sink
     live = sink.live(plan.view)
     if live is None:
-        raise ConfigError(f"projection {spec.name!r} has no live view {plan.view.name!r} yet: run `kappaflow replay` first")
+        raise ConfigError(
+            f"projection {spec.name!r} has no live view {plan.view.name!r} yet: run `kappaflow replay` first"
+        )
     sink.ensure(plan.view)  # schema check: a mismatching table is reported clearly
     log_ = rt.reader()
     partitions = {t: log_.partitions(t) for t in spec.topics}
@@ -57,8 +65,9 @@ def verify(projection: ProjectionSpec | type[Projection] | Projection, rt: Runti
         for attempt in range(1, attempts + 1):
             now_pos, count, drift = sink.diff(live, scratch, limit)
             if now_pos == flatten(end) or attempt == attempts:
-                return VerifyResult(spec.name, plan.view.name, sink.count(live), count, drift, now_pos,
-                                    time.monotonic() - t0, attempt)
+                return VerifyResult(
+                    spec.name, plan.view.name, sink.count(live), count, drift, now_pos, time.monotonic() - t0, attempt
+                )
             new_end = nest(now_pos, spec.topics, partitions)  # a follower moved on: catch the scratch up
             apply_range(plan, rt, scratch, end, new_end)
             end = new_end

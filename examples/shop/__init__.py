@@ -15,7 +15,7 @@ from examples.shop.projections import CustomerActivity, Customers, CustomerTotal
 __all__ = ["CustomerActivity", "CustomerTotals", "Customers", "run_demo"]
 
 
-def run_demo(*args, **kwargs):  # type: ignore[no-untyped-def]
+def run_demo(*args, **kwargs):
     """See ``examples.shop.demo.run_demo``."""
     from examples.shop.demo import run_demo as _run
 

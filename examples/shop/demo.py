@@ -51,8 +51,10 @@ def _create_database(server_dsn: str) -> str:
     from psycopg import sql
 
     with psycopg.connect(server_dsn, autocommit=True) as conn:
-        conn.execute("SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots "
-                     "WHERE database = %s AND NOT active", (DEMO_DB,))
+        conn.execute(
+            "SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots WHERE database = %s AND NOT active",
+            (DEMO_DB,),
+        )
         conn.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(DEMO_DB)))
         conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(DEMO_DB)))
     return _with_db(server_dsn, DEMO_DB)
@@ -69,14 +71,28 @@ def seed(dsn: str, *, customers: int = 8, orders: int = 60, seed_value: int = 42
         with conn.cursor() as cur:
             cur.executemany(
                 "INSERT INTO public.customers (id, name, email, city) VALUES (%s, %s, %s, %s)",
-                [(i, NAMES[(i - 1) % len(NAMES)] + (f" {i}" if i > len(NAMES) else ""),
-                  f"{NAMES[(i - 1) % len(NAMES)].lower()}{i}@example.{'com' if i % 2 else 'org'}",
-                  CITIES[i % len(CITIES)]) for i in range(1, customers + 1)],
+                [
+                    (
+                        i,
+                        NAMES[(i - 1) % len(NAMES)] + (f" {i}" if i > len(NAMES) else ""),
+                        f"{NAMES[(i - 1) % len(NAMES)].lower()}{i}@example.{'com' if i % 2 else 'org'}",
+                        CITIES[i % len(CITIES)],
+                    )
+                    for i in range(1, customers + 1)
+                ],
             )
             cur.executemany(
                 "INSERT INTO public.orders (id, customer_id, amount, status, created_at) VALUES (%s, %s, %s, %s, %s)",
-                [(i, rnd.randint(1, customers), Decimal(rnd.randint(500, 25000)) / 100,
-                  rnd.choice(("new", "paid", "paid", "shipped")), t0 + timedelta(hours=i)) for i in range(1, orders + 1)],
+                [
+                    (
+                        i,
+                        rnd.randint(1, customers),
+                        Decimal(rnd.randint(500, 25000)) / 100,
+                        rnd.choice(("new", "paid", "paid", "shipped")),
+                        t0 + timedelta(hours=i),
+                    )
+                    for i in range(1, orders + 1)
+                ],
             )
 
 
@@ -100,17 +116,30 @@ def _print_totals(rows: list[dict[str, Any]], title: str, out: Callable[..., Non
     for c in ("customer", "name", "city", "orders", "total", "last order"):
         table.add_column(c, justify="right" if c in ("orders", "total") else "left")
     for r in rows:
-        table.add_row(str(r["customer_id"]), r["name"] or "?", r["city"] or "", str(r["orders"]),
-                      f"{r['total_amount']:.2f}", r["last_order_at"].strftime("%Y-%m-%d %H:%M"))
+        table.add_row(
+            str(r["customer_id"]),
+            r["name"] or "?",
+            r["city"] or "",
+            str(r["orders"]),
+            f"{r['total_amount']:.2f}",
+            r["last_order_at"].strftime("%Y-%m-%d %H:%M"),
+        )
     if out is print:
         Console().print(table)
     else:
         out(table)
 
 
-def run_demo(*, dsn: str | None = None, workdir: str | Path | None = None, spark: Any = None,
-             spark_master: str = "local[*]", customers: int = 8, orders: int = 60,
-             out: Callable[..., None] = print) -> DemoResult:
+def run_demo(
+    *,
+    dsn: str | None = None,
+    workdir: str | Path | None = None,
+    spark: Any = None,
+    spark_master: str = "local[*]",
+    customers: int = 8,
+    orders: int = 60,
+    out: Callable[..., None] = print,
+) -> DemoResult:
     """Run the whole flow (see the module docstring). Returns what it printed."""
     from examples.shop.projections import Customers, CustomerTotals
     from kappaflow.config import LogConfig, PostgresSourceConfig, Settings, SparkConfig, ViewsConfig
@@ -153,8 +182,10 @@ def run_demo(*, dsn: str | None = None, workdir: str | Path | None = None, spark
         try:
             for proj in (Customers, CustomerTotals):
                 res = replay(proj, rt)
-                out(f"$ kappaflow replay examples.shop:{proj.__name__}   -> {res.view}: {res.rows} rows from "
-                    f"{res.events} events in {res.seconds:.1f}s")
+                out(
+                    f"$ kappaflow replay examples.shop:{proj.__name__}   -> {res.view}: {res.rows} rows from "
+                    f"{res.events} events in {res.seconds:.1f}s"
+                )
             result.totals = _totals(db)
             _print_totals(result.totals, "customer_totals", out)
 
@@ -162,16 +193,16 @@ def run_demo(*, dsn: str | None = None, workdir: str | Path | None = None, spark
             import psycopg
 
             with psycopg.connect(db) as conn:
-                conn.execute("UPDATE public.orders SET customer_id = CASE WHEN customer_id = 1 THEN 2 ELSE 1 END "
-                             "WHERE id = 1")
+                conn.execute(
+                    "UPDATE public.orders SET customer_id = CASE WHEN customer_id = 1 THEN 2 ELSE 1 END WHERE id = 1"
+                )
                 conn.execute("UPDATE public.orders SET status = 'cancelled' WHERE id = 2")
             out("moved order 1 to another customer and cancelled order 2")
             result.captured += _capture(settings, PostgresConnector, out)
             res = replay(CustomerTotals, rt)
             out(f"$ kappaflow replay examples.shop:CustomerTotals   -> {res.rows} rows")
             result.totals_after = _totals(db)
-            changed = [r for r in result.totals_after
-                       if r not in result.totals]
+            changed = [r for r in result.totals_after if r not in result.totals]
             _print_totals(changed, "customer_totals rows that changed", out)
         finally:
             rt.close()
@@ -190,8 +221,10 @@ def _capture(settings: Any, connector_cls: Any, out: Callable[..., None]) -> int
     finally:
         log.close()
     n = int(getattr(summary, "events", 0) or 0)
-    out(f"$ kappaflow capture shop --until-caught-up   -> {n} change events captured "
-        f"({getattr(summary, 'stopped_reason', '')}, position {getattr(summary, 'position', '?')})")
+    out(
+        f"$ kappaflow capture shop --until-caught-up   -> {n} change events captured "
+        f"({getattr(summary, 'stopped_reason', '')}, position {getattr(summary, 'position', '?')})"
+    )
     return n
 
 

@@ -49,7 +49,7 @@ def _runtime(ctx: typer.Context, *, spark: bool = True) -> Any:
             sparkContext = None
 
         rt = Runtime.__new__(Runtime)
-        rt.spark = _NoSpark()  # type: ignore[assignment]
+        rt.spark = _NoSpark()
         rt.log_url, rt.sink, rt.dsn = log_url, PostgresSink(dsn), dsn
         rt.log_options = s.log.kafka.client_options() if s.log.is_kafka else {}
         rt.log_options.pop("client_id", None)
@@ -67,7 +67,9 @@ def _load(path: str) -> Any:
 
 def replay(
     ctx: typer.Context,
-    projection: Annotated[str, typer.Argument(help="module:Class of the projection, e.g. examples.shop:CustomerTotals")],
+    projection: Annotated[
+        str, typer.Argument(help="module:Class of the projection, e.g. examples.shop:CustomerTotals")
+    ],
     wait: Annotated[float, typer.Option("--wait", help="Seconds to wait for a running follower to stop.")] = 0.0,
 ) -> None:
     """Rebuild a view from the log into a shadow, catch up, swap it in atomically."""
@@ -77,10 +79,14 @@ def replay(
     rt = _runtime(ctx)
     try:
         progress = Progress(
-            TextColumn(f"replay [bold]{spec.name}[/]"), BarColumn(),
+            TextColumn(f"replay [bold]{spec.name}[/]"),
+            BarColumn(),
             TextColumn("{task.completed:,.0f}/{task.total:,.0f} events"),
-            TextColumn("{task.fields[rate]}"), TimeElapsedColumn(), TimeRemainingColumn(),
-            console=err_console, transient=True,
+            TextColumn("{task.fields[rate]}"),
+            TimeElapsedColumn(),
+            TimeRemainingColumn(),
+            console=err_console,
+            transient=True,
         )
         started = time.monotonic()
         with progress:
@@ -95,7 +101,8 @@ def replay(
             f"[green]replayed[/] {res.projection} -> view [bold]{res.view}[/]: {res.events:,} events, "
             f"{res.rows:,} rows, {res.dead_letters} dead letters, {res.seconds:.1f}s "
             f"({res.events_per_s:,.0f} events/s in the build"
-            + (f", {res.catch_up_rounds} catch-up rounds" if res.catch_up_rounds else "") + ")"
+            + (f", {res.catch_up_rounds} catch-up rounds" if res.catch_up_rounds else "")
+            + ")"
         )
     finally:
         rt.close()
@@ -118,11 +125,14 @@ def follow(
         if res.events or res.dead_letters:
             err_console.print(
                 f"batch {stats.batches}: {res.events:,} events, {res.upserted:,} upserts, {res.deleted:,} deletes"
-                + (f", {res.dead_letters} dead letters" if res.dead_letters else ""), highlight=False)
+                + (f", {res.dead_letters} dead letters" if res.dead_letters else ""),
+                highlight=False,
+            )
 
     try:
-        f = Follower(spec, rt, trigger=trigger, max_records_per_batch=max_records, on_batch=on_batch,
-                     checkpoint=checkpoint).start()
+        f = Follower(
+            spec, rt, trigger=trigger, max_records_per_batch=max_records, on_batch=on_batch, checkpoint=checkpoint
+        ).start()
         console.print(f"following {spec.name} -> view [bold]{f.plan.view.name}[/] (trigger {trigger}); Ctrl-C stops")
         f.run_forever()
         console.print(f"stopped after {f.stats.batches} batches, {f.stats.events:,} events")
@@ -179,8 +189,15 @@ def list_projections(ctx: typer.Context) -> None:
     for c in ("projection", "kind", "view", "rows", "lag", "following", "replayed"):
         table.add_column(c)
     for s in rows:
-        table.add_row(s.name, s.kind, s.view, f"{s.rows:,}" if s.rows is not None else "?", f"{s.lag:,}",
-                      "yes" if s.following else "no", str(s.replayed_at or "-")[:19])
+        table.add_row(
+            s.name,
+            s.kind,
+            s.view,
+            f"{s.rows:,}" if s.rows is not None else "?",
+            f"{s.lag:,}",
+            "yes" if s.following else "no",
+            str(s.replayed_at or "-")[:19],
+        )
     console.print(table if rows else "no projections yet: run `kappaflow replay module:Class`")
 
 
@@ -202,8 +219,10 @@ def status(
         console.print_json(json.dumps([s.to_dict() for s in rows], default=str))
         return
     for s in rows:
-        table = Table(title=f"{s.name} ({s.kind}) -> {s.view}: {s.rows if s.rows is not None else '?'} rows, "
-                            f"lag {s.lag:,}, {'following' if s.following else 'not followed'}")
+        table = Table(
+            title=f"{s.name} ({s.kind}) -> {s.view}: {s.rows if s.rows is not None else '?'} rows, "
+            f"lag {s.lag:,}, {'following' if s.following else 'not followed'}"
+        )
         for c in ("topic", "partition", "position", "end", "lag"):
             table.add_column(c)
         for p in s.partitions:
@@ -261,9 +280,11 @@ def query_row(rt: Any, view: str, key: str) -> dict[str, Any] | None:
         if len(values) != len(keys):
             raise ConfigError(f"KEY: view {view!r} is keyed by {keys}: give {len(keys)} comma-separated values")
     where = sql.SQL(" AND ").join(
-        sql.SQL("{} = %s::{}").format(sql.Identifier(k), sql.SQL(pg_type(spec.column(k).type))) for k in keys)
+        sql.SQL("{} = %s::{}").format(sql.Identifier(k), sql.SQL(pg_type(spec.column(k).type))) for k in keys
+    )
     stmt = sql.SQL("SELECT * FROM {}.{} WHERE {}").format(
-        sql.Identifier(entry.view_schema), sql.Identifier(entry.view_table), where)
+        sql.Identifier(entry.view_schema), sql.Identifier(entry.view_table), where
+    )
     import psycopg
 
     try:

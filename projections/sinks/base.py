@@ -245,7 +245,9 @@ class Sink(abc.ABC):
     def count(self, target: Target) -> int:
         """Number of rows."""
 
-    def diff(self, live: Target, expected: Target, limit: int = 100) -> tuple[dict[TopicPartition, int], int, list[Drift]]:
+    def diff(
+        self, live: Target, expected: Target, limit: int = 100
+    ) -> tuple[dict[TopicPartition, int], int, list[Drift]]:
         """Keys whose values (not versions) differ between `live` and `expected`:
         (live positions, number of differing keys, the first `limit`). Sinks that can read
         rows and positions in one snapshot override this; the default compares scans."""

@@ -186,17 +186,25 @@ def _render_for_csv(table: pa.Table) -> pa.Table:
         elif pa.types.is_list(t) or pa.types.is_large_list(t):
             vt = t.value_type
             if pa.types.is_list(vt) or pa.types.is_struct(vt) or pa.types.is_map(vt):
-                col = pa.array([None if v is None else orjson.dumps(v, default=str).decode() for v in col.to_pylist()],
-                               pa.string())
+                col = pa.array(
+                    [None if v is None else orjson.dumps(v, default=str).decode() for v in col.to_pylist()], pa.string()
+                )
             else:
                 col = pa.array([_pg_array_literal(v) for v in col.to_pylist()], pa.string())
             changed = True
         elif pa.types.is_struct(t) or pa.types.is_map(t):
-            col = pa.array([None if v is None else orjson.dumps(v if not pa.types.is_map(t) else dict(v), default=str)
-                            .decode() for v in col.to_pylist()], pa.string())
+            col = pa.array(
+                [
+                    None if v is None else orjson.dumps(v if not pa.types.is_map(t) else dict(v), default=str).decode()
+                    for v in col.to_pylist()
+                ],
+                pa.string(),
+            )
             changed = True
         elif pa.types.is_duration(t):
-            col = pa.array([None if v is None else f"{v.total_seconds()} seconds" for v in col.to_pylist()], pa.string())
+            col = pa.array(
+                [None if v is None else f"{v.total_seconds()} seconds" for v in col.to_pylist()], pa.string()
+            )
             changed = True
         cols.append(col)
     if not changed:
@@ -225,7 +233,10 @@ def _sink_error(what: str, exc: Exception) -> SinkError:
     import psycopg
 
     transient = isinstance(exc, (psycopg.OperationalError,)) or getattr(exc, "sqlstate", "") in (
-        "40001", "40P01", "55P03", "57014",
+        "40001",
+        "40P01",
+        "55P03",
+        "57014",
     )
     msg = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
     return SinkError(f"PostgreSQL sink: {what}: {msg}", retry=Retry.TRANSIENT if transient else Retry.TERMINAL)
@@ -298,7 +309,8 @@ class PostgresSink(Sink):
         ).fetchall()
         if not rows:
             exists = self.conn.execute(
-                "SELECT 1 FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace WHERE n.nspname=%s AND c.relname=%s",
+                "SELECT 1 FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace "
+                "WHERE n.nspname = %s AND c.relname = %s",
                 (schema, table),
             ).fetchone()
             return [] if exists else None
@@ -328,8 +340,9 @@ class PostgresSink(Sink):
         ]
         cols.append(sql.SQL("{} bigint NOT NULL").format(_q(VERSION)))
         pk_name = "kf_pk_" + hashlib.sha1(f"{name}{time.time_ns()}".encode()).hexdigest()[:16]
-        cols.append(sql.SQL("CONSTRAINT {} PRIMARY KEY ({})").format(
-            _q(pk_name), sql.SQL(", ").join(_q(k) for k in view.key)))
+        cols.append(
+            sql.SQL("CONSTRAINT {} PRIMARY KEY ({})").format(_q(pk_name), sql.SQL(", ").join(_q(k) for k in view.key))
+        )
         self.conn.execute(sql.SQL("CREATE SCHEMA IF NOT EXISTS {}").format(_q(self._schema(view))))
         self.conn.execute(sql.SQL("CREATE TABLE {} ({})").format(self._rel(view, name), sql.SQL(", ").join(cols)))
         group = view.options.get("group")
@@ -342,7 +355,7 @@ class PostgresSink(Sink):
         table = table or view.name
         have = self._table_columns(schema, table)
         if have is None:
-            raise ViewSchemaMismatch(f"view table \"{schema}\".\"{table}\" does not exist")
+            raise ViewSchemaMismatch(f'view table "{schema}"."{table}" does not exist')
         have_types = {n: t for n, t, _ in have}
         problems = []
         for c in view.columns:
@@ -362,7 +375,7 @@ class PostgresSink(Sink):
             problems.append(f"primary key is {pk}, the projection's key is {list(view.key)}")
         if problems:
             raise ViewSchemaMismatch(
-                f"view table \"{schema}\".\"{table}\" does not match projection {view.projection!r}: "
+                f'view table "{schema}"."{table}" does not match projection {view.projection!r}: '
                 + "; ".join(problems)
                 + ". Rebuild it with `kappaflow replay` (the new table is built beside the old one and swapped in)."
             )
@@ -436,12 +449,16 @@ class PostgresSink(Sink):
                 with self.conn.transaction():
                     self.conn.execute(f"SET LOCAL lock_timeout = {SWAP_LOCK_TIMEOUT_MS}")
                     self.conn.execute(sql.SQL("DROP TABLE IF EXISTS {}").format(self._rel(view, view.name)))
-                    self.conn.execute(sql.SQL("ALTER TABLE {} RENAME TO {}").format(
-                        self._rel(view, shadow.name), _q(view.name)))
+                    self.conn.execute(
+                        sql.SQL("ALTER TABLE {} RENAME TO {}").format(self._rel(view, shadow.name), _q(view.name))
+                    )
                     if view.options.get("group"):
                         self.conn.execute(sql.SQL("DROP TABLE IF EXISTS {}").format(self._state_rel(live)))
-                        self.conn.execute(sql.SQL("ALTER TABLE {} RENAME TO {}").format(
-                            self._state_rel(shadow), _q(self.state_table(live))))
+                        self.conn.execute(
+                            sql.SQL("ALTER TABLE {} RENAME TO {}").format(
+                                self._state_rel(shadow), _q(self.state_table(live))
+                            )
+                        )
                     self.conn.execute(
                         f'DELETE FROM "{KF_SCHEMA}"."{POSITIONS}" WHERE projection = %s AND target = %s',
                         (view.projection, "live"),
@@ -490,12 +507,13 @@ class PostgresSink(Sink):
             return
         data = csv_bytes(table.select(list(columns)))
         stmt = sql.SQL("COPY {} ({}) FROM STDIN WITH (FORMAT csv)").format(
-            rel, sql.SQL(", ").join(_q(c) for c in columns))
+            rel, sql.SQL(", ").join(_q(c) for c in columns)
+        )
         with self.conn.cursor() as cur, cur.copy(stmt) as cp:
             cp.write(data)
 
     def _check_batch(self, target: Target, batch: pa.Table) -> pa.Table:
-        want = target.view.column_names + (VERSION, DELETED)
+        want = (*target.view.column_names, VERSION, DELETED)
         missing = [c for c in want if c not in batch.column_names]
         if missing:
             raise SinkError(f"batch for view {target.view.name!r} lacks column(s) {missing}")
@@ -508,34 +526,44 @@ class PostgresSink(Sink):
         view = target.view
         rel = self._rel(view, target.name)
         keys = [_q(k) for k in view.key]
-        allcols = list(view.column_names) + [VERSION]
+        allcols = [*list(view.column_names), VERSION]
         res = WriteResult()
         try:
             with self.conn.transaction():
                 if batch.num_rows:
                     stg = self._staging_table(target)
-                    self._copy(sql.SQL("pg_temp.{}").format(_q(stg)), list(allcols) + [DELETED], batch)
+                    self._copy(sql.SQL("pg_temp.{}").format(_q(stg)), [*list(allcols), DELETED], batch)
                     # Latest row per key within the batch (a batch may carry a key twice).
-                    latest = sql.SQL(
-                        "SELECT DISTINCT ON ({k}) * FROM pg_temp.{s} ORDER BY {k}, {v} DESC"
-                    ).format(k=sql.SQL(", ").join(keys), s=_q(stg), v=_q(VERSION))
+                    latest = sql.SQL("SELECT DISTINCT ON ({k}) * FROM pg_temp.{s} ORDER BY {k}, {v} DESC").format(
+                        k=sql.SQL(", ").join(keys), s=_q(stg), v=_q(VERSION)
+                    )
                     sets = [sql.SQL("{c} = excluded.{c}").format(c=_q(c)) for c in allcols if c not in view.key]
                     up = self.conn.execute(
                         sql.SQL(
                             "INSERT INTO {rel} AS v ({cols}) SELECT {cols} FROM ({latest}) s WHERE NOT s.{d} "
                             "ON CONFLICT ({k}) DO UPDATE SET {sets} WHERE excluded.{v} > v.{v}"
-                        ).format(rel=rel, cols=sql.SQL(", ").join(_q(c) for c in allcols), latest=latest,
-                                 d=_q(DELETED), k=sql.SQL(", ").join(keys), sets=sql.SQL(", ").join(sets),
-                                 v=_q(VERSION))
+                        ).format(
+                            rel=rel,
+                            cols=sql.SQL(", ").join(_q(c) for c in allcols),
+                            latest=latest,
+                            d=_q(DELETED),
+                            k=sql.SQL(", ").join(keys),
+                            sets=sql.SQL(", ").join(sets),
+                            v=_q(VERSION),
+                        )
                     )
                     res.upserted = max(up.rowcount, 0)
                     if pc.any(batch.column(DELETED)).as_py():
                         dl = self.conn.execute(
                             sql.SQL(
                                 "DELETE FROM {rel} AS v USING ({latest}) s WHERE s.{d} AND {match} AND s.{v} > v.{v}"
-                            ).format(rel=rel, latest=latest, d=_q(DELETED), v=_q(VERSION),
-                                     match=sql.SQL(" AND ").join(
-                                         sql.SQL("v.{k} = s.{k}").format(k=_q(k)) for k in view.key))
+                            ).format(
+                                rel=rel,
+                                latest=latest,
+                                d=_q(DELETED),
+                                v=_q(VERSION),
+                                match=sql.SQL(" AND ").join(sql.SQL("v.{k} = s.{k}").format(k=_q(k)) for k in view.key),
+                            )
                         )
                         res.deleted = max(dl.rowcount, 0)
                     res.skipped = batch.num_rows - res.upserted - res.deleted
@@ -555,9 +583,10 @@ class PostgresSink(Sink):
 
         if not target.shadow:
             return super().load(target, batches)
-        cols = list(target.view.column_names) + [VERSION]
+        cols = [*list(target.view.column_names), VERSION]
         stmt = sql.SQL("COPY {} ({}) FROM STDIN WITH (FORMAT csv)").format(
-            self._rel(target.view, target.name), sql.SQL(", ").join(_q(c) for c in cols))
+            self._rel(target.view, target.name), sql.SQL(", ").join(_q(c) for c in cols)
+        )
         n = 0
         try:
             with self.conn.transaction(), self.conn.cursor() as cur, cur.copy(stmt) as cp:
@@ -589,9 +618,11 @@ class PostgresSink(Sink):
         unnest = sql.SQL(", ").join(sql.SQL("%s::{}[]").format(sql.SQL(t)) for t in key_types)
         names = sql.SQL(", ").join(sql.Identifier(f"k{i}") for i in range(len(view.key)))
         match = sql.SQL(" AND ").join(
-            sql.SQL("v.{} = u.{}").format(_q(k), sql.Identifier(f"k{i}")) for i, k in enumerate(view.key))
+            sql.SQL("v.{} = u.{}").format(_q(k), sql.Identifier(f"k{i}")) for i, k in enumerate(view.key)
+        )
         stmt = sql.SQL("SELECT v.* FROM {rel} v JOIN unnest({u}) AS u({n}) ON {m}").format(
-            rel=self._rel(view, target.name), u=unnest, n=names, m=match)
+            rel=self._rel(view, target.name), u=unnest, n=names, m=match
+        )
         try:
             with self.conn.cursor(row_factory=dict_row) as cur:
                 rows = cur.execute(stmt, arrays).fetchall()
@@ -605,7 +636,8 @@ class PostgresSink(Sink):
 
         view = target.view
         stmt = sql.SQL("SELECT * FROM {} ORDER BY {}").format(
-            self._rel(view, target.name), sql.SQL(", ").join(_q(k) for k in view.key))
+            self._rel(view, target.name), sql.SQL(", ").join(_q(k) for k in view.key)
+        )
         with self.conn.cursor(row_factory=dict_row) as cur:
             cur.execute(stmt)
             yield from cur
@@ -613,7 +645,9 @@ class PostgresSink(Sink):
     def count(self, target: Target) -> int:
         from psycopg import sql
 
-        row = self.conn.execute(sql.SQL("SELECT count(*) FROM {}").format(self._rel(target.view, target.name))).fetchone()
+        row = self.conn.execute(
+            sql.SQL("SELECT count(*) FROM {}").format(self._rel(target.view, target.name))
+        ).fetchone()
         return int(row[0]) if row else 0
 
     # --- positions ------------------------------------------------------------------------
@@ -632,7 +666,7 @@ class PostgresSink(Sink):
         with self.conn.cursor() as cur:
             cur.executemany(
                 f'INSERT INTO "{KF_SCHEMA}"."{POSITIONS}" AS p (projection, target, topic, "partition", next_offset) '
-                "VALUES (%s, %s, %s, %s, %s) ON CONFLICT (projection, target, topic, \"partition\") DO UPDATE "
+                'VALUES (%s, %s, %s, %s, %s) ON CONFLICT (projection, target, topic, "partition") DO UPDATE '
                 "SET next_offset = GREATEST(p.next_offset, excluded.next_offset), updated_at = now()",
                 [(target.view.projection, target.label, t, p, int(o)) for (t, p), o in items],
             )
@@ -648,8 +682,11 @@ class PostgresSink(Sink):
     def _create_state(self, view: ViewSpec, target: Target, group: Mapping[str, Any]) -> None:
         from psycopg import sql
 
-        cols = [sql.SQL("{} text NOT NULL").format(_q(STATE_TOPIC)), sql.SQL("{} bytea NOT NULL").format(_q(STATE_KEY)),
-                sql.SQL("{} bigint NOT NULL").format(_q(VERSION))]
+        cols = [
+            sql.SQL("{} text NOT NULL").format(_q(STATE_TOPIC)),
+            sql.SQL("{} bytea NOT NULL").format(_q(STATE_KEY)),
+            sql.SQL("{} bigint NOT NULL").format(_q(VERSION)),
+        ]
         for c in group["state_columns"]:
             cols.append(sql.SQL("{} {}").format(_q(c["name"]), sql.SQL(c["pg_type"])))
         pk_name = "kf_pk_" + hashlib.sha1(f"st{target.name}{time.time_ns()}".encode()).hexdigest()[:16]
@@ -657,10 +694,16 @@ class PostgresSink(Sink):
         rel = self._state_rel(target)
         self.conn.execute(sql.SQL("CREATE SCHEMA IF NOT EXISTS {}").format(_q(KF_SCHEMA)))
         self.conn.execute(sql.SQL("DROP TABLE IF EXISTS {}").format(rel))
-        self.conn.execute(sql.SQL("CREATE TABLE {} ({}, CONSTRAINT {} PRIMARY KEY ({}, {}))").format(
-            rel, sql.SQL(", ").join(cols), _q(pk_name), _q(STATE_TOPIC), _q(STATE_KEY)))
-        self.conn.execute(sql.SQL("CREATE INDEX {} ON {} ({})").format(
-            _q(ix_name), rel, sql.SQL(", ").join(_q(g) for g in group["group_by"])))
+        self.conn.execute(
+            sql.SQL("CREATE TABLE {} ({}, CONSTRAINT {} PRIMARY KEY ({}, {}))").format(
+                rel, sql.SQL(", ").join(cols), _q(pk_name), _q(STATE_TOPIC), _q(STATE_KEY)
+            )
+        )
+        self.conn.execute(
+            sql.SQL("CREATE INDEX {} ON {} ({})").format(
+                _q(ix_name), rel, sql.SQL(", ").join(_q(g) for g in group["group_by"])
+            )
+        )
 
     def _check_state(self, target: Target) -> None:
         group = target.view.options["group"]
@@ -669,7 +712,7 @@ class PostgresSink(Sink):
         got = [(n, t) for n, t, _ in (have or []) if n not in (STATE_TOPIC, STATE_KEY, VERSION)]
         if have is None or got != want:
             raise ViewSchemaMismatch(
-                f"the keyed state of view {target.view.name!r} (\"{KF_SCHEMA}\".\"{self.state_table(target)}\") "
+                f'the keyed state of view {target.view.name!r} ("{KF_SCHEMA}"."{self.state_table(target)}") '
                 f"does not match the projection (has {got if have is not None else 'no table'}, needs {want}). "
                 "Rebuild it with `kappaflow replay`."
             )
@@ -681,7 +724,8 @@ class PostgresSink(Sink):
         group = target.view.options["group"]
         cols = [STATE_TOPIC, STATE_KEY, VERSION] + [c["name"] for c in group["state_columns"]]
         stmt = sql.SQL("COPY {} ({}) FROM STDIN WITH (FORMAT csv)").format(
-            self._state_rel(target), sql.SQL(", ").join(_q(c) for c in cols))
+            self._state_rel(target), sql.SQL(", ").join(_q(c) for c in cols)
+        )
         n = 0
         try:
             with self.conn.transaction(), self.conn.cursor() as cur, cur.copy(stmt) as cp:
@@ -702,21 +746,28 @@ class PostgresSink(Sink):
         parts = [_q(g) for g in group["group_by"]]
         for a in group["aggregates"]:
             parts.append(sql.SQL("({})::{} AS {}").format(sql.SQL(a["sql"]), sql.SQL(a["pg_type"]), _q(a["name"])))
-        where = sql.SQL("")
+        where: Any = sql.SQL("")
         if where_groups is not None:
             where = sql.SQL(" WHERE ({}) IN (SELECT {} FROM {})").format(
                 sql.SQL(", ").join(_q(g) for g in group["group_by"]),
-                sql.SQL(", ").join(_q(g) for g in group["group_by"]), where_groups)
+                sql.SQL(", ").join(_q(g) for g in group["group_by"]),
+                where_groups,
+            )
         nonnull = sql.SQL(" AND ").join(sql.SQL("{} IS NOT NULL").format(_q(g)) for g in group["group_by"])
         if where_groups is not None:
             where = sql.SQL("{} AND {}").format(where, nonnull)
         else:
             where = sql.SQL(" WHERE {}").format(nonnull)
         return sql.SQL("SELECT {} FROM {}{} GROUP BY {}").format(
-            sql.SQL(", ").join(parts), self._state_rel(target), where,
-            sql.SQL(", ").join(_q(g) for g in group["group_by"]))
+            sql.SQL(", ").join(parts),
+            self._state_rel(target),
+            where,
+            sql.SQL(", ").join(_q(g) for g in group["group_by"]),
+        )
 
-    def apply_grouped(self, target: Target, changes: pa.Table, version: int, positions: Positions | None) -> WriteResult:
+    def apply_grouped(
+        self, target: Target, changes: pa.Table, version: int, positions: Positions | None
+    ) -> WriteResult:
         """Apply keyed-state changes and recompute the groups they touch, in ONE transaction.
 
         `changes`: one row per changed source key: ``_kf_topic, _kf_key, _kf_version,
@@ -749,48 +800,84 @@ class PostgresSink(Sink):
                     if stg is None:
                         stg = f"kf_sst_{len(self._staging)}_{hashlib.sha1(repr(key).encode()).hexdigest()[:8]}"
                         self.conn.execute(sql.SQL("DROP TABLE IF EXISTS pg_temp.{}").format(_q(stg)))
-                        self.conn.execute(sql.SQL(
-                            "CREATE TEMP TABLE {} (LIKE {} ) ON COMMIT DELETE ROWS").format(_q(stg), srel))
-                        self.conn.execute(sql.SQL("ALTER TABLE pg_temp.{} ADD COLUMN {} boolean").format(
-                            _q(stg), _q(DELETED)))
+                        self.conn.execute(
+                            sql.SQL("CREATE TEMP TABLE {} (LIKE {} ) ON COMMIT DELETE ROWS").format(_q(stg), srel)
+                        )
+                        self.conn.execute(
+                            sql.SQL("ALTER TABLE pg_temp.{} ADD COLUMN {} boolean").format(_q(stg), _q(DELETED))
+                        )
                         for c in [STATE_TOPIC, STATE_KEY, VERSION]:
-                            self.conn.execute(sql.SQL("ALTER TABLE pg_temp.{} ALTER COLUMN {} DROP NOT NULL").format(
-                                _q(stg), _q(c)))
+                            self.conn.execute(
+                                sql.SQL("ALTER TABLE pg_temp.{} ALTER COLUMN {} DROP NOT NULL").format(_q(stg), _q(c))
+                            )
                         self._staging[key] = stg
-                    self._copy(sql.SQL("pg_temp.{}").format(_q(stg)), stcols + [DELETED], changes.select(stcols + [DELETED]))
+                    self._copy(
+                        sql.SQL("pg_temp.{}").format(_q(stg)), [*stcols, DELETED], changes.select([*stcols, DELETED])
+                    )
                     g = sql.SQL(", ").join(_q(c) for c in gcols)
                     affected = f"kf_aff_{hashlib.sha1(repr(key).encode()).hexdigest()[:8]}"
                     # newest row per source key that is newer than the state
-                    self.conn.execute(sql.SQL(
-                        "CREATE TEMP TABLE {aff} ON COMMIT DROP AS "
-                        "SELECT {sg} FROM {st} s JOIN pg_temp.{stg} c USING ({t}, {k}) WHERE c.{v} > s.{v} "
-                        "UNION SELECT {g} FROM pg_temp.{stg} WHERE NOT {d}"
-                    ).format(aff=_q(affected), g=g, sg=sql.SQL(", ").join(sql.SQL("s.{}").format(_q(c)) for c in gcols),
-                             st=srel, stg=_q(stg), t=_q(STATE_TOPIC), k=_q(STATE_KEY),
-                             v=_q(VERSION), d=_q(DELETED)))
+                    self.conn.execute(
+                        sql.SQL(
+                            "CREATE TEMP TABLE {aff} ON COMMIT DROP AS "
+                            "SELECT {sg} FROM {st} s JOIN pg_temp.{stg} c USING ({t}, {k}) WHERE c.{v} > s.{v} "
+                            "UNION SELECT {g} FROM pg_temp.{stg} WHERE NOT {d}"
+                        ).format(
+                            aff=_q(affected),
+                            g=g,
+                            sg=sql.SQL(", ").join(sql.SQL("s.{}").format(_q(c)) for c in gcols),
+                            st=srel,
+                            stg=_q(stg),
+                            t=_q(STATE_TOPIC),
+                            k=_q(STATE_KEY),
+                            v=_q(VERSION),
+                            d=_q(DELETED),
+                        )
+                    )
                     latest = sql.SQL(
                         "SELECT DISTINCT ON ({t}, {k}) * FROM pg_temp.{stg} ORDER BY {t}, {k}, {v} DESC"
                     ).format(t=_q(STATE_TOPIC), k=_q(STATE_KEY), stg=_q(stg), v=_q(VERSION))
-                    self.conn.execute(sql.SQL(
-                        "DELETE FROM {st} s USING ({latest}) c WHERE c.{d} AND s.{t} = c.{t} AND s.{k} = c.{k} "
-                        "AND c.{v} > s.{v}"
-                    ).format(st=srel, latest=latest, d=_q(DELETED), t=_q(STATE_TOPIC), k=_q(STATE_KEY), v=_q(VERSION)))
+                    self.conn.execute(
+                        sql.SQL(
+                            "DELETE FROM {st} s USING ({latest}) c WHERE c.{d} AND s.{t} = c.{t} AND s.{k} = c.{k} "
+                            "AND c.{v} > s.{v}"
+                        ).format(
+                            st=srel, latest=latest, d=_q(DELETED), t=_q(STATE_TOPIC), k=_q(STATE_KEY), v=_q(VERSION)
+                        )
+                    )
                     sets = sql.SQL(", ").join(sql.SQL("{c} = excluded.{c}").format(c=_q(c)) for c in [VERSION, *scols])
-                    self.conn.execute(sql.SQL(
-                        "INSERT INTO {st} AS s ({cols}) SELECT {cols} FROM ({latest}) c WHERE NOT c.{d} "
-                        "ON CONFLICT ({t}, {k}) DO UPDATE SET {sets} WHERE excluded.{v} > s.{v}"
-                    ).format(st=srel, cols=sql.SQL(", ").join(_q(c) for c in stcols), latest=latest, d=_q(DELETED),
-                             t=_q(STATE_TOPIC), k=_q(STATE_KEY), sets=sets, v=_q(VERSION)))
-                    gone = self.conn.execute(sql.SQL(
-                        "DELETE FROM {vr} v WHERE ({g}) IN (SELECT {g} FROM pg_temp.{aff})"
-                    ).format(vr=vrel, g=sql.SQL(", ").join(sql.SQL("v.{}").format(_q(c)) for c in gcols),
-                             aff=_q(affected))).rowcount
+                    self.conn.execute(
+                        sql.SQL(
+                            "INSERT INTO {st} AS s ({cols}) SELECT {cols} FROM ({latest}) c WHERE NOT c.{d} "
+                            "ON CONFLICT ({t}, {k}) DO UPDATE SET {sets} WHERE excluded.{v} > s.{v}"
+                        ).format(
+                            st=srel,
+                            cols=sql.SQL(", ").join(_q(c) for c in stcols),
+                            latest=latest,
+                            d=_q(DELETED),
+                            t=_q(STATE_TOPIC),
+                            k=_q(STATE_KEY),
+                            sets=sets,
+                            v=_q(VERSION),
+                        )
+                    )
+                    gone = self.conn.execute(
+                        sql.SQL("DELETE FROM {vr} v WHERE ({g}) IN (SELECT {g} FROM pg_temp.{aff})").format(
+                            vr=vrel,
+                            g=sql.SQL(", ").join(sql.SQL("v.{}").format(_q(c)) for c in gcols),
+                            aff=_q(affected),
+                        )
+                    ).rowcount
                     outcols = [*gcols, *[a["name"] for a in group["aggregates"]]]
-                    ins = self.conn.execute(sql.SQL(
-                        "INSERT INTO {vr} ({cols}, {v}) SELECT a.*, %s::bigint FROM ({agg}) a"
-                    ).format(vr=vrel, cols=sql.SQL(", ").join(_q(c) for c in outcols), v=_q(VERSION),
-                             agg=self.aggregate_sql(target, sql.SQL("pg_temp.{}").format(_q(affected)))),
-                        (version,)).rowcount
+                    ins = self.conn.execute(
+                        sql.SQL("INSERT INTO {vr} ({cols}, {v}) SELECT a.*, %s::bigint FROM ({agg}) a").format(
+                            vr=vrel,
+                            cols=sql.SQL(", ").join(_q(c) for c in outcols),
+                            v=_q(VERSION),
+                            agg=self.aggregate_sql(target, sql.SQL("pg_temp.{}").format(_q(affected))),
+                        ),
+                        (version,),
+                    ).rowcount
                     res.upserted = max(ins, 0)
                     res.deleted = max(gone - ins, 0)
                 if positions:
@@ -809,15 +896,23 @@ class PostgresSink(Sink):
         outcols = [*group["group_by"], *[a["name"] for a in group["aggregates"]]]
         try:
             with self.conn.transaction():
-                n = self.conn.execute(sql.SQL("INSERT INTO {vr} ({cols}, {v}) SELECT a.*, %s::bigint FROM ({agg}) a").format(
-                    vr=self._rel(target.view, target.name), cols=sql.SQL(", ").join(_q(c) for c in outcols),
-                    v=_q(VERSION), agg=self.aggregate_sql(target)), (version,)).rowcount
+                n = self.conn.execute(
+                    sql.SQL("INSERT INTO {vr} ({cols}, {v}) SELECT a.*, %s::bigint FROM ({agg}) a").format(
+                        vr=self._rel(target.view, target.name),
+                        cols=sql.SQL(", ").join(_q(c) for c in outcols),
+                        v=_q(VERSION),
+                        agg=self.aggregate_sql(target),
+                    ),
+                    (version,),
+                ).rowcount
         except Exception as exc:
             raise _sink_error(f"aggregating keyed state into {self.relation(target)}", exc) from None
         return max(n, 0)
 
     # --- verify -------------------------------------------------------------------------------
-    def diff(self, live: Target, expected: Target, limit: int = 100) -> tuple[dict[TopicPartition, int], int, list[Drift]]:
+    def diff(
+        self, live: Target, expected: Target, limit: int = 100
+    ) -> tuple[dict[TopicPartition, int], int, list[Drift]]:
         """Rows of `live` that differ from `expected` (values only, not versions), read in ONE
         snapshot together with the live positions: (positions, drift count, first `limit`)."""
         from psycopg import sql
@@ -831,9 +926,11 @@ class PostgresSink(Sink):
         ek = sql.SQL("e.{}").format(_q(keys[0]))
         differs = sql.SQL("({}) IS DISTINCT FROM ({})").format(
             sql.SQL(", ").join([sql.SQL("l.{}").format(_q(c)) for c in vals] + [sql.SQL("NULL")]),
-            sql.SQL(", ").join([sql.SQL("e.{}").format(_q(c)) for c in vals] + [sql.SQL("NULL")]))
+            sql.SQL(", ").join([sql.SQL("e.{}").format(_q(c)) for c in vals] + [sql.SQL("NULL")]),
+        )
         base = sql.SQL("FROM {l} l FULL JOIN {e} e ON {on} WHERE {lk} IS NULL OR {ek} IS NULL OR {d}").format(
-            l=lrel, e=erel, on=on, lk=lk, ek=ek, d=differs)
+            l=lrel, e=erel, on=on, lk=lk, ek=ek, d=differs
+        )
         try:
             with self.conn.transaction():
                 self.conn.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")

@@ -65,7 +65,7 @@ def contract_view(name: str, namespace: str | None = None) -> ViewSpec:
 def contract_row(i: int, version: int, *, name: str | None = None, deleted: bool = False) -> dict[str, Any]:
     return {
         "id": i,
-        "name": name if name is not None else f"name {i} ü \"q\" , \\ \n",
+        "name": name if name is not None else f'name {i} ü "q" , \\ \n',
         "total": Decimal(f"{i}.{i % 100:02d}"),
         "score": i / 7,
         "active": i % 2 == 0,
@@ -91,8 +91,14 @@ class SinkContract:
         return contract_view("kfc_" + uuid.uuid4().hex[:10], self.namespace)
 
     # -- helpers ---------------------------------------------------------------------------
-    def write(self, sink: Sink, target: Any, view: ViewSpec, rows: list[dict[str, Any]],
-              positions: dict[tuple[str, int], int] | None = None) -> Any:
+    def write(
+        self,
+        sink: Sink,
+        target: Any,
+        view: ViewSpec,
+        rows: list[dict[str, Any]],
+        positions: dict[tuple[str, int], int] | None = None,
+    ) -> Any:
         return sink.write(target, batch_from_rows(view, rows), positions)
 
     def state(self, sink: Sink, target: Any, view: ViewSpec) -> dict[int, dict[str, Any]]:
@@ -110,9 +116,16 @@ class SinkContract:
 
     def test_ensure_rejects_a_different_schema(self, sink: Sink, view: ViewSpec) -> None:
         sink.ensure(view)
-        changed = ViewSpec(view.name, view.projection, view.key,
-                           tuple(c if c.name != "total" else ViewColumn("total", T.StringType()) for c in view.columns)
-                           + (ViewColumn("extra", T.LongType()),), view.namespace)
+        changed = ViewSpec(
+            view.name,
+            view.projection,
+            view.key,
+            (
+                *(c if c.name != "total" else ViewColumn("total", T.StringType()) for c in view.columns),
+                ViewColumn("extra", T.LongType()),
+            ),
+            view.namespace,
+        )
         with pytest.raises(ViewSchemaMismatch) as err:
             sink.ensure(changed)
         assert "total" in str(err.value) and "extra" in str(err.value)

@@ -12,8 +12,7 @@ def totals(source: str, name: str = "totals") -> type[Projection]:
         sources = [f"{source}.public.orders"]
         key = ["customer_id"]
         where = "status <> 'cancelled'"
-        aggregates = {"n": Count(), "total": Sum("amount"), "last": Max("created_at"),
-                      "statuses": CollectSet("status")}
+        aggregates = {"n": Count(), "total": Sum("amount"), "last": Max("created_at"), "statuses": CollectSet("status")}
 
     Totals.name = name
     return Totals
@@ -40,8 +39,11 @@ def custom(source: str, name: str = "order_changes", fail_on: int | None = None)
                 raise ValueError(f"cannot fold order {fail_on}")
             if event.op == "d":
                 return None
-            return {"customer_id": event.after["customer_id"], "changes": (row["changes"] if row else 0) + 1,
-                    "last_op": event.op}
+            return {
+                "customer_id": event.after["customer_id"],
+                "changes": (row["changes"] if row else 0) + 1,
+                "last_op": event.op,
+            }
 
     Changes.name = name
     return Changes

@@ -30,20 +30,23 @@ def test_fold_kind_follows_the_declaration() -> None:
     assert custom.fingerprint() != spec(apply=lambda self, row, event: None, schema="id bigint").fingerprint()
 
 
-@pytest.mark.parametrize(("attrs", "words"), [
-    ({"key": None}, ["'key'", "P"]),
-    ({"key": []}, ["'key'"]),
-    ({"name": "bad name"}, ["'name'"]),
-    ({"sources": []}, ["'sources'"]),
-    ({"sources": [1]}, ["'sources'"]),
-    ({"aggregates": {"n": "count"}}, ["'aggregates'", "Count()"]),
-    ({"aggregates": {"t": Sum()}}, ["Sum needs a column"]),
-    ({"aggregates": {"id": Count()}}, ["also a key column"]),
-    ({"columns": ["name"]}, ["'columns'", "key"]),
-    ({"where": ""}, ["'where'"]),
-    ({"apply": lambda self, row, event: row}, ["'schema'", "custom fold"]),
-    ({"apply": lambda self, row: row, "schema": "id bigint"}, ["apply(self, row, event)"]),
-])
+@pytest.mark.parametrize(
+    ("attrs", "words"),
+    [
+        ({"key": None}, ["'key'", "P"]),
+        ({"key": []}, ["'key'"]),
+        ({"name": "bad name"}, ["'name'"]),
+        ({"sources": []}, ["'sources'"]),
+        ({"sources": [1]}, ["'sources'"]),
+        ({"aggregates": {"n": "count"}}, ["'aggregates'", "Count()"]),
+        ({"aggregates": {"t": Sum()}}, ["Sum needs a column"]),
+        ({"aggregates": {"id": Count()}}, ["also a key column"]),
+        ({"columns": ["name"]}, ["'columns'", "key"]),
+        ({"where": ""}, ["'where'"]),
+        ({"apply": lambda self, row, event: row}, ["'schema'", "custom fold"]),
+        ({"apply": lambda self, row: row, "schema": "id bigint"}, ["apply(self, row, event)"]),
+    ],
+)
 def test_bad_declarations_are_refused_clearly(attrs: dict[str, Any], words: list[str]) -> None:
     with pytest.raises(ConfigError) as err:
         spec(**attrs)

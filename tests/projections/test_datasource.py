@@ -23,8 +23,11 @@ def loaded(any_log: Any, request: pytest.FixtureRequest) -> tuple[Any, str, str]
     recs = [Record(f"k{i % 10}".encode(), f"v{i}".encode(), (("kf.op", b"u"),)) for i in range(30)]
     recs.append(Record(b"k3", None))
     any_log.append(topic, recs)
-    url = (str(any_log.path) if hasattr(any_log, "path")
-           else "kafka://" + request.getfixturevalue("kafka_broker").bootstrap)
+    url = (
+        str(any_log.path)
+        if hasattr(any_log, "path")
+        else "kafka://" + request.getfixturevalue("kafka_broker").bootstrap
+    )
     return any_log, topic, url
 
 
@@ -44,8 +47,9 @@ def test_batch_read_gives_every_record_with_its_position(spark: Any, loaded: tup
         mine = [r for r in rows if r.partition == p]
         assert [r.offset for r in mine] == list(range(ends[p]))
         expected = log.read(topic, p, 0, 100)
-        assert [(r.key, r.value) for r in mine] == [(bytearray(e.key), None if e.value is None else bytearray(e.value))
-                                                   for e in expected]
+        assert [(r.key, r.value) for r in mine] == [
+            (bytearray(e.key), None if e.value is None else bytearray(e.value)) for e in expected
+        ]
     tomb = [r for r in rows if r.value is None]
     assert len(tomb) == 1 and tomb[0].key == b"k3" and tomb[0].op is None
     assert {r.op for r in rows if r.value is not None} == {"u"} and rows[0].topic == topic
@@ -58,7 +62,9 @@ def test_offsets_options_and_latest_per_key(spark: Any, loaded: tuple[Any, str, 
     end = {topic: {"0": ends[0] - 1}}
     rows = _read(spark, url, topic, startingOffsets=json.dumps(start), endingOffsets=json.dumps(end))
     got = {(r.partition, r.offset) for r in rows}
-    want = {(0, o) for o in range(1, ends[0] - 1)} | {(1, o) for o in range(2, ends[1])} | {(2, o) for o in range(ends[2])}
+    want = (
+        {(0, o) for o in range(1, ends[0] - 1)} | {(1, o) for o in range(2, ends[1])} | {(2, o) for o in range(ends[2])}
+    )
     assert got == want
     latest = _read(spark, url, topic, latestPerKey="true")
     by_key: dict[bytes, Any] = {}
@@ -77,9 +83,17 @@ def test_streaming_read_from_stored_offsets(spark: Any, loaded: tuple[Any, str, 
         seen.extend((r.partition, r.offset) for r in df.select("partition", "offset").collect())
 
     start = {topic: {"0": 2}}
-    q = (spark.readStream.format("kappaflow").option("log", url).option("topics", topic)
-         .option("startingOffsets", json.dumps(start)).option("maxRecordsPerTrigger", "7").load()
-         .writeStream.foreachBatch(batch).option("checkpointLocation", str(tmp_path / "c")).start())
+    q = (
+        spark.readStream.format("kappaflow")
+        .option("log", url)
+        .option("topics", topic)
+        .option("startingOffsets", json.dumps(start))
+        .option("maxRecordsPerTrigger", "7")
+        .load()
+        .writeStream.foreachBatch(batch)
+        .option("checkpointLocation", str(tmp_path / "c"))
+        .start()
+    )
     try:
         q.processAllAvailable()
         log.append(topic, [Record(b"k1", b"late")])

@@ -37,8 +37,11 @@ def wait(cond: Any, timeout: float, what: str) -> None:
 
 def positions(dsn: str, projection: str) -> dict[tuple[str, int], int]:
     with psycopg.connect(dsn) as conn:
-        rows = conn.execute("SELECT topic, partition, next_offset FROM kappaflow.projection_positions "
-                            "WHERE projection = %s AND target = 'live'", (projection,)).fetchall()
+        rows = conn.execute(
+            "SELECT topic, partition, next_offset FROM kappaflow.projection_positions "
+            "WHERE projection = %s AND target = 'live'",
+            (projection,),
+        ).fetchall()
     return {(t, p): o for t, p, o in rows}
 
 
@@ -56,8 +59,14 @@ def more_changes(w: TableWriter, rnd: random.Random, n: int, minute: int) -> Non
         elif rnd.random() < 0.2:
             w.delete(k)
         else:
-            w.update(k, {"customer_id": rnd.randint(1, 6), "status": rnd.choice(["new", "paid", "cancelled"]),
-                         "amount": Decimal(rnd.randint(1, 9999)) / 100})
+            w.update(
+                k,
+                {
+                    "customer_id": rnd.randint(1, 6),
+                    "status": rnd.choice(["new", "paid", "cancelled"]),
+                    "amount": Decimal(rnd.randint(1, 9999)) / 100,
+                },
+            )
     w.flush()
 
 
@@ -122,14 +131,13 @@ def test_follow_refuses_a_view_table_of_another_shape(rt: Any, embedded_log: Any
 
 @pytest.mark.slow
 def test_follow_killed_with_sigkill_mid_batch_resumes_exactly_once(
-        spark: Any, embedded_log: Any, pg_dsn: str, tmp_path: Path) -> None:
+    spark: Any, embedded_log: Any, pg_dsn: str, tmp_path: Path
+) -> None:
     """5 seeded kill -9 trials of a follower process while it applies batches; after each
     restart the view must equal a fresh replay (custom fold: a batch applied twice would
     count its events twice)."""
     from kappaflow.projections.runtime import Runtime
-    from kappaflow.projections.sinks.postgres import PostgresSink
-
-    from kappaflow.projections.sinks.postgres import ensure_migrated
+    from kappaflow.projections.sinks.postgres import PostgresSink, ensure_migrated
 
     ensure_migrated(pg_dsn)
     source = "kill"
@@ -141,9 +149,13 @@ def test_follow_killed_with_sigkill_mid_batch_resumes_exactly_once(
     env = {**os.environ, "PYSPARK_PYTHON": sys.executable}
 
     def start() -> subprocess.Popen[bytes]:
-        return subprocess.Popen([sys.executable, str(RUNNER), str(embedded_log.path), pg_dsn, str(ckpt), source,
-                                 "custom"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                start_new_session=True)
+        return subprocess.Popen(
+            [sys.executable, str(RUNNER), str(embedded_log.path), pg_dsn, str(ckpt), source, "custom"],
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
+        )
 
     proc = start()
     try:

@@ -8,7 +8,7 @@ import psycopg
 import pytest
 from pyspark.sql import types as T
 
-from kappaflow.errors import ConfigError
+from kappaflow.errors import ConfigError, SinkError
 from kappaflow.projections.sinks.base import ViewColumn, ViewSchemaMismatch, ViewSpec, batch_from_rows
 from kappaflow.projections.sinks.postgres import PostgresSink, csv_bytes, pg_type, physical_name
 from kappaflow.projections.sinks.testing import SinkContract, contract_row, contract_view
@@ -39,14 +39,19 @@ class TestPostgresSinkInOtherSchema(SinkContract):
 
 
 def test_view_tables_have_quoted_identifiers_and_a_primary_key(pg_dsn: str) -> None:
-    view = ViewSpec("Odd View", "odd", ("Key Col",),
-                    (ViewColumn("Key Col", T.StringType(), False), ViewColumn('we"ird', T.LongType())))
+    view = ViewSpec(
+        "Odd View",
+        "odd",
+        ("Key Col",),
+        (ViewColumn("Key Col", T.StringType(), False), ViewColumn('we"ird', T.LongType())),
+    )
     with PostgresSink(pg_dsn) as sink:
         t = sink.ensure(view)
         sink.write(t, batch_from_rows(view, [{"Key Col": "a'b", 'we"ird': 1, "_kf_version": 1}]))
         with psycopg.connect(pg_dsn) as c:
             assert c.execute('SELECT "Key Col", "we""ird", _kf_version FROM public."Odd View"').fetchall() == [
-                ("a'b", 1, 1)]
+                ("a'b", 1, 1)
+            ]
             pk = c.execute(
                 "SELECT a.attname FROM pg_index i JOIN pg_attribute a ON a.attrelid = i.indrelid "
                 "AND a.attnum = ANY(i.indkey) WHERE i.indrelid = 'public.\"Odd View\"'::regclass AND i.indisprimary"
@@ -57,9 +62,16 @@ def test_view_tables_have_quoted_identifiers_and_a_primary_key(pg_dsn: str) -> N
 def test_schema_mismatch_with_an_existing_table_names_the_columns(pg_dsn: str) -> None:
     with psycopg.connect(pg_dsn, autocommit=True) as c:
         c.execute("CREATE TABLE public.totals (customer_id bigint PRIMARY KEY, total text, _kf_version bigint)")
-    view = ViewSpec("totals", "totals", ("customer_id",),
-                    (ViewColumn("customer_id", T.LongType(), False), ViewColumn("total", T.DecimalType(18, 2)),
-                     ViewColumn("orders", T.LongType())))
+    view = ViewSpec(
+        "totals",
+        "totals",
+        ("customer_id",),
+        (
+            ViewColumn("customer_id", T.LongType(), False),
+            ViewColumn("total", T.DecimalType(18, 2)),
+            ViewColumn("orders", T.LongType()),
+        ),
+    )
     with PostgresSink(pg_dsn) as sink, pytest.raises(ViewSchemaMismatch) as err:
         sink.ensure(view)
     msg = str(err.value)
@@ -75,7 +87,7 @@ def test_positions_and_rows_commit_together(pg_dsn: str) -> None:
         good = contract_row(1, 1)
         bad = contract_row(2, 1)
         bad["id"] = None  # NOT NULL key: the upsert fails after the COPY
-        with pytest.raises(Exception):
+        with pytest.raises(SinkError, match="null value"):
             sink.write(t, batch_from_rows(view, [good, bad]), {("t", 0): 9})
         assert sink.count(t) == 0 and sink.read_positions(t) == {}
 
@@ -83,7 +95,11 @@ def test_positions_and_rows_commit_together(pg_dsn: str) -> None:
 def test_long_names_are_shortened_not_truncated() -> None:
     name = "v" * 60
     shadow = physical_name(name, "__kf_shadow")
-    assert len(shadow.encode()) <= 63 and shadow.endswith("__kf_shadow") and shadow != physical_name("v" * 61, "__kf_shadow")
+    assert (
+        len(shadow.encode()) <= 63
+        and shadow.endswith("__kf_shadow")
+        and shadow != physical_name("v" * 61, "__kf_shadow")
+    )
     with pytest.raises(ConfigError):
         ViewSpec("x", "x", (), (ViewColumn("a", T.LongType()),))
 
@@ -96,6 +112,7 @@ def test_type_mapping_and_csv_rendering() -> None:
     assert pg_type(T.MapType(T.StringType(), T.LongType())) == "jsonb"
     import pyarrow as pa
 
-    t = pa.table({"b": pa.array([b"\x00\x01", None]), "l": pa.array([["a", 'q"', None], None]),
-                  "s": pa.array(["", None])})
+    t = pa.table(
+        {"b": pa.array([b"\x00\x01", None]), "l": pa.array([["a", 'q"', None], None]), "s": pa.array(["", None])}
+    )
     assert csv_bytes(t) == b'"\\x0001","{""a"",""q\\"""",NULL}",""\n,,\n'

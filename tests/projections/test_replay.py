@@ -28,16 +28,27 @@ TOTALS_COLS = "customer_id, n, total, last, statuses"
 
 
 def order(i: int, customer: int, amount: int, status: str, minute: int) -> dict[str, Any]:
-    return {"id": i, "customer_id": customer, "amount": Decimal(amount) / 100, "status": status,
-            "created_at": T0 + timedelta(minutes=minute)}
+    return {
+        "id": i,
+        "customer_id": customer,
+        "amount": Decimal(amount) / 100,
+        "status": status,
+        "created_at": T0 + timedelta(minutes=minute),
+    }
 
 
 # A history step: (kind, id, customer, amount, status). Deletes of absent ids and inserts of
 # present ids turn into updates/no-ops, so every generated history is valid.
 steps = st.lists(
-    st.tuples(st.sampled_from(["insert", "update", "update", "delete"]), st.integers(1, 8), st.integers(1, 3),
-              st.integers(1, 5000), st.sampled_from(["new", "paid", "cancelled"])),
-    min_size=1, max_size=40,
+    st.tuples(
+        st.sampled_from(["insert", "update", "update", "delete"]),
+        st.integers(1, 8),
+        st.integers(1, 3),
+        st.integers(1, 5000),
+        st.sampled_from(["new", "paid", "cancelled"]),
+    ),
+    min_size=1,
+    max_size=40,
 )
 
 
@@ -54,12 +65,16 @@ def play(w: TableWriter, history: list[tuple[str, int, int, int, str]]) -> None:
     w.flush()
 
 
-@settings(max_examples=10, deadline=None, phases=[Phase.explicit, Phase.reuse, Phase.generate],
-          suppress_health_check=[HealthCheck.function_scoped_fixture,
-                                                                  HealthCheck.too_slow])
+@settings(
+    max_examples=10,
+    deadline=None,
+    phases=[Phase.explicit, Phase.reuse, Phase.generate],
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
 @given(history=steps)
-def test_grouped_replay_equals_a_reference_fold(rt: Any, embedded_log: Any, pg_dsn: str,
-                                                history: list[tuple[str, int, int, int, str]]) -> None:
+def test_grouped_replay_equals_a_reference_fold(
+    rt: Any, embedded_log: Any, pg_dsn: str, history: list[tuple[str, int, int, int, str]]
+) -> None:
     source = "h" + uuid.uuid4().hex[:8]
     w = TableWriter(embedded_log, orders_schema(source), partitions=2)
     play(w, history)
@@ -79,21 +94,30 @@ def random_history(w: TableWriter, seed: int, n: int = 300) -> None:
         elif r < 0.2:
             w.delete(k)
         else:
-            w.update(k, {"customer_id": rnd.randint(1, 6), "status": rnd.choice(["new", "paid", "cancelled"]),
-                         "amount": Decimal(rnd.randint(1, 9999)) / 100})
+            w.update(
+                k,
+                {
+                    "customer_id": rnd.randint(1, 6),
+                    "status": rnd.choice(["new", "paid", "cancelled"]),
+                    "amount": Decimal(rnd.randint(1, 9999)) / 100,
+                },
+            )
     w.flush()
 
 
 def test_latest_row_and_custom_fold_equal_the_reference_and_are_deterministic(
-        rt: Any, embedded_log: Any, pg_dsn: str) -> None:
+    rt: Any, embedded_log: Any, pg_dsn: str
+) -> None:
     w = TableWriter(embedded_log, orders_schema("det"), partitions=3)
     random_history(w, seed=11)
     latest = defs.latest("det")
     custom = defs.custom("det")
     replay(latest, rt)
     first = view_rows(pg_dsn, latest.name, "*")
-    expected = [(r["id"], r["customer_id"], r["amount"], r["status"], r["created_at"], int(r["amount"] * 100))
-                for _, r in sorted(w.rows.items())]
+    expected = [
+        (r["id"], r["customer_id"], r["amount"], r["status"], r["created_at"], int(r["amount"] * 100))
+        for _, r in sorted(w.rows.items())
+    ]
     assert [row[:6] for row in first] == expected
     replay(latest, rt)  # determinism: a second replay gives the same table, versions included
     assert view_rows(pg_dsn, latest.name, "*") == first
@@ -106,8 +130,9 @@ def test_latest_row_and_custom_fold_equal_the_reference_and_are_deterministic(
     assert view_rows(pg_dsn, custom.name, "*") == once
 
 
-def test_replay_on_kafka_equals_the_reference(spark: Any, kafka_log: Any, kafka_broker: Any, pg_dsn: str,
-                                             source_name: str, tmp_path: Any) -> None:
+def test_replay_on_kafka_equals_the_reference(
+    spark: Any, kafka_log: Any, kafka_broker: Any, pg_dsn: str, source_name: str, tmp_path: Any
+) -> None:
     from kappaflow.projections.runtime import Runtime
     from kappaflow.projections.sinks.postgres import PostgresSink
 
@@ -124,7 +149,8 @@ def test_replay_on_kafka_equals_the_reference(spark: Any, kafka_log: Any, kafka_
 
 
 def test_rebuild_while_a_reader_queries_never_shows_an_empty_or_partial_view(
-        rt: Any, embedded_log: Any, pg_dsn: str) -> None:
+    rt: Any, embedded_log: Any, pg_dsn: str
+) -> None:
     w = TableWriter(embedded_log, orders_schema("rb"), partitions=2)
     random_history(w, seed=3, n=200)
     proj = defs.latest("rb", name="rb_latest")
@@ -163,7 +189,8 @@ def test_rebuild_while_a_reader_queries_never_shows_an_empty_or_partial_view(
 
 
 def test_a_fold_raising_on_one_event_dead_letters_it_and_the_rest_proceeds(
-        rt: Any, embedded_log: Any, pg_dsn: str) -> None:
+    rt: Any, embedded_log: Any, pg_dsn: str
+) -> None:
     w = TableWriter(embedded_log, orders_schema("dl"), partitions=2)
     for i in range(1, 11):
         w.insert(order(i, i % 3, 100 * i, "new", i))

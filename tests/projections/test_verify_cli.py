@@ -29,9 +29,13 @@ def test_verify_detects_a_row_changed_behind_kappaflows_back(rt: Any, embedded_l
     replay(proj, rt)
     assert verify(proj, rt).ok
     with psycopg.connect(pg_dsn, autocommit=True) as conn:
-        conn.execute('UPDATE public."vf_totals" SET total = total + 1 WHERE customer_id = '
-                     '(SELECT min(customer_id) FROM public."vf_totals")')
-        conn.execute('DELETE FROM public."vf_totals" WHERE customer_id = (SELECT max(customer_id) FROM public."vf_totals")')
+        conn.execute(
+            'UPDATE public."vf_totals" SET total = total + 1 WHERE customer_id = '
+            '(SELECT min(customer_id) FROM public."vf_totals")'
+        )
+        conn.execute(
+            'DELETE FROM public."vf_totals" WHERE customer_id = (SELECT max(customer_id) FROM public."vf_totals")'
+        )
     res = verify(proj, rt)
     assert not res.ok and res.drift_count == 2
     assert sorted(d.kind for d in res.drift) == ["changed", "missing"]
@@ -59,8 +63,9 @@ def _cli(tmp_path: Path, log_path: str, dsn: str) -> tuple[typer.Typer, Path]:
     return app, cfg
 
 
-def test_cli_query_status_list_and_verify_exit_code(rt: Any, embedded_log: Any, pg_dsn: str, tmp_path: Path,
-                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+def test_cli_query_status_list_and_verify_exit_code(
+    rt: Any, embedded_log: Any, pg_dsn: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     w = TableWriter(embedded_log, orders_schema("cli"), partitions=2)
     random_history(w, seed=9, n=80)
     proj = defs.latest("cli", name="cli_orders")
@@ -82,6 +87,6 @@ def test_cli_query_status_list_and_verify_exit_code(rt: Any, embedded_log: Any, 
     monkeypatch.setattr("kappaflow.projections.runtime.spark_session", lambda *a, **k: rt.spark)
     assert runner.invoke(app, ["verify", "tests.projections.defs:CliOrders"]).exit_code == 0
     with psycopg.connect(pg_dsn, autocommit=True) as conn:
-        conn.execute('UPDATE public."cli_orders" SET status = \'tampered\' WHERE id = %s', (some,))
+        conn.execute("UPDATE public.\"cli_orders\" SET status = 'tampered' WHERE id = %s", (some,))
     out = runner.invoke(app, ["verify", "tests.projections.defs:CliOrders"])
     assert out.exit_code == 1 and "tampered" in out.output, out.output
