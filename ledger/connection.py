@@ -44,32 +44,41 @@ class ConnectionPool:
         self._configure(conn)
         return conn
 
-    @contextmanager
-    def connection(self) -> Iterator[psycopg.Connection]:
+    def acquire(self) -> psycopg.Connection:
+        """An idle connection (or a new one); hand it back with `release`."""
         if self._closed:
             raise LedgerUnavailableError("the ledger is closed")
         self._slots.acquire()
-        conn: psycopg.Connection | None = None
         try:
             with self._lock:
                 conn = self._idle.pop() if self._idle else None
             if conn is None or conn.closed:
                 conn = self._open()
-            yield conn
         except BaseException:
-            if conn is not None and not conn.closed and (
-                    conn.broken or conn.info.transaction_status != TransactionStatus.IDLE):
-                conn.close()
+            self._slots.release()
             raise
-        finally:
-            if conn is not None:
-                if not conn.closed and conn.info.transaction_status == TransactionStatus.IDLE \
-                        and not self._closed:
+        return conn
+
+    def release(self, conn: psycopg.Connection) -> None:
+        """Back to the pool if it is healthy and idle (no open transaction), else closed."""
+        try:
+            if not conn.closed:
+                if conn.info.transaction_status == TransactionStatus.IDLE and not self._closed \
+                        and not conn.broken:
                     with self._lock:
                         self._idle.append(conn)
-                elif not conn.closed:
+                else:
                     conn.close()
+        finally:
             self._slots.release()
+
+    @contextmanager
+    def connection(self) -> Iterator[psycopg.Connection]:
+        conn = self.acquire()
+        try:
+            yield conn
+        finally:
+            self.release(conn)
 
     def close(self) -> None:
         self._closed = True

@@ -85,11 +85,15 @@ CREATE TABLE {S}.events (
     CONSTRAINT events_stream_version_key UNIQUE (stream_id, stream_version)
 );
 
+-- The append's first event is (stream_id, stream_version); its positions are that event's
+-- position .. + events - 1. Known before positions are assigned, so the row is written outside
+-- the ledger lock.
 CREATE TABLE {S}.idempotency_keys (
     key            text PRIMARY KEY,
     request_hash   bytea NOT NULL,
-    first_position bigint NOT NULL,
-    last_position  bigint NOT NULL,
+    stream_id      text NOT NULL,
+    stream_version bigint NOT NULL,
+    events         integer NOT NULL,
     created_at     timestamptz NOT NULL DEFAULT now()
 );
 
@@ -103,8 +107,8 @@ CREATE TABLE {S}.durability_barrier (
 
 CREATE FUNCTION {S}.reject_change() RETURNS trigger LANGUAGE plpgsql AS $fn$
 BEGIN
-    RAISE EXCEPTION 'kappaflow ledger: % on %.% is not allowed: events are immutable (append a compensating event instead)',
-        TG_OP, TG_TABLE_SCHEMA, TG_TABLE_NAME
+    RAISE EXCEPTION 'kappaflow ledger: % on %.% is not allowed: %', TG_OP, TG_TABLE_SCHEMA, TG_TABLE_NAME,
+        'events are immutable (append a compensating event instead)'
         USING ERRCODE = 'KL010';
 END
 $fn$;
@@ -117,16 +121,12 @@ CREATE TRIGGER events_no_truncate BEFORE TRUNCATE ON {S}.events
 # Expected versions: -1 any, -2 no stream, -3 stream exists, >= 0 exact (0 = no events yet).
 # The client sends streams sorted by id (rows are locked in that order: no deadlocks between
 # appends touching the same streams); p_ev_stream[i] is the 1-based stream index of event i.
-APPEND = r"""
-CREATE FUNCTION {S}.append(
-    p_stream_ids text[], p_stream_types text[], p_expected bigint[], p_counts bigint[],
-    p_ev_stream integer[], p_ev_types text[], p_ev_schema integer[], p_ev_payloads text[],
-    p_ev_metadata text[], p_key text, p_request_hash bytea, p_group_commit boolean)
-RETURNS TABLE (first_position bigint, last_position bigint, stream_ids text[], versions bigint[],
-               recorded_at timestamptz, duplicate boolean)
-LANGUAGE plpgsql
-SET search_path = {S}, pg_temp
-AS $fn$
+# Few SQL statements on purpose: in PL/pgSQL each one costs an executor start-up, and the
+# statements after the ledger lock are the serial section of every append.
+# One body, two wrappers: the function `append` (inside a caller's transaction, or with a
+# synchronous commit) and the procedure `append_durable` (group commit, see below). Table names
+# are schema-qualified because a procedure that commits may not carry a SET search_path clause.
+APPEND_BODY = r"""
 DECLARE
     v_n integer := cardinality(p_ev_types);
     v_k record;
@@ -150,44 +150,47 @@ DECLARE
     v_typ text;
     v_s integer;
     i integer;
+    j integer;{DECLARE}
 BEGIN
     IF current_setting('transaction_isolation') <> 'read committed' THEN
         RAISE EXCEPTION 'kappaflow ledger: append needs READ COMMITTED isolation, not %',
             current_setting('transaction_isolation') USING ERRCODE = 'KL004';
     END IF;
-    IF p_group_commit THEN
-        -- Commit without waiting for the WAL flush, so the ledger lock is not held across an
-        -- fsync; the client acknowledges only after a durability barrier (see store.py).
-        PERFORM set_config('synchronous_commit', 'off', true);
-    END IF;
+    {ASYNC}
 
+    <<work>>
+    BEGIN
     -- 1. Idempotency: a committed append with this key -> its result; nothing is written.
     IF p_key IS NOT NULL THEN
-        SELECT k.request_hash, k.first_position, k.last_position INTO v_k
-        FROM idempotency_keys k WHERE k.key = p_key;
+        SELECT k.request_hash, k.stream_id, k.stream_version, k.events INTO v_k
+        FROM {S}.idempotency_keys k WHERE k.key = p_key;
         IF FOUND THEN
             IF v_k.request_hash <> p_request_hash THEN
                 RAISE EXCEPTION 'idempotency key % was already used for a different append', p_key
                     USING ERRCODE = 'KL002', DETAIL = json_build_object('key', p_key)::text;
             END IF;
-            RETURN QUERY
-                SELECT v_k.first_position, v_k.last_position,
-                       array_agg(t.stream_id ORDER BY t.stream_id), array_agg(t.v ORDER BY t.stream_id),
-                       min(t.at), true
-                FROM (SELECT e.stream_id, max(e.stream_version) AS v, min(e.recorded_at) AS at
-                      FROM events e WHERE e.position BETWEEN v_k.first_position AND v_k.last_position
-                      GROUP BY e.stream_id) t;
-            RETURN;
+            SELECT e.position INTO v_pos FROM {S}.events e
+            WHERE e.stream_id = v_k.stream_id AND e.stream_version = v_k.stream_version;
+            SELECT array_agg(t.stream_id ORDER BY t.stream_id), array_agg(t.v ORDER BY t.stream_id), min(t.at)
+            INTO o_stream_ids, o_versions, o_recorded_at
+            FROM (SELECT e.stream_id, max(e.stream_version) AS v, min(e.recorded_at) AS at
+                  FROM {S}.events e WHERE e.position BETWEEN v_pos AND v_pos + v_k.events - 1
+                  GROUP BY e.stream_id) t;
+            o_first_position := v_pos;
+            o_last_position := v_pos + v_k.events - 1;
+            o_duplicate := true;
+            EXIT work;
         END IF;
     END IF;
 
     -- 2. Streams in id order: create, or lock and bump the version; check the expectations.
+    --    (One UPDATE per stream is cheaper than one INSERT ... ON CONFLICT for all of them.)
     FOR i IN 1 .. cardinality(p_stream_ids) LOOP
-        UPDATE streams s SET version = s.version + p_counts[i], updated_at = now()
+        UPDATE {S}.streams s SET version = s.version + p_counts[i], updated_at = now()
         WHERE s.stream_id = p_stream_ids[i]
         RETURNING s.version, s.stream_type INTO v_ver, v_typ;
         IF NOT FOUND THEN  -- a new stream (or one created concurrently: then this updates it)
-            INSERT INTO streams AS s (stream_id, stream_type, version)
+            INSERT INTO {S}.streams AS s (stream_id, stream_type, version)
             VALUES (p_stream_ids[i], p_stream_types[i], p_counts[i])
             ON CONFLICT (stream_id) DO UPDATE SET version = s.version + excluded.version, updated_at = now()
             RETURNING s.version, s.stream_type INTO v_ver, v_typ;
@@ -205,7 +208,7 @@ BEGIN
         END IF;
         v_e := p_expected[i];
         IF NOT (v_e = -1 OR (v_e = -2 AND v_o = 0) OR (v_e = -3 AND v_o > 0) OR v_e = v_o) THEN
-            IF p_key IS NOT NULL AND EXISTS (SELECT 1 FROM idempotency_keys k WHERE k.key = p_key) THEN
+            IF p_key IS NOT NULL AND EXISTS (SELECT 1 FROM {S}.idempotency_keys k WHERE k.key = p_key) THEN
                 -- The stream moved because a concurrent append with the same key committed (we
                 -- waited for its row lock): roll back; the client's retry returns its result.
                 RAISE EXCEPTION 'idempotency key % committed concurrently', p_key USING ERRCODE = 'KL005';
@@ -230,12 +233,37 @@ BEGIN
         v_digests[i] := {CONTENT};
     END LOOP;
 
+    -- The idempotency key, also outside the lock: a concurrent append with the same key waits
+    -- here for the first one's outcome, then rolls back (the client's retry finds the key).
+    -- The row names the append's first event; its positions follow from that event's.
+    IF p_key IS NOT NULL THEN
+        INSERT INTO {S}.idempotency_keys AS k (key, request_hash, stream_id, stream_version, events)
+        VALUES (p_key, p_request_hash, p_stream_ids[p_ev_stream[1]], v_ev_version[1], v_n)
+        ON CONFLICT (key) DO NOTHING;
+        IF NOT FOUND THEN
+            RAISE EXCEPTION 'idempotency key % committed concurrently', p_key USING ERRCODE = 'KL005';
+        END IF;
+    END IF;
+
     -- 4. The ledger lock, held until commit: positions are assigned in commit order. The head
     --    is the last committed event (a fresh snapshot: this statement runs after the lock).
-    PERFORM pg_advisory_xact_lock({LOCK_KEY});
+    --    Taken by "barging": try, and while it is held, sleep 1 ms and try again (a bounded
+    --    number of times, then queue). A queued waiter is granted the lock at release and holds
+    --    it while it wakes up; on a busy machine that wake-up takes longer than the whole critical
+    --    section, so a FIFO queue (lock convoy) halves throughput. Barging hands the lock to a
+    --    session that is running. Correctness is the same either way.
+    IF NOT pg_try_advisory_xact_lock({LOCK_KEY}) THEN
+        FOR j IN 1 .. 20 LOOP
+            PERFORM pg_sleep(0.001);
+            EXIT WHEN pg_try_advisory_xact_lock({LOCK_KEY});
+            IF j = 20 THEN
+                PERFORM pg_advisory_xact_lock({LOCK_KEY});
+            END IF;
+        END LOOP;
+    END IF;
     SELECT e.position, e.hash, greatest(clock_timestamp(), e.recorded_at)
     INTO v_pos, v_h, v_at
-    FROM events e ORDER BY e.position DESC LIMIT 1;
+    FROM {S}.events e ORDER BY e.position DESC LIMIT 1;
     IF NOT FOUND THEN
         v_pos := 0;
         v_h := '\x0000000000000000000000000000000000000000000000000000000000000000'::bytea;
@@ -249,34 +277,68 @@ BEGIN
         v_hashes[i] := v_h;
     END LOOP;
 
-    INSERT INTO events (position, stream_id, stream_type, stream_version, event_type, schema_version,
-                        payload, metadata, idempotency_key, recorded_at, prev_hash, hash)
+    INSERT INTO {S}.events (position, stream_id, stream_type, stream_version, event_type, schema_version,
+                            payload, metadata, idempotency_key, recorded_at, prev_hash, hash)
     SELECT v_pos + u.ord, p_stream_ids[u.s], v_types[u.s], u.ver, u.t, u.sv, u.pj, u.mj, p_key, v_at,
            u.pr, u.h
     FROM unnest(p_ev_stream, p_ev_types, p_ev_schema, v_payloads, v_metadata, v_ev_version, v_prev, v_hashes)
          WITH ORDINALITY AS u(s, t, sv, pj, mj, ver, pr, h, ord);
 
-    IF p_key IS NOT NULL THEN
-        INSERT INTO idempotency_keys AS k (key, request_hash, first_position, last_position)
-        VALUES (p_key, p_request_hash, v_pos + 1, v_pos + v_n)
-        ON CONFLICT (key) DO NOTHING;
-        IF NOT FOUND THEN
-            -- A concurrent append with the same key committed first: roll back; the client
-            -- retries and step 1 returns that append's result.
-            RAISE EXCEPTION 'idempotency key % committed concurrently', p_key USING ERRCODE = 'KL005';
-        END IF;
-    END IF;
+    o_first_position := v_pos + 1;
+    o_last_position := v_pos + v_n;
+    o_stream_ids := p_stream_ids;
+    o_versions := v_new;
+    o_recorded_at := v_at;
+    o_duplicate := false;
+    END work;
 
-    first_position := v_pos + 1;
-    last_position := v_pos + v_n;
-    stream_ids := p_stream_ids;
-    versions := v_new;
-    recorded_at := v_at;
-    duplicate := false;
-    RETURN NEXT;
+    {TAIL}
 END
-$fn$;
 """
+
+_PARAMS = """p_stream_ids text[], p_stream_types text[], p_expected bigint[], p_counts bigint[],
+    p_ev_stream integer[], p_ev_types text[], p_ev_schema integer[], p_ev_payloads text[],
+    p_ev_metadata text[], p_key text, p_request_hash bytea"""
+
+APPEND_FUNCTION = """
+CREATE FUNCTION {S}.append(
+    """ + _PARAMS + """, p_group_commit boolean)
+RETURNS TABLE (first_position bigint, last_position bigint, stream_ids text[], versions bigint[],
+               recorded_at timestamptz, duplicate boolean)
+LANGUAGE plpgsql
+AS $fn$""" + APPEND_BODY.replace("{DECLARE}", """
+    o_first_position bigint;
+    o_last_position bigint;
+    o_stream_ids text[];
+    o_versions bigint[];
+    o_recorded_at timestamptz;
+    o_duplicate boolean;""").replace("{ASYNC}", """IF p_group_commit THEN
+        -- Commit without waiting for the WAL flush (the caller then runs a durability barrier).
+        PERFORM set_config('synchronous_commit', 'off', true);
+    END IF;""").replace("{TAIL}", """first_position := o_first_position;
+    last_position := o_last_position;
+    stream_ids := o_stream_ids;
+    versions := o_versions;
+    recorded_at := o_recorded_at;
+    duplicate := o_duplicate;
+    RETURN NEXT;""") + "$fn$;\n"
+
+# Group commit in ONE round trip. The append commits asynchronously (the ledger lock is released
+# without waiting for the fsync); then the durability barrier commits synchronously, and its flush
+# covers the append's commit record; concurrent callers share fsyncs. Also for a duplicate: the
+# original append may not be flushed yet. CALL it outside a transaction block (autocommit), else
+# PostgreSQL refuses the COMMIT.
+APPEND_PROCEDURE = """
+CREATE PROCEDURE {S}.append_durable(
+    """ + _PARAMS + """,
+    INOUT o_first_position bigint DEFAULT NULL, INOUT o_last_position bigint DEFAULT NULL,
+    INOUT o_stream_ids text[] DEFAULT NULL, INOUT o_versions bigint[] DEFAULT NULL,
+    INOUT o_recorded_at timestamptz DEFAULT NULL, INOUT o_duplicate boolean DEFAULT NULL)
+LANGUAGE plpgsql
+AS $fn$""" + APPEND_BODY.replace("{DECLARE}", "").replace(
+    "{ASYNC}", "PERFORM set_config('synchronous_commit', 'off', true);").replace("{TAIL}", """COMMIT;
+    INSERT INTO {S}.durability_barrier AS b (pid, n) VALUES (pg_backend_pid(), 1)
+    ON CONFLICT (pid) DO UPDATE SET n = b.n + 1;""") + "$fn$;\n"
 
 
 def lock_key(schema: str) -> int:
@@ -291,7 +353,8 @@ def upgrade() -> None:
     content = _content("p_stream_ids[v_s]", "v_types[v_s]", "p_ev_types[i]", "p_ev_schema[i]",
                        "v_payloads[i]::text", "v_metadata[i]::text", "p_key")
     _run(DDL.format(S=s))
-    _run(APPEND.replace("{S}", s).replace("{CONTENT}", content).replace("{LOCK_KEY}", str(lock_key(_schema()))))
+    for ddl in (APPEND_FUNCTION, APPEND_PROCEDURE):
+        _run(ddl.replace("{S}", s).replace("{CONTENT}", content).replace("{LOCK_KEY}", str(lock_key(_schema()))))
 
 
 def downgrade() -> None:
