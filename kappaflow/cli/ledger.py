@@ -44,7 +44,9 @@ def _target(ctx: typer.Context, dsn: str | None, schema: str | None) -> tuple[st
         dsn = dsn or cfg.connect_dsn()
         schema = schema or cfg.schema_name
     if not dsn:
-        raise ConfigError("ledger dsn: not set; pass --dsn or set KAPPAFLOW_LEDGER_DSN (or [ledger] dsn in kappaflow.toml)")
+        raise ConfigError(
+            "ledger dsn: not set; pass --dsn or set KAPPAFLOW_LEDGER_DSN (or [ledger] dsn in kappaflow.toml)"
+        )
     return dsn, schema if isinstance(schema, str) and schema else DEFAULT_SCHEMA
 
 
