@@ -127,11 +127,17 @@ class Source:
     source (so tombstones and key-only delete images route too), else from the row
     (``after``, or ``before`` for deletes).
     ``schema``: the topic's ``TableSchema`` when it is not on ``<source>.__schema``.
+    ``events``: an event topic (e.g. the ledger's ``<source>.<stream_type>``): each record's
+    value is one domain event as a JSON object, not a change envelope. Only custom folds
+    read them: ``event.after`` is the event object, ``event.op`` is ``"c"``; the view key
+    comes from the event's fields (``key`` maps view key columns to event fields), and
+    events of one key are folded in the order of their ``position`` field (then offset).
     """
 
     topic: str
     key: Mapping[str, str] | None = None
     schema: Any = None  # kappaflow.events.TableSchema
+    events: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.topic, str) or not self.topic:
@@ -238,6 +244,11 @@ class ProjectionSpec:
         return [s.topic for s in self.sources]
 
     @property
+    def change_topics(self) -> list[str]:
+        """Topics of change events (with table schemas), i.e. not event topics."""
+        return [s.topic for s in self.sources if not s.events]
+
+    @property
     def kind(self) -> str:
         return self.fold.kind
 
@@ -262,7 +273,7 @@ class ProjectionSpec:
             repr(self.schema),
         ]
         for s in self.sources:
-            parts.append(repr(sorted((s.key or {}).items())))
+            parts.append(repr(sorted((s.key or {}).items())) + ("events" if s.events else ""))
         if isinstance(self.fold, LatestFold):
             parts.append(repr(self.fold.columns))
         if isinstance(self.fold, GroupFold):
@@ -347,6 +358,12 @@ class ProjectionSpec:
         custom = klass.apply is not Projection.apply
         columns = attr("columns")
 
+        event_topics = [s.topic for s in sources if s.events]
+        if event_topics and not custom:
+            raise ConfigError(
+                f"{where}: event topics {event_topics} need an apply() fold (declarative folds read "
+                "change events of captured tables)"
+            )
         fold: FoldSpec
         if custom:
             if aggregates:

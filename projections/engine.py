@@ -46,7 +46,7 @@ BAD_REASON = "value is not a change event (unparseable JSON, or 'op' missing or 
 def prepare(spec: ProjectionSpec, rt: Runtime) -> Plan:
     """Load the source schemas and compile the projection."""
     given = {s.topic: s.schema for s in spec.sources if s.schema is not None}
-    schemas = load_table_schemas(rt.reader(), spec.topics, given)
+    schemas = load_table_schemas(rt.reader(), spec.change_topics, given)
     return Plan.build(rt.spark, spec, schemas)
 
 
@@ -140,6 +140,7 @@ def _fold_job(
         projection=spec.cls,
         key=spec.key,
         schemas={t: s.to_dict() for t, s in plan.schemas.items()},
+        event_topics=frozenset(s.topic for s in spec.sources if s.events),
         out_schema=fold_arrow_schema(plan.view.arrow_schema()),
         view_columns=plan.view.column_names,
         version=version,

@@ -110,7 +110,7 @@ class Plan:
     @classmethod
     def build(cls, spark: SparkSession, spec: ProjectionSpec, schemas: dict[str, TableSchema]) -> Plan:
         where = f"projection {spec.name!r}"
-        for t in spec.topics:
+        for t in spec.change_topics:
             if t not in schemas:
                 raise ConfigError(f"{where}: no table schema for source topic {t!r}")
             bad = [c.name for c in schemas[t].columns if c.name.startswith("_kf_")]
@@ -216,6 +216,8 @@ class Plan:
                     f"{where}: Source({src.topic!r}).key must map every view key column "
                     f"{list(spec.key)}, got {sorted(mapping)}"
                 )
+            if src.events:
+                continue
             schema = schemas[src.topic]
             unknown = [c for c in mapping.values() if c not in schema.column_names]
             if unknown:
@@ -473,9 +475,12 @@ class Plan:
         """
         frames = []
         for src in self.spec.sources:
-            schema = self.schemas[src.topic]
             mapping = dict(src.key or {k: k for k in self.spec.key})
             raw = raws[src.topic]
+            if src.events:
+                frames.append(self._event_topic_events(raw, mapping))
+                continue
+            schema = self.schemas[src.topic]
             if in_place:
                 kj = F.from_json(F.col("key").cast("string"), key_struct(schema))
                 krow = F.coalesce(kj["payload"], F.struct(*[kj[c].alias(c) for c in schema.key]))
@@ -529,12 +534,38 @@ class Plan:
     def fold_in_place(self) -> bool:
         """A custom fold over one topic keyed by its primary key needs no shuffle: every
         event of a key is in one log partition, in offset order."""
-        if len(self.spec.sources) != 1:
+        if len(self.spec.sources) != 1 or self.spec.sources[0].events:
             return False
         src = self.spec.sources[0]
         mapping = dict(src.key or {k: k for k in self.spec.key})
         schema = self.schemas[src.topic]
         return bool(schema.key) and sorted(mapping.values()) == sorted(schema.key)
+
+    def _event_topic_events(self, raw: DataFrame, mapping: dict[str, str]) -> DataFrame:
+        """Event topics: the view key from the event's fields; order by its ``position``."""
+        types: dict[str, DataType] = {"position": LongType()}
+        for k in self.spec.key:
+            types[mapping[k]] = self.view_key_types[k]
+        struct = StructType([StructField(f, t) for f, t in sorted(types.items())])
+        ev = F.from_json(F.col("value").cast("string"), struct)
+        order = F.struct(
+            ev["position"].cast("bigint").alias("a"),
+            F.lit("").alias("b"),
+            F.lit(0).cast("bigint").alias("c"),
+            F.lit(1).alias("d"),
+            F.lit(0).cast("bigint").alias("e"),
+        )
+        vk = [ev[mapping[k]].cast(self.view_key_types[k]).alias(k) for k in self.spec.key]
+        return raw.where(F.col("value").isNotNull()).select(
+            F.col("topic").alias("_kf_topic"),
+            F.col("partition").alias("_kf_partition"),
+            F.col("offset").alias("_kf_offset"),
+            F.col("key").alias("_kf_key"),
+            F.col("value").alias("_kf_value"),
+            F.lit("c").alias("_kf_op"),
+            order.alias("_kf_order"),
+            *vk,
+        )
 
     def sorted_for_fold(self, events: DataFrame, partitions: int) -> DataFrame:
         keys = list(self.spec.key)
