@@ -5,6 +5,8 @@
 Without --dsn a private PostgreSQL is started from the machine's binaries, DURABLE by default
 (fsync on, synchronous_commit on: every acknowledged append survives a power cut); --fast
 turns both off (the test-suite setting) to show the cost of durability.
+Also measures a ceiling: the same writers doing nothing but a minimal durable transaction (one
+INSERT of two rows), i.e. what no ledger on this machine and server can beat.
 Prints one JSON object on the last line.
 """
 
@@ -73,6 +75,30 @@ def seed_accounts(dsn: str, n: int) -> None:
             ledger.append_many([StreamAppend(stream_id(str(a)), [AccountOpened(owner=f"o{a}"),
                                                                   Deposited(amount=10_000_000)],
                                              ExpectedVersion.NO_STREAM) for a in range(start, min(n, start + 100))])
+
+
+def ceiling_worker(dsn: str, seconds: float, ready: Any, go: Any, out: Any, finish: Any) -> None:
+    """The ceiling for any ledger here: a minimal durable transaction (one INSERT of two rows,
+    autocommit, the server's synchronous commit) from a Python client, as fast as it goes."""
+    import psycopg
+
+    done = 0
+    lat: list[float] = []
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        sql = "insert into ceiling_probe (a, b) values (%s, %s), (%s, %s)"
+        conn.execute(sql, (0, 0, 0, 0), prepare=True)
+        ready.put(0)
+        go.wait()
+        stop_at = time.perf_counter() + seconds
+        cpu0 = time.process_time()
+        while time.perf_counter() < stop_at:
+            t = time.perf_counter()
+            conn.execute(sql, (done, 1, done, 2), prepare=True)
+            lat.append((time.perf_counter() - t) * 1000)
+            done += 1
+        out.put({"done": done, "append_lat": lat, "transfer_lat": lat, "conflicts": 0,
+                 "cpu": time.process_time() - cpu0})
+        finish.wait(600)
 
 
 def transfer_worker(dsn: str, seed: int, accounts: int, seconds: float, ready: Any, go: Any,
@@ -152,11 +178,20 @@ def server_cpu_seconds(dsn: str) -> float:
     return total
 
 
-def transfers(dsn: str, writers: int, accounts: int, seconds: float, raw: bool = False) -> dict[str, Any]:
+def transfers(dsn: str, writers: int, accounts: int, seconds: float, raw: bool = False,
+              ceiling: bool = False) -> dict[str, Any]:
     ctx = mp.get_context("spawn")
     q, ready, go, finish = ctx.Queue(), ctx.Queue(), ctx.Event(), ctx.Event()
-    procs = [ctx.Process(target=transfer_worker, args=(dsn, s, accounts, seconds, ready, go, q, finish, raw))
-             for s in range(writers)]
+    if ceiling:
+        import psycopg
+
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            conn.execute("create table if not exists ceiling_probe (id bigserial primary key, a int, b int)")
+        procs = [ctx.Process(target=ceiling_worker, args=(dsn, seconds, ready, go, q, finish))
+                 for _ in range(writers)]
+    else:
+        procs = [ctx.Process(target=transfer_worker, args=(dsn, s, accounts, seconds, ready, go, q, finish, raw))
+                 for s in range(writers)]
     for p in procs:
         p.start()
     for _ in procs:  # every writer has loaded its account cache: start them at the same instant
@@ -222,6 +257,9 @@ def main() -> None:
         raw = transfers(dsn, args.writers, args.accounts, args.seconds / 2, raw=True)
         print(f"raw two-stream appends: {raw['transfers_per_s']:,.0f}/s with {args.writers} writers",
               file=sys.stderr)
+        ceil = transfers(dsn, args.writers, args.accounts, args.seconds / 2, ceiling=True)
+        print(f"ceiling (a minimal durable 2-row INSERT transaction): {ceil['transfers_per_s']:,.0f}/s with "
+              f"{args.writers} writers", file=sys.stderr)
         with Ledger(dsn) as ledger:
             t = time.perf_counter()
             report = ledger.verify()
@@ -245,6 +283,10 @@ def main() -> None:
             "raw_transfer_cpu_ms_server": round(raw["server_cpu_ms_per_transfer"], 3),
             "transfer_cpu_ms_client": round(tr["client_cpu_ms_per_transfer"], 3),
             "transfer_cpu_ms_server": round(tr["server_cpu_ms_per_transfer"], 3),
+            # upper bound for any transfer on this machine: one minimal durable transaction
+            "ceiling_min_durable_txn_per_s": round(ceil["transfers_per_s"]),
+            "ceiling_min_durable_txn_cpu_ms_client": round(ceil["client_cpu_ms_per_transfer"], 3),
+            "ceiling_min_durable_txn_cpu_ms_server": round(ceil["server_cpu_ms_per_transfer"], 3),
             "load_avg_1m": round(os.getloadavg()[0], 2), "cpus": os.cpu_count(),
             "writers": args.writers, "accounts": args.accounts, "transfers": tr["transfers"],
             "conflicts_retried": tr["conflicts"],

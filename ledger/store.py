@@ -2,7 +2,8 @@
 
 Gap-safe order (why positions are assigned under one lock)
 ----------------------------------------------------------
-Every append runs one server-side function, ``<schema>.append(...)``, in one transaction:
+Every append runs one server-side body (the function ``<schema>.append(...)``, or the procedure
+``<schema>.append_durable(...)`` with group commit, below) in one transaction:
 
 1. idempotency key: a committed append with the key returns its result;
 2. streams: upsert every touched stream in id order, bumping its version (row locks in a fixed
@@ -13,7 +14,10 @@ Every append runs one server-side function, ``<schema>.append(...)``, in one tra
    last committed event (read after the lock, so with a fresh snapshot); positions head+1..head+n
    are assigned, the hash chain is extended, events are inserted. The lock is held until COMMIT,
    and PostgreSQL makes a transaction visible before it releases its locks, so the next appender
-   can only take positions after the previous one is visible.
+   can only take positions after the previous one is visible. The lock is taken by "barging"
+   (try; while busy sleep 1 ms and try again, queue after 20 tries): a queued waiter is granted
+   the lock at release and holds it while it is being woken up, which on a busy machine takes
+   longer than the critical section itself (a lock convoy: half the throughput at 8 writers).
 
 Hence positions are dense (no sequence, no holes from rollbacks) and in commit order: a reader
 that has seen position p has seen every position < p, and ``WHERE position > last`` never skips
@@ -420,7 +424,7 @@ class Ledger:
         try:
             cur = self._cursors.get(conn)
             if cur is None or cur.closed:
-                cur = self._cursors[conn] = conn.cursor()
+                cur = self._cursors[conn] = conn.cursor(binary=True)  # binary results load faster
             cur.execute(query, params, prepare=True)
             return cur.fetchone() if one else cur.fetchall()
         except psycopg.Error as exc:

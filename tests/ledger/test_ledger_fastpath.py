@@ -72,3 +72,46 @@ def test_group_commit_off_uses_the_function(ledger_dsn: str) -> None:
         again = led.append("order-9", [NewEvent("Noted", {"n": 1})], idempotency_key="k")
         assert (r.position, again.position, again.duplicate) == (1, 1, True)
         assert led.verify().ok
+
+
+def test_pool_limits_hands_over_and_drops_unhealthy_connections(ledger_dsn: str) -> None:
+    import threading
+
+    from kappaflow.ledger.connection import ConnectionPool
+    from kappaflow.ledger.errors import LedgerUnavailableError
+
+    pool = ConnectionPool(ledger_dsn, max_size=2)
+    a, b = pool.acquire(), pool.acquire()
+    got: list[Any] = []
+    waiter = threading.Thread(target=lambda: got.append(pool.acquire()))
+    waiter.start()
+    waiter.join(0.2)
+    assert waiter.is_alive() and not got  # both connections are out: the third caller waits
+    pool.release(a)
+    waiter.join(10)
+    assert got == [a]  # the released (healthy, idle) connection is handed over
+    b.execute("begin")
+    pool.release(b)  # inside a transaction: closed, not reused
+    assert b.closed
+    c = pool.acquire()
+    assert c is not b and not c.closed
+    pool.release(got[0])
+    pool.release(c)
+    blocked: list[BaseException] = []
+    held: list[Any] = []
+
+    def wait_for_close() -> None:
+        try:
+            held.extend((pool.acquire(), pool.acquire()))
+            pool.acquire()
+        except BaseException as exc:
+            blocked.append(exc)
+
+    t = threading.Thread(target=wait_for_close)
+    t.start()
+    t.join(0.2)
+    pool.close()
+    t.join(10)
+    assert not t.is_alive() and isinstance(blocked[0], LedgerUnavailableError)
+    for conn in held:
+        conn.close()
