@@ -27,6 +27,18 @@ Three kinds of fold, chosen by what the class declares::
             row = row or {"customer_id": event.row["customer_id"], "events": 0}
             return {**row, "events": row["events"] + 1, "last_op": event.op}   # None deletes
 
+Targets: ``sinks`` names the stores that keep the view (default ``("postgres",)``), each
+with its own positions, followed independently; ``sink_options`` gives per-sink view
+options (search: the index alias, field mappings; Redis: value format, TTL)::
+
+    class ProductSearch(Projection):
+        name = "products"
+        sources = ["shop.public.products"]
+        key = ["id"]
+        sinks = ("postgres", "search", "redis")
+        sink_options = {"search": {"fields": {"name": "text"}},
+                        "redis": {"ttl_s": 3600, "format": "hash"}}
+
 Declarative folds compile to native Spark expressions (``kappaflow.projections.plan``);
 custom folds run once per Spark partition over events sorted by (view key, source
 position) — never one Python call per key group. ``where`` / ``derive`` are Spark SQL
@@ -57,6 +69,18 @@ from typing import Any, ClassVar
 from kappaflow.errors import ConfigError
 
 NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,62}$")
+
+SINK_KINDS = ("postgres", "search", "redis")
+"""Sink names a projection may declare in ``sinks``."""
+
+# Per-sink option names that change the shape of the stored view (so they are part of the
+# definition's fingerprint); the others (TTLs, batch sizes, retries) only tune how it is written.
+_SHAPE_OPTIONS = {
+    "search": ("index", "fields", "string_default", "settings"),
+    "redis": ("prefix", "value_format"),
+}
+# Friendly aliases accepted in ``sink_options`` -> the sink's own option name.
+_OPTION_ALIASES: dict[str, dict[str, str]] = {"redis": {"format": "value_format", "ttl": "ttl_s"}}
 
 
 # --- aggregates -----------------------------------------------------------------------------------
@@ -179,7 +203,9 @@ class Projection:
     or ``Source``), ``key`` (view key columns). Optional: ``columns``, ``derive``,
     ``where``, ``aggregates``, ``schema`` (Spark DDL of the output, required for custom
     folds), ``view`` (table name, default ``name``), ``namespace`` (PostgreSQL schema),
-    ``apply`` (custom fold).
+    ``apply`` (custom fold), ``sinks`` (where the view lives: any of "postgres", "search",
+    "redis"; default postgres only), ``sink_options`` (per-sink view options, e.g.
+    ``{"search": {"fields": {"name": "text"}}, "redis": {"ttl_s": 3600, "format": "hash"}}``).
     """
 
     name: ClassVar[str]
@@ -192,6 +218,8 @@ class Projection:
     schema: ClassVar[str | None] = None
     view: ClassVar[str | None] = None
     namespace: ClassVar[str | None] = None
+    sinks: ClassVar[Sequence[str]] = ("postgres",)
+    sink_options: ClassVar[Mapping[str, Mapping[str, Any]]] = {}
 
     def apply(self, row: dict[str, Any] | None, event: Event) -> dict[str, Any] | None:
         """Custom fold: the view row after `event` (None removes it). Override to use."""
@@ -238,6 +266,12 @@ class ProjectionSpec:
     schema: str | None = None
     cls: type[Projection] | None = field(default=None, compare=False)
     class_path: str | None = None
+    sinks: tuple[str, ...] = ("postgres",)
+    sink_options: Mapping[str, Mapping[str, Any]] = field(default_factory=dict, compare=False)
+
+    def view_options(self) -> dict[str, Any]:
+        """``ViewSpec.options`` for the sinks: ``{"search": {...}, "redis": {...}}`` (validated names)."""
+        return {k: dict(v) for k, v in self.sink_options.items() if v}
 
     @property
     def topics(self) -> list[str]:
@@ -278,6 +312,15 @@ class ProjectionSpec:
             parts.append(repr(self.fold.columns))
         if isinstance(self.fold, GroupFold):
             parts.append(repr([(n, a.func, a.column) for n, a in self.fold.aggregates]))
+        shape = {
+            sink: {k: opts[k] for k in _SHAPE_OPTIONS.get(sink, ()) if k in opts}
+            for sink, opts in sorted(self.sink_options.items())
+        }
+        shape = {k: v for k, v in shape.items() if v}
+        if shape:  # only when set, so fingerprints of projections without options stay as they were
+            import json
+
+            parts.append("sink_options=" + json.dumps(shape, sort_keys=True, default=repr))
         if isinstance(self.fold, CustomFold) and self.cls is not None:
             try:
                 parts.append(inspect.getsource(self.cls.apply))
@@ -410,6 +453,8 @@ class ProjectionSpec:
                 columns = tuple(columns)
             fold = LatestFold(columns)
 
+        sinks, sink_options = _validate_sinks(where, attr("sinks"), attr("sink_options"), fold)
+
         module = getattr(klass, "__module__", None)
         return cls(
             name=name,
@@ -423,7 +468,83 @@ class ProjectionSpec:
             schema=schema,
             cls=klass,
             class_path=f"{module}:{klass.__qualname__}" if module else None,
+            sinks=sinks,
+            sink_options=sink_options,
         )
+
+
+def _validate_sinks(
+    where: str, raw_sinks: Any, raw_options: Any, fold: FoldSpec
+) -> tuple[tuple[str, ...], dict[str, dict[str, Any]]]:
+    """``sinks`` / ``sink_options`` of a projection class, checked against what each sink accepts."""
+    if raw_sinks is None:
+        raw_sinks = ("postgres",)
+    if isinstance(raw_sinks, str):
+        raw_sinks = (raw_sinks,)
+    if not isinstance(raw_sinks, (list, tuple)) or not raw_sinks:
+        raise ConfigError(
+            f"{where}: 'sinks': expected a non-empty list of sink names among {list(SINK_KINDS)}, got {raw_sinks!r}"
+        )
+    for s in raw_sinks:
+        if s not in SINK_KINDS:
+            raise ConfigError(f"{where}: 'sinks': unknown sink {s!r}; expected some of {list(SINK_KINDS)}")
+    if len(set(raw_sinks)) != len(raw_sinks):
+        raise ConfigError(f"{where}: 'sinks': sink listed twice in {list(raw_sinks)}")
+    sinks = tuple(raw_sinks)
+    if isinstance(fold, GroupFold):
+        other = [s for s in sinks if s != "postgres"]
+        if other:
+            raise ConfigError(
+                f"{where}: 'sinks': a grouped projection ('aggregates') cannot write to {other}: its follow keeps "
+                "the per-source-key state in PostgreSQL and recomputes the touched groups there in one "
+                "transaction (apply_grouped), which search indexes and Redis cannot do; use sinks = ('postgres',), "
+                "or an apply() fold (custom folds work with every sink)"
+            )
+    raw_options = raw_options or {}
+    if not isinstance(raw_options, Mapping):
+        raise ConfigError(
+            f"{where}: 'sink_options': expected a dict of sink name -> options dict, got {raw_options!r}"
+        )
+    options: dict[str, dict[str, Any]] = {}
+    for name, opts in raw_options.items():
+        if name not in SINK_KINDS:
+            raise ConfigError(f"{where}: 'sink_options': unknown sink {name!r}; expected some of {list(SINK_KINDS)}")
+        if name not in sinks:
+            raise ConfigError(
+                f"{where}: 'sink_options'[{name!r}]: the projection does not write to {name!r} "
+                f"(sinks = {list(sinks)})"
+            )
+        if not isinstance(opts, Mapping) or not all(isinstance(k, str) for k in opts):
+            raise ConfigError(f"{where}: 'sink_options'[{name!r}]: expected a dict of option -> value, got {opts!r}")
+        if not opts:
+            continue
+        if name == "postgres":
+            raise ConfigError(
+                f"{where}: 'sink_options'['postgres']: the PostgreSQL sink takes no per-view options "
+                f"(got {sorted(opts)}); the table name is 'view' and the schema 'namespace'"
+            )
+        aliases = _OPTION_ALIASES.get(name, {})
+        mapped: dict[str, Any] = {}
+        for k, v in opts.items():
+            real = str(aliases.get(k) or k)
+            if real in mapped:
+                raise ConfigError(f"{where}: 'sink_options'[{name!r}]: {k!r} and {real!r} are the same option")
+            mapped[real] = v
+        _check_sink_options(f"{where}: 'sink_options'[{name!r}]", name, mapped)
+        options[name] = mapped
+    return sinks, options
+
+
+def _check_sink_options(where: str, sink: str, options: Mapping[str, Any]) -> None:
+    """Validate with the sink's own options model (errors name the option and what was given)."""
+    if sink == "search":
+        from kappaflow.projections.sinks.search import _parse_options as parse_search
+
+        parse_search(options, where)
+    elif sink == "redis":
+        from kappaflow.projections.sinks.redis import _parse_options as parse_redis
+
+        parse_redis(options, where)
 
 
 def load_projection(path: str) -> ProjectionSpec:
@@ -448,6 +569,7 @@ def load_projection(path: str) -> ProjectionSpec:
 
 
 __all__ = [
+    "SINK_KINDS",
     "Aggregate",
     "Avg",
     "CollectList",

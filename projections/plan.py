@@ -148,7 +148,7 @@ class Plan:
             cols = [
                 ViewColumn(f.name, f.dataType, f.name not in spec.key) for f in out.schema.fields if f.name != VERSION
             ]
-            plan.view = ViewSpec(spec.view, spec.name, spec.key, tuple(cols), spec.namespace)
+            plan.view = ViewSpec(spec.view, spec.name, spec.key, tuple(cols), spec.namespace, spec.view_options())
         else:
             assert isinstance(spec.fold, GroupFold)
             missing = [k for k in spec.key if k not in rows.columns]
@@ -191,7 +191,9 @@ class Plan:
                     for n, a in spec.fold.aggregates
                 ],
             }
-            plan.view = ViewSpec(spec.view, spec.name, spec.key, tuple(cols), spec.namespace, {"group": group})
+            plan.view = ViewSpec(
+                spec.view, spec.name, spec.key, tuple(cols), spec.namespace, {**spec.view_options(), "group": group}
+            )
         plan._check_declared_schema(spark)
         return plan
 
@@ -207,7 +209,7 @@ class Plan:
         if missing:
             raise ConfigError(f"{where}: 'key' column(s) {missing} are not in 'schema' ({names})")
         cols = tuple(ViewColumn(f.name, f.dataType, f.name not in spec.key) for f in struct.fields)
-        plan = cls(spec, schemas, ViewSpec(spec.view, spec.name, spec.key, cols, spec.namespace))
+        plan = cls(spec, schemas, ViewSpec(spec.view, spec.name, spec.key, cols, spec.namespace, spec.view_options()))
         plan.view_key_types = {k: struct[k].dataType for k in spec.key}
         for src in spec.sources:
             mapping = dict(src.key or {k: k for k in spec.key})

@@ -65,3 +65,46 @@ def test_sources_and_triggers() -> None:
     with pytest.raises(ConfigError, match="--trigger"):
         parse_trigger("soon")
     assert Avg("x").func == "avg"
+
+
+def test_sinks_default_to_postgres_and_options_map_onto_the_sinks_view_options() -> None:
+    assert spec().sinks == ("postgres",) and spec().view_options() == {}
+    s = spec(sinks=("postgres", "search", "redis"),
+             sink_options={"search": {"fields": {"name": "text"}}, "redis": {"ttl_s": 3600, "format": "hash"}})
+    assert s.sinks == ("postgres", "search", "redis")
+    assert s.view_options() == {
+        "search": {"fields": {"name": "text"}}, "redis": {"ttl_s": 3600, "value_format": "hash"}
+    }
+    assert spec(sinks="redis").sinks == ("redis",)
+
+
+def test_the_fingerprint_changes_with_options_that_shape_the_view_only() -> None:
+    base = spec(sinks=("postgres", "search", "redis"))
+    assert base.fingerprint() == spec().fingerprint()  # adding a sink does not invalidate existing views
+    fields = spec(sinks=("search",), sink_options={"search": {"fields": {"name": "text"}}})
+    assert fields.fingerprint() != base.fingerprint()
+    fmt = spec(sinks=("redis",), sink_options={"redis": {"format": "hash"}})
+    assert fmt.fingerprint() != base.fingerprint()
+    ttl = spec(sinks=("redis",), sink_options={"redis": {"ttl_s": 60}})
+    assert ttl.fingerprint() == base.fingerprint()  # a TTL does not change what is stored
+
+
+@pytest.mark.parametrize(
+    ("attrs", "words"),
+    [
+        ({"sinks": ("pg",)}, ["'sinks'", "'pg'", "P"]),
+        ({"sinks": ()}, ["'sinks'"]),
+        ({"sinks": ("redis", "redis")}, ["'sinks'", "twice"]),
+        ({"sink_options": {"redis": {"ttl_s": 5}}}, ["'sink_options'", "does not write to 'redis'"]),
+        ({"sinks": ("redis",), "sink_options": {"redis": {"ttl_s": -1}}}, ["'sink_options'['redis']", "ttl_s"]),
+        ({"sinks": ("search",), "sink_options": {"search": {"bogus": 1}}}, ["'sink_options'['search']", "bogus"]),
+        ({"sink_options": {"postgres": {"x": 1}}}, ["'sink_options'['postgres']", "no per-view options"]),
+        ({"sinks": ("postgres", "search"), "aggregates": {"n": Count()}, "key": ["g"]},
+         ["'sinks'", "grouped", "['search']", "apply_grouped"]),
+    ],
+)
+def test_bad_sink_declarations_are_refused_clearly(attrs: dict[str, Any], words: list[str]) -> None:
+    with pytest.raises(ConfigError) as err:
+        spec(**attrs)
+    for w in words:
+        assert w in str(err.value), (w, str(err.value))
