@@ -115,9 +115,15 @@ def _cached(conv: Converter) -> Converter:
     return cached
 
 
+# "19 digits in a row" (t._BIGINT: an integer orjson may not hold exactly) without a regex:
+# digits mapped to "0", then one substring search -- a fraction of the regex's cost on long texts.
+_DIGITS_TO_0 = bytes.maketrans(b"123456789", b"000000000")
+_19_DIGITS = b"0" * 19
+
+
 def _js_json(b: bytes) -> str:
     """json/jsonb text -> the codec's JSON string (parsed and re-serialised compactly)."""
-    if len(b) < 19 or not t._BIGINT.search(b):
+    if len(b) < 19 or _19_DIGITS not in b.translate(_DIGITS_TO_0):
         return orjson.dumps(orjson.loads(b)).decode()
     return _enc_json(t._json(b))
 
@@ -128,7 +134,7 @@ def _json_fragment(b: bytes) -> bytes:
     orjson's compact output has no raw control characters, so quoting it as a JSON
     string only needs backslashes and quotes escaped.
     """
-    if len(b) < 19 or not t._BIGINT.search(b):
+    if len(b) < 19 or _19_DIGITS not in b.translate(_DIGITS_TO_0):
         compact = orjson.dumps(orjson.loads(b))
         return b'"' + compact.replace(b"\\", b"\\\\").replace(b'"', b'\\"') + b'"'
     return orjson.dumps(_js_json(b))

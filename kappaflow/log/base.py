@@ -149,6 +149,14 @@ class Log(abc.ABC):
         record is durable (fsync'd / acknowledged by all in-sync replicas).
         """
 
+    def append_quiet(self, topic: str, records: Sequence[Record], *, partition: int | None = None) -> None:
+        """`append` for callers that need only "durable when this returns", not the offsets.
+
+        Backends override it when skipping the per-record results saves work (the embedded
+        log: building one result per record is a sizeable part of an append's CPU).
+        """
+        self.append(topic, records, partition=partition)
+
     # --- read ---------------------------------------------------------------
     @abc.abstractmethod
     def read(self, topic: str, partition: int, offset: int, max_records: int = 10_000) -> list[LogRecord]:

@@ -102,6 +102,9 @@ _COMPACT_CHUNK_RECORDS = 50_000  # records rewritten per compaction transaction 
 _MIN_DIRTY_RATIO = 0.5  # background compaction when dirty >= ratio * kept (Kafka's min.cleanable.dirty.ratio)
 
 _headers_of = attrgetter("headers")
+_key_of = attrgetter("key")
+_value_of = attrgetter("value")
+_timestamp_of = attrgetter("timestamp_ms")
 _BATCH_SELECT = "SELECT base, last, n, idx, data, crc FROM p{p}"
 
 
@@ -549,22 +552,34 @@ class EmbeddedLog(Log):
 
     # --- write ----------------------------------------------------------------------------
     def append(self, topic: str, records: Sequence[Record], *, partition: int | None = None) -> list[Appended]:
+        return self._append(topic, records, partition, True)  # type: ignore[return-value]
+
+    def append_quiet(self, topic: str, records: Sequence[Record], *, partition: int | None = None) -> None:
+        """`append` without the per-record results (same checks, same durability).
+
+        For callers that only need "durable when this returns" (the capture writer): building
+        one result object per record is a sizeable part of an append's CPU.
+        """
+        self._append(topic, records, partition, False)
+
+    def _append(self, topic: str, records: Sequence[Record], partition: int | None,
+                results: bool) -> list[Appended] | None:
         self._require_writer("append")
         t = self._topic(topic)
         n = len(records)
         if n == 0:
-            return []
+            return [] if results else None
         config = t.config
         types = set(map(type, records))
         if not all(issubclass(tp, Record) for tp in types):
             i = next(i for i, r in enumerate(records) if not isinstance(r, Record))
             raise ValidationError(
                 f"topic {topic!r} record {i}: expected a kappaflow.log.Record, got {type(records[i]).__name__}")
-        keys = [r.key for r in records]
-        values = [r.value for r in records]
-        given = [r.timestamp_ms for r in records]
+        keys = list(map(_key_of, records))
+        values = list(map(_value_of, records))
+        given = list(map(_timestamp_of, records))
         now = _now_ms()
-        stamps: list[int] = [now if s is None else s for s in given] if None in given else given  # type: ignore[assignment]
+        stamps: list[int] = [now if s is None else s for s in given] if None in given else given
         try:
             ts_arr = array("q", stamps)
         except (TypeError, OverflowError):
@@ -575,8 +590,15 @@ class EmbeddedLog(Log):
         klen = lengths(keys)
         vlen = lengths(values)
         heads: list[bytes] | None = None
-        if any(map(_headers_of, records)):
-            heads = [encode_headers(r.headers, i) if r.headers else b"" for i, r in enumerate(records)]
+        hs = list(map(_headers_of, records))
+        if any(hs):
+            # Encoded once per distinct headers object: producers share one headers tuple per
+            # kind of record (a connector's per-operation headers), so most appends encode 1-3.
+            ids = list(map(id, hs))
+            first = dict(zip(reversed(ids), range(n - 1, -1, -1), strict=True))  # id -> first index
+            memo = {k: encode_headers(hs[i], i) if hs[i] else b""
+                    for k, i in sorted(first.items(), key=itemgetter(1))}
+            heads = list(map(memo.__getitem__, ids))
         if config.compacted and -1 in klen:
             i = klen.index(-1)
             raise ValidationError(
@@ -616,11 +638,12 @@ class EmbeddedLog(Log):
                     pos += c
             if len(groups) == 1:
                 groups = dict.fromkeys(groups)
-        return self._write(t, groups, parts, n, keys, values, ts_arr, heads, klen, vlen, sizes)
+        return self._write(t, groups, parts, n, keys, values, ts_arr, heads, klen, vlen, sizes, results)
 
     def _write(self, t: _Topic, groups: dict[int, list[int] | None], parts: list[int] | None, n: int,
                keys: list[bytes | None], values: list[bytes | None], ts_arr: array,
-               heads: list[bytes] | None, klen: list[int], vlen: list[int], sizes: list[int]) -> list[Appended]:
+               heads: list[bytes] | None, klen: list[int], vlen: list[int], sizes: list[int],
+               results: bool = True) -> list[Appended] | None:
         with t.wlock:
             self._check_open()
             conn = self._wconn(t)
@@ -665,6 +688,8 @@ class EmbeddedLog(Log):
             for p, e in new_ends.items():
                 ends[p] = e
             t.dirty += n
+        if not results:
+            return None
         if parts is None:
             p = next(iter(groups))
             return build(Appended, n, repeat(p, n), range(firsts[p], firsts[p] + n))

@@ -193,14 +193,21 @@ def encode(
     klen = array("i", lengths(keys) if klens is None else klens)
     vlen = array("i", lengths(values) if vlens is None else vlens)
     if crcs is None:
-        if headers is None:
-            crcs = [_crc32(v or _E, _crc32(k or _E)) for k, v in zip(keys, values, strict=True)]
+        # CRC32 of key || value || headers (a CRC chained over parts equals the CRC of their
+        # concatenation); joined and checksummed in C loops when no key or value is None.
+        if None in keys or None in values:
+            if headers is None:
+                crcs = [_crc32(v or _E, _crc32(k or _E)) for k, v in zip(keys, values, strict=True)]
+            else:
+                crcs = [
+                    _crc32(h, _crc32(v or _E, _crc32(k or _E)))
+                    for k, v, h in zip(keys, values, headers, strict=True)
+                ]
+        elif headers is None:
+            crcs = list(map(_crc32, map(_E.join, zip(keys, values, strict=True))))  # type: ignore[arg-type]
         else:
-            crcs = [
-                _crc32(h, _crc32(v or _E, _crc32(k or _E)))
-                for k, v, h in zip(keys, values, headers, strict=True)
-            ]
-    hlen = array("i", bytes(4 * n)) if headers is None else array("i", [len(h) for h in headers])
+            crcs = list(map(_crc32, map(_E.join, zip(keys, values, headers, strict=True))))  # type: ignore[arg-type]
+    hlen = array("i", bytes(4 * n)) if headers is None else array("i", map(len, headers))
     idx = b"".join((
         _HEADER.pack(FORMAT_VERSION, base, last, n),
         _le(deltas),
@@ -210,10 +217,10 @@ def encode(
         _le(hlen),
         _le(array("I", crcs)),
     ))
-    chunks = [k for k in keys if k]
-    chunks += [v for v in values if v]
+    chunks = list(filter(None, keys))
+    chunks += filter(None, values)
     if headers is not None:
-        chunks += [h for h in headers if h]
+        chunks += filter(None, headers)
     return Batch(base, last, n, idx, b"".join(chunks), _crc32(idx))
 
 

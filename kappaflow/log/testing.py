@@ -182,6 +182,21 @@ class LogContract:
         assert log.end_offsets(topic) == {p: 8, 1 - p: 0}
         assert [r.value for r in log.read(topic, p, 3, max_records=2)] == [b"3", b"4"]
 
+    def test_append_quiet_places_records_like_append(self, log: Log) -> None:
+        topic = self.new_topic(log, partitions=3)
+        h = (("kf.op", b"c"),)
+        recs = [Record(b"k%d" % (i % 9), b"v%d" % i, h if i % 2 else ()) for i in range(30)]
+        log.append_quiet(topic, recs)
+        log.append_quiet(topic, [Record(None, b"keyless")], partition=2)
+        got = read_all(log, topic)
+        want: dict[int, list[bytes | None]] = {}
+        for r in recs:
+            want.setdefault(_kafka_partition(r.key or b"", 3), []).append(r.value)
+        want.setdefault(2, []).append(b"keyless")
+        assert {p: [r.value for r in rs] for p, rs in got.items() if rs} == want
+        assert all(tuple(r.headers) == (h if int(r.value[1:]) % 2 else ())  # type: ignore[index]
+                   for rs in got.values() for r in rs if r.key is not None)
+
     def test_per_key_order(self, log: Log) -> None:
         topic = self.new_topic(log, partitions=3)
         keys = [b"key-%d" % i for i in range(40)]
