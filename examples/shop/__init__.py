@@ -1,8 +1,9 @@
-"""Shop example: orders and customers in PostgreSQL -> a customer totals view.
+"""Shop example: customers, products and orders in PostgreSQL -> views, search indexes, caches.
 
 - ``projections``: ``CustomerTotals`` (orders grouped by customer: count, sum, last order,
   retraction-aware), ``Customers`` (latest row per customer), ``CustomerActivity`` (a
-  custom Python fold);
+  custom Python fold); ``ProductSearch`` and ``OrderSearch`` (search indexes),
+  ``CustomerCache`` (Redis);
 - ``demo``: ``run_demo()`` runs the whole flow: a PostgreSQL (a private one when none is
   configured), the shop tables with data, ``source add``, ``capture --until-caught-up``,
   ``replay``, and prints the view.
@@ -10,9 +11,24 @@
     kappaflow replay examples.shop:CustomerTotals
 """
 
-from examples.shop.projections import CustomerActivity, Customers, CustomerTotals
+from examples.shop.projections import (
+    CustomerActivity,
+    CustomerCache,
+    Customers,
+    CustomerTotals,
+    OrderSearch,
+    ProductSearch,
+)
 
-__all__ = ["CustomerActivity", "CustomerTotals", "Customers", "run_demo"]
+__all__ = [
+    "CustomerActivity",
+    "CustomerCache",
+    "CustomerTotals",
+    "Customers",
+    "OrderSearch",
+    "ProductSearch",
+    "run_demo",
+]
 
 
 def run_demo(*args, **kwargs):

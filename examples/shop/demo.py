@@ -4,7 +4,7 @@
 
 1. PostgreSQL: the DSN given (or ``KAPPAFLOW_DEMO_DSN``); without one, a private
    throwaway server from the machine's binaries (``wal_level=logical``);
-2. a ``kappaflow_demo`` database with the shop's tables and some customers and orders;
+2. a ``kappaflow_demo`` database with the shop's tables: customers, a product catalogue, orders;
 3. ``kappaflow source add shop ...`` (a ``kappaflow.toml`` in the work directory);
 4. ``kappaflow capture shop --until-caught-up`` into the embedded log;
 5. ``kappaflow replay examples.shop:CustomerTotals`` (and ``:Customers``) on Spark;
@@ -27,6 +27,7 @@ from typing import Any
 DEMO_DB = "kappaflow_demo"
 SCHEMA_SQL = Path(__file__).with_name("schema.sql")
 CITIES = ("Lisbon", "Oslo", "Lyon", "Graz", "Turku", "Porto")
+SHOP_TABLES = ("public.customers", "public.products", "public.orders")  # what `source add shop --tables` lists
 NAMES = ("Ada", "Brian", "Chen", "Dana", "Emil", "Farah", "Gus", "Hana", "Ivo", "Jun", "Kai", "Lea")
 
 
@@ -60,12 +61,48 @@ def _create_database(server_dsn: str) -> str:
     return _with_db(server_dsn, DEMO_DB)
 
 
-def seed(dsn: str, *, customers: int = 8, orders: int = 60, seed_value: int = 42) -> None:
-    """Create the shop tables and fill them."""
+# The catalogue the demo sells: (name, category, price, description). Descriptions are prose, so the
+# product search index has something to search (`examples.shop.projections.ProductSearch`).
+CATALOGUE: tuple[tuple[str, str, str, str], ...] = (
+    ("Trail running shoes", "shoes", "89.90", "Lightweight shoes with a grippy sole for muddy mountain trails"),
+    ("Leather boots", "shoes", "149.00", "Waterproof leather boots lined with wool for winter walks"),
+    ("Rain jacket", "clothing", "119.50", "Breathable waterproof shell that packs into its own pocket"),
+    ("Merino socks", "clothing", "24.00", "Soft merino wool socks with a cushioned heel, three pairs"),
+    ("Camping stove", "camping", "59.00", "Compact gas stove that boils a litre of water in four minutes"),
+    ("Two-person tent", "camping", "229.00", "Freestanding tent with two doors and an aluminium frame"),
+    ("Headlamp", "accessories", "34.90", "Rechargeable LED headlamp with a red night mode"),
+    ("Water bottle", "accessories", "19.90", "Insulated steel bottle that keeps drinks cold for a whole day"),
+    ("Sleeping bag", "camping", "179.00", "Down sleeping bag rated to minus five degrees"),
+    ("Trekking poles", "accessories", "74.50", "Adjustable carbon poles with cork grips"),
+    ("Fleece pullover", "clothing", "49.00", "Warm recycled fleece for cold mornings by the lake"),
+    ("Map case", "accessories", "12.00", "Clear case that keeps maps and phones dry"),
+)
+
+
+def product_rows(products: int) -> list[tuple[int, str, str, str, Decimal]]:
+    """(id, name, description, category, price) of the first `products` catalogue entries; past the
+    catalogue's end its entries repeat with the id in the name, so names stay unique."""
+    out = []
+    for i in range(1, products + 1):
+        name, category, price, description = CATALOGUE[(i - 1) % len(CATALOGUE)]
+        if i > len(CATALOGUE):
+            name = f"{name} #{i}"
+        out.append((i, name, description, category, Decimal(price)))
+    return out
+
+
+def seed(dsn: str, *, customers: int = 8, orders: int = 60, products: int = len(CATALOGUE),
+         seed_value: int = 42) -> None:
+    """Create the shop tables and fill them: customers, the product catalogue, orders of one product
+    each (amount = price x quantity)."""
     import psycopg
 
+    if customers < 1 or products < 1 or orders < 0:
+        raise ValueError(f"seed: expected customers >= 1, products >= 1, orders >= 0, got customers={customers}, "
+                         f"products={products}, orders={orders}")
     rnd = random.Random(seed_value)
     t0 = datetime(2024, 3, 1, 9, 0, tzinfo=UTC)
+    catalogue = product_rows(products)
     with psycopg.connect(dsn) as conn:
         conn.execute(SCHEMA_SQL.read_text())
         with conn.cursor() as cur:
@@ -82,17 +119,24 @@ def seed(dsn: str, *, customers: int = 8, orders: int = 60, seed_value: int = 42
                 ],
             )
             cur.executemany(
-                "INSERT INTO public.orders (id, customer_id, amount, status, created_at) VALUES (%s, %s, %s, %s, %s)",
-                [
-                    (
-                        i,
-                        rnd.randint(1, customers),
-                        Decimal(rnd.randint(500, 25000)) / 100,
-                        rnd.choice(("new", "paid", "paid", "shipped")),
-                        t0 + timedelta(hours=i),
-                    )
-                    for i in range(1, orders + 1)
-                ],
+                "INSERT INTO public.products (id, name, description, category, price) VALUES (%s, %s, %s, %s, %s)",
+                catalogue,
+            )
+            rows = []
+            for i in range(1, orders + 1):
+                product = rnd.choice(catalogue)
+                rows.append((
+                    i,
+                    rnd.randint(1, customers),
+                    product[0],
+                    product[4] * rnd.randint(1, 3),
+                    rnd.choice(("new", "paid", "paid", "shipped")),
+                    t0 + timedelta(hours=i),
+                ))
+            cur.executemany(
+                "INSERT INTO public.orders (id, customer_id, product_id, amount, status, created_at) "
+                "VALUES (%s, %s, %s, %s, %s, %s)",
+                rows,
             )
 
 
@@ -160,18 +204,18 @@ def run_demo(
             dsn = server.dsn()
         db = _create_database(dsn)
         seed(db, customers=customers, orders=orders)
-        out(f"shop tables in {db}: {customers} customers, {orders} orders")
+        out(f"shop tables in {db}: {customers} customers, {len(CATALOGUE)} products, {orders} orders")
 
         # 1. register the source (what `kappaflow source add shop --postgres ... --tables ...` saves)
         settings = Settings(
             log=LogConfig(url=str(work / ".kappaflow" / "log")),
             spark=SparkConfig(master=spark_master, checkpoint_dir=str(work / ".kappaflow" / "checkpoints")),
             views=ViewsConfig(postgres_dsn=db),
-            sources={"shop": PostgresSourceConfig(name="shop", dsn=db, tables=["public.customers", "public.orders"])},
+            sources={"shop": PostgresSourceConfig(name="shop", dsn=db, tables=list(SHOP_TABLES))},
             base_dir=work,
         )
         settings.save(work / "kappaflow.toml")
-        out(f"$ kappaflow source add shop --postgres {db} --tables public.customers,public.orders   (in {work})")
+        out(f"$ kappaflow source add shop --postgres {db} --tables {','.join(SHOP_TABLES)}   (in {work})")
 
         # 2. capture until caught up
         result = DemoResult(work, db)

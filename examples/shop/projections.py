@@ -1,8 +1,26 @@
-"""The shop's projections (see the package docstring)."""
+"""The shop's projections (see the package docstring).
+
+PostgreSQL views: ``CustomerTotals``, ``Customers``, ``CustomerActivity``. Search indexes and
+Redis caches of the same tables, each declaring its sink (``sinks``) and that sink's options
+(``sink_options``: search field mappings, Redis value format):
+
+- ``ProductSearch`` (search alias ``product_search``): the catalogue, full text on name and
+  description (English stemming: "boot" finds "boots"), exact ``category``;
+- ``OrderSearch`` (alias ``order_search``): every order with status, amount and customer;
+- ``CustomerCache`` (Redis view ``customer_cache``, one hash per customer): what a service
+  reads with ``kappaflow.projections.sinks.redis.get(client, "customer_cache", 42)``.
+  (Order totals stay in PostgreSQL: a grouped fold keeps per-order state there to retract an
+  order that moves or is deleted, so ``CustomerTotals`` cannot declare a Redis sink.)
+
+Each is its own projection (own lock and positions per sink) and can be replayed and followed
+independently of the PostgreSQL views: ``kappaflow replay examples.shop:ProductSearch`` needs
+``[views] search_url``, the caches need ``[views] redis_url``.
+"""
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Mapping, Sequence
+from typing import Any, ClassVar
 
 from kappaflow.projections import Count, Event, Max, Projection, Sum
 
@@ -49,3 +67,51 @@ class CustomerActivity(Projection):
         after = event.after or {}
         changes = (row["changes"] if row else 0) + 1
         return {"customer_id": after.get("customer_id"), "changes": changes, "last_status": after.get("status")}
+
+
+# --- search indexes -------------------------------------------------------------------------------
+class ProductSearch(Projection):
+    """The product catalogue as a search index: match on name/description, filter on category."""
+
+    name = "product_search"
+    sources = ["shop.public.products"]
+    key = ["id"]
+    columns = ["id", "name", "description", "category", "price"]
+    sinks: ClassVar[Sequence[str]] = ("search",)
+    sink_options: ClassVar[Mapping[str, Mapping[str, Any]]] = {
+        "search": {
+            "fields": {
+                "name": "text+keyword",  # full text, plus name.keyword for sorting and exact match
+                "description": {"type": "text", "analyzer": "english"},
+                "category": "keyword",
+            },
+        },
+    }
+
+
+class OrderSearch(Projection):
+    """Orders as a search index: filter by status and customer, range over amount and time."""
+
+    name = "order_search"
+    sources = ["shop.public.orders"]
+    key = ["id"]
+    columns = ["id", "customer_id", "product_id", "amount", "status", "created_at"]
+    sinks: ClassVar[Sequence[str]] = ("search",)
+    sink_options: ClassVar[Mapping[str, Mapping[str, Any]]] = {"search": {"fields": {"status": "keyword"}}}
+
+
+# --- Redis caches ---------------------------------------------------------------------------------
+class CustomerCache(Projection):
+    """The current row of every customer as a Redis hash (readable with HGETALL by any client).
+
+    No TTL: a view key is rewritten only when its customer changes, so an expiring key would
+    be a cache miss until then; set ``ttl_s`` in ``sink_options["redis"]`` where that is fine.
+    """
+
+    name = "customer_cache"
+    sources = ["shop.public.customers"]
+    key = ["id"]
+    columns = ["id", "name", "email", "city"]
+    sinks: ClassVar[Sequence[str]] = ("redis",)
+    sink_options: ClassVar[Mapping[str, Mapping[str, Any]]] = {"redis": {"value_format": "hash"}}
+
