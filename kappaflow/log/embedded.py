@@ -39,16 +39,17 @@ import logging
 import os
 import re
 import sqlite3
+import struct
 import threading
 import time
 import uuid
 from array import array
-from bisect import bisect_right
-from collections.abc import Mapping, Sequence
+from bisect import bisect_left, bisect_right
+from collections.abc import Iterator, Mapping, Sequence
 from itertools import accumulate, repeat
 from operator import add, attrgetter, itemgetter
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 from urllib.parse import quote
 
 import numpy as np
@@ -86,7 +87,7 @@ from kappaflow.log.embedded_codec import (
     partitions_for,
 )
 
-__all__ = ["EmbeddedLog"]
+__all__ = ["EmbeddedLog", "RecordColumns"]
 
 _log = logging.getLogger("kappaflow.log.embedded")
 
@@ -119,6 +120,22 @@ def validate_topic_name(name: object) -> str:
             f"topic name: expected 1-249 characters of [a-zA-Z0-9._-] (not '.' or '..'), got {name!r}"
         )
     return name
+
+
+class RecordColumns(NamedTuple):
+    """Consecutive records of one partition as parallel columns, one entry per record.
+
+    What `EmbeddedLog.read_columns` yields: the stored batches' fields without a
+    `LogRecord` per record, ready for column builders such as ``pyarrow.array``.
+    `headers` are the encoded header blobs (``b""`` for none;
+    `kappaflow.log.embedded_codec.decode_headers` turns one into header pairs).
+    """
+
+    offsets: list[int]
+    keys: list[bytes | None]
+    values: list[bytes | None]
+    timestamps_ms: list[int]
+    headers: list[bytes]
 
 
 class _Topic:
@@ -761,6 +778,82 @@ class EmbeddedLog(Log):
                     return out
                 raise self._db_error(exc, t.path, topic, partition, nxt) from None
         return out
+
+    def read_columns(self, topic: str, partition: int, start: int = 0, end: int | None = None, *,
+                     batches_per_fetch: int = 16) -> Iterator[RecordColumns]:
+        """Records with ``start <= offset < end`` (default: the end offset now), as columns.
+
+        Why: a bulk reader (the projections' Spark data source) that wants columns pays
+        about half of `read`'s cost per record: stored batches are cut straight into
+        columns, headers stay encoded, and no `LogRecord` is built. The same checks as
+        `read` apply (batch index and record CRC32s). One chunk per stored batch;
+        `batches_per_fetch` batches are fetched per query, and the read lock is not held
+        between chunks, so the writer and other readers go on meanwhile. At a damaged
+        batch the records before the damage are still yielded, then CorruptLogError
+        names the file, topic, partition and offset (as `read` does).
+        """
+        t = self._topic(topic)
+        self._check_partition(t, partition)
+        if type(start) is not int or start < 0:
+            raise ValidationError(f"topic {topic!r} partition {partition} start: expected an int >= 0, got {start!r}")
+        if end is not None and (type(end) is not int or end < 0):
+            raise ValidationError(f"topic {topic!r} partition {partition} end: expected an int >= 0 or None, "
+                                  f"got {end!r}")
+        if type(batches_per_fetch) is not int or batches_per_fetch < 1:
+            raise ValidationError(f"read_columns batches_per_fetch: expected an int >= 1, got {batches_per_fetch!r}")
+        stop = self.end_offset(topic, partition) if end is None else end
+        sql = t.read_sql[partition]
+        # The first row may be the batch before `offset` (offset in a compaction gap): fetch
+        # at least two, so a fetch that moves nothing forward means the partition has ended.
+        fetch = max(2, batches_per_fetch)
+        offset = start
+        while offset < stop:
+            with t.rlock:
+                try:
+                    cur = self._rconn(t).execute(sql, (offset,))
+                    try:
+                        rows = cur.fetchmany(fetch)
+                    finally:
+                        cur.close()
+                except sqlite3.Error as exc:
+                    raise self._db_error(exc, t.path, topic, partition, offset) from None
+            progressed = False
+            for base, last, n, idx, data, crc in rows:
+                if last < offset:
+                    continue
+                try:
+                    d = decode_index(base, last, n, idx, crc)
+                    lo = bisect_left(d.offsets, offset)
+                    hi = bisect_left(d.offsets, stop)
+                    if lo >= hi:
+                        if hi < n:
+                            return  # the range ends before this batch's records
+                        continue
+                    keys, values, heads = decode_fields(d, data, lo, hi)
+                    damaged = first_bad(d, keys, values, heads, lo) is not None
+                except (ValueError, struct.error):
+                    damaged = True
+                if damaged:
+                    # `read` returns the verified records before the damage, then names it
+                    yield from self._columns_via_read(topic, partition, offset, stop)
+                    return
+                yield RecordColumns(d.offsets[lo:hi], keys, values, d.timestamps[lo:hi].tolist(), heads)
+                offset = d.offsets[hi - 1] + 1
+                progressed = True
+                if hi < n:
+                    return
+            if not progressed:
+                return
+
+    def _columns_via_read(self, topic: str, partition: int, offset: int, stop: int) -> Iterator[RecordColumns]:
+        while offset < stop:
+            recs = [r for r in self.read(topic, partition, offset, min(10_000, stop - offset)) if r.offset < stop]
+            if not recs:
+                return
+            yield RecordColumns([r.offset for r in recs], [r.key for r in recs], [r.value for r in recs],
+                                [r.timestamp_ms for r in recs],
+                                [encode_headers(r.headers, i) for i, r in enumerate(recs)])
+            offset = recs[-1].offset + 1
 
     def end_offset(self, topic: str, partition: int) -> int:
         t = self._topic(topic)

@@ -13,6 +13,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 from hypothesis import given, settings
@@ -28,8 +29,8 @@ from kappaflow.errors import (
 )
 from kappaflow.log import open_log
 from kappaflow.log.base import CleanupPolicy, LogRecord, Record, TopicConfig
-from kappaflow.log.embedded import EmbeddedLog
-from kappaflow.log.embedded_codec import murmur2_many, partitions_for
+from kappaflow.log.embedded import EmbeddedLog, RecordColumns
+from kappaflow.log.embedded_codec import decode_headers, murmur2_many, partitions_for
 from kappaflow.log.partitioner import murmur2, partition_for
 from kappaflow.log.testing import KAFKA_MURMUR2_VECTORS, read_all
 
@@ -460,3 +461,88 @@ def test_bit_flip_in_a_one_record_batch(tmp_path: Path) -> None:
             log.read("t", 0, 5)
         assert info.value.offset == 5
         assert [r.offset for r in log.read("t", 0, 6)] == [6, 7, 8, 9]
+
+
+# --- columnar reads ---------------------------------------------------------------------------
+def _as_columns(recs: list[LogRecord]) -> tuple[list[Any], ...]:
+    return ([r.offset for r in recs], [r.key for r in recs], [r.value for r in recs],
+            [r.timestamp_ms for r in recs], [r.headers for r in recs])
+
+
+def _joined(chunks: list[RecordColumns]) -> tuple[list[Any], ...]:
+    out: tuple[list[Any], ...] = ([], [], [], [], [])
+    for c in chunks:
+        assert len({len(c.offsets), len(c.keys), len(c.values), len(c.timestamps_ms), len(c.headers)}) == 1
+        for col, part in zip(out, (c.offsets, c.keys, c.values, c.timestamps_ms,
+                                   [decode_headers(h) for h in c.headers]), strict=True):
+            col.extend(part)
+    return out
+
+
+def test_read_columns_equals_read_across_compaction_gaps(tmp_path: Path) -> None:
+    with EmbeddedLog(tmp_path / "log", batch_records=50) as log:
+        log.create_topic("t", TopicConfig(partitions=2, cleanup_policy=COMPACT, delete_retention_ms=0))
+        log.create_topic("plain")  # keyless records are allowed here
+        rng = random.Random(7)
+        for i in range(40):
+            for topic in ("t", "plain"):
+                log.append(topic, [Record(b"k%d" % rng.randrange(30) if topic == "t" or j % 7 else None,
+                                          None if j % 11 == 0 else b"v%d-%d" % (i, j),
+                                          headers=(("kf.op", b"u"), ("n", b"%d" % j)) if j % 3 else (),
+                                          timestamp_ms=1_700_000_000_000 + i * 100 + j)
+                                   for j in range(rng.randrange(1, 120))])
+        log.compact("t", now_ms=time.time_ns() // 1_000_000 + 10_000)
+        for topic, p in [("t", 0), ("t", 1), ("plain", 0)]:
+            end = log.end_offset(topic, p)
+            full = log.read(topic, p, 0, max_records=100_000)
+            assert topic == "plain" or len(full) < end, "compaction left gaps to read across"
+            assert _joined(list(log.read_columns(topic, p))) == _as_columns(full)
+            for start, stop, fetch in [(0, end, 1), (3, end // 2, 1), (end // 3, end // 3 + 17, 2),
+                                       (end - 1, end, 16), (5, 5, 1), (end, end + 10, 4)]:
+                want = [r for r in full if start <= r.offset < stop]
+                got = list(log.read_columns(topic, p, start, stop, batches_per_fetch=fetch))
+                assert _joined(got) == _as_columns(want), (topic, p, start, stop, fetch)
+
+
+def test_read_columns_from_inside_a_compaction_gap_one_batch_per_fetch(tmp_path: Path) -> None:
+    with EmbeddedLog(tmp_path / "log", batch_records=50) as log:
+        log.create_topic("t", TopicConfig(cleanup_policy=COMPACT))
+        log.append("t", [Record(b"k%d" % i, b"first") for i in range(50)])  # one batch, offsets 0-49
+        log.append("t", [Record(b"k%d" % i, b"second") for i in range(40, 50)])  # supersede 40-49
+        log.compact("t")
+        assert [r.offset for r in log.read("t", 0, 0)] == [*range(40), *range(50, 60)]
+        chunks = list(log.read_columns("t", 0, 45, batches_per_fetch=1))
+        assert _joined(chunks)[0] == list(range(50, 60)), "records after the gap are not skipped"
+
+
+def test_read_columns_yields_records_before_damage_then_names_it(tmp_path: Path) -> None:
+    path = tmp_path / "log"
+    _write_markers(path, 3000)
+    file = _topic_file(path, "t")
+    blob = bytearray(file.read_bytes())
+    blob[blob.index(b"VALUE-00001234-") + 20] ^= 0x01
+    file.write_bytes(bytes(blob))
+    with EmbeddedLog(path, read_only=True) as log:
+        got: list[RecordColumns] = []
+        with pytest.raises(CorruptLogError) as info:
+            for chunk in log.read_columns("t", 0, 1000):
+                got.append(chunk)
+        assert _joined(got)[0] == list(range(1000, 1234)), "the records before the damage come first"
+        assert (info.value.path, info.value.topic, info.value.partition, info.value.offset) == (str(file), "t", 0, 1234)
+        assert _joined(list(log.read_columns("t", 0, 1235, 1240)))[0] == list(range(1235, 1240))
+
+
+@pytest.mark.parametrize("args, kwargs, what", [
+    (("t", 1), {}, "partition"),
+    (("t", 0, -1), {}, "start"),
+    (("t", 0, 0, "9"), {}, "end"),
+    (("t", 0), {"batches_per_fetch": 0}, "batches_per_fetch"),
+])
+def test_read_columns_refuses_bad_arguments(tmp_path: Path, args: tuple[Any, ...], kwargs: dict[str, Any],
+                                            what: str) -> None:
+    with EmbeddedLog(tmp_path / "log") as log:
+        log.create_topic("t")
+        with pytest.raises(ValidationError, match=what):
+            list(log.read_columns(*args, **kwargs))
+        with pytest.raises(UnknownTopicError):
+            list(log.read_columns("nope", 0))
