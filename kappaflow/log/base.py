@@ -7,16 +7,66 @@ change (compaction leaves gaps). Resume state is always "the next offset to read
 from __future__ import annotations
 
 import abc
+import re
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Self
+from typing import Any, Self
 
 from kappaflow.errors import ConfigError, ValidationError
 
 Headers = tuple[tuple[str, bytes], ...]
 
 DEFAULT_MAX_RECORD_BYTES = 1_048_576  # Kafka's default max.message.bytes (1 MiB)
+
+
+_TOPIC_NAME = re.compile(r"[A-Za-z0-9._-]{1,249}")
+
+
+# --- argument checks every backend applies, so both refuse the same input the same way ------
+def validate_topic_name(name: object) -> str:
+    """Kafka's rules (legal characters, length), so topics move between backends unchanged."""
+    if not isinstance(name, str) or not _TOPIC_NAME.fullmatch(name) or name in {".", ".."}:
+        raise ConfigError(
+            f"topic name: expected 1-249 characters of [a-zA-Z0-9._-] (not '.' or '..'), got {name!r}"
+        )
+    return name
+
+
+def check_partition(topic: str, partition: object, partitions: int) -> int:
+    if type(partition) is not int or not 0 <= partition < partitions:
+        raise ValidationError(f"topic {topic!r} partition: expected an integer in [0, {partitions}), got {partition!r}")
+    return partition
+
+
+def check_read_args(topic: str, partition: int, offset: object, max_records: object) -> None:
+    if type(offset) is not int or offset < 0:
+        raise ValidationError(f"topic {topic!r} partition {partition} offset: expected an int >= 0, got {offset!r}")
+    if type(max_records) is not int or max_records < 1:
+        raise ValidationError(f"read max_records: expected an int >= 1, got {max_records!r}")
+
+
+def check_group(group: object) -> str:
+    if not isinstance(group, str) or not group:
+        raise ValidationError(f"consumer group: expected a non-empty string, got {group!r}")
+    return group
+
+
+def split_commit_key(tp: object) -> tuple[Any, Any]:
+    """(topic, partition) of a `commit` offsets key (partition checked by the caller)."""
+    pair: Any = tp
+    try:
+        topic, partition = pair
+    except (TypeError, ValueError):
+        raise ValidationError(f"commit offsets key: expected (topic, partition), got {tp!r}") from None
+    return topic, partition
+
+
+def check_commit_offset(topic: str, partition: int, offset: object) -> int:
+    if type(offset) is not int or offset < 0:
+        raise ValidationError(
+            f"commit offset for topic {topic!r} partition {partition}: expected an int >= 0, got {offset!r}")
+    return offset
 
 
 class CleanupPolicy(str, Enum):

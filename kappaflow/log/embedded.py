@@ -37,7 +37,6 @@ import contextlib
 import fcntl
 import logging
 import os
-import re
 import sqlite3
 import struct
 import threading
@@ -72,6 +71,12 @@ from kappaflow.log.base import (
     Record,
     TopicConfig,
     TopicPartition,
+    check_commit_offset,
+    check_group,
+    check_partition,
+    check_read_args,
+    split_commit_key,
+    validate_topic_name,
 )
 from kappaflow.log.embedded_codec import (
     Batch,
@@ -91,7 +96,6 @@ __all__ = ["EmbeddedLog", "RecordColumns"]
 
 _log = logging.getLogger("kappaflow.log.embedded")
 
-_TOPIC_NAME = re.compile(r"[A-Za-z0-9._-]{1,249}")
 _SQLITE_CORRUPT = 11
 _SQLITE_NOTADB = 26
 _SQLITE_BUSY = 5
@@ -111,15 +115,6 @@ _BATCH_SELECT = "SELECT base, last, n, idx, data, crc FROM p{p}"
 
 def _now_ms() -> int:
     return time.time_ns() // 1_000_000
-
-
-def validate_topic_name(name: object) -> str:
-    """Kafka's rules (legal characters, length), so topics move between backends unchanged."""
-    if not isinstance(name, str) or not _TOPIC_NAME.fullmatch(name) or name in {".", ".."}:
-        raise ConfigError(
-            f"topic name: expected 1-249 characters of [a-zA-Z0-9._-] (not '.' or '..'), got {name!r}"
-        )
-    return name
 
 
 class RecordColumns(NamedTuple):
@@ -561,11 +556,7 @@ class EmbeddedLog(Log):
     # --- validation helpers ---------------------------------------------------------------
     @staticmethod
     def _check_partition(t: _Topic, partition: object) -> int:
-        if type(partition) is not int or not 0 <= partition < t.config.partitions:
-            raise ValidationError(
-                f"topic {t.name!r} partition: expected an integer in [0, {t.config.partitions}), got {partition!r}"
-            )
-        return partition
+        return check_partition(t.name, partition, t.config.partitions)
 
     # --- write ----------------------------------------------------------------------------
     def append(self, topic: str, records: Sequence[Record], *, partition: int | None = None) -> list[Appended]:
@@ -739,10 +730,7 @@ class EmbeddedLog(Log):
     def read(self, topic: str, partition: int, offset: int, max_records: int = 10_000) -> list[LogRecord]:
         t = self._topic(topic)
         self._check_partition(t, partition)
-        if type(offset) is not int or offset < 0:
-            raise ValidationError(f"topic {topic!r} partition {partition} offset: expected an int >= 0, got {offset!r}")
-        if type(max_records) is not int or max_records < 1:
-            raise ValidationError(f"read max_records: expected an int >= 1, got {max_records!r}")
+        check_read_args(topic, partition, offset, max_records)
         out: list[LogRecord] = []
         with t.rlock:
             conn = self._rconn(t)
@@ -884,20 +872,14 @@ class EmbeddedLog(Log):
     # --- consumer groups ------------------------------------------------------------------
     def commit(self, group: str, offsets: Mapping[TopicPartition, int]) -> None:
         self._check_open()
-        if not isinstance(group, str) or not group:
-            raise ValidationError(f"consumer group: expected a non-empty string, got {group!r}")
+        check_group(group)
         rows = []
         now = _now_ms()
         for tp, nxt in offsets.items():
-            try:
-                topic, partition = tp
-            except (TypeError, ValueError):
-                raise ValidationError(f"commit offsets key: expected (topic, partition), got {tp!r}") from None
+            topic, partition = split_commit_key(tp)
             t = self._topic(topic)
             self._check_partition(t, partition)
-            if type(nxt) is not int or nxt < 0:
-                raise ValidationError(
-                    f"commit offset for topic {topic!r} partition {partition}: expected an int >= 0, got {nxt!r}")
+            check_commit_offset(topic, partition, nxt)
             rows.append((group, topic, t.id, partition, nxt, now))
         if not rows:
             return

@@ -41,7 +41,6 @@ another process needs a new `KafkaLog`.
 
 from __future__ import annotations
 
-import re
 import threading
 import time
 from collections.abc import Mapping, Sequence
@@ -70,6 +69,12 @@ from kappaflow.log.base import (
     LogRecord,
     Record,
     TopicConfig,
+    check_commit_offset,
+    check_group,
+    check_partition,
+    check_read_args,
+    split_commit_key,
+    validate_topic_name,
 )
 from kappaflow.log.base import (
     TopicPartition as TP,
@@ -87,7 +92,6 @@ from kappaflow.log.partitioner import partition_for
 
 __all__ = ["KafkaLog"]
 
-_TOPIC_NAME = re.compile(r"[a-zA-Z0-9._-]{1,249}")
 # Upper bound of the v2 framing of a batch holding one record without headers: the 61-byte
 # batch header, at most 21 bytes of record fields, and the key length, value length and
 # header count varints (at most 5 bytes each). max.message.bytes = max_record_bytes + this.
@@ -96,15 +100,6 @@ _exact_batch_size = DefaultRecordBatchBuilder.estimate_size_in_bytes
 _key_of = attrgetter("key")
 _value_of = attrgetter("value")
 _headers_of = attrgetter("headers")
-
-
-def _validate_topic_name(name: object) -> str:
-    """Kafka's rules (legal characters, length), the same as the embedded backend's."""
-    if not isinstance(name, str) or not _TOPIC_NAME.fullmatch(name) or name in {".", ".."}:
-        raise ConfigError(
-            f"topic name: expected 1-249 characters of [a-zA-Z0-9._-] (not '.' or '..'), got {name!r}"
-        )
-    return name
 
 
 def _positive(name: str, value: object, *, minimum: float = 0, integer: bool = False) -> Any:
@@ -341,7 +336,7 @@ class KafkaLog(Log):
         """The topic's config, cached for the life of this object (topic configs are fixed)."""
         config = self._topics.get(name)
         if config is None:
-            _validate_topic_name(name)
+            validate_topic_name(name)
             config = self._describe([name]).get(name)
             if config is None:
                 raise UnknownTopicError(name)
@@ -351,7 +346,7 @@ class KafkaLog(Log):
 
     def create_topic(self, name: str, config: TopicConfig | None = None, *, exist_ok: bool = True) -> TopicConfig:
         self._require_writer(f"creating topic {name!r}")
-        _validate_topic_name(name)
+        validate_topic_name(name)
         if config is not None and not isinstance(config, TopicConfig):
             raise ConfigError(f"topic {name!r} config: expected a TopicConfig, got {type(config).__name__}")
         existing = self._describe([name]).get(name)
@@ -397,7 +392,7 @@ class KafkaLog(Log):
 
     def delete_topic(self, name: str) -> None:
         self._require_writer(f"deleting topic {name!r}")
-        _validate_topic_name(name)
+        validate_topic_name(name)
         # Detach our consumers first: a consumer still assigned to the topic keeps asking the
         # broker about it, and tansu (like Kafka with auto.create.topics.enable) recreates it.
         with self._read_lock:
@@ -458,9 +453,8 @@ class KafkaLog(Log):
             raise ValidationError(
                 f"topic {topic!r} record {i}: a compacted topic needs a key on every record, got key None")
         self._check_sizes(topic, config, records, keys, values)
-        if partition is not None and (type(partition) is not int or not 0 <= partition < nparts):
-            raise ValidationError(
-                f"topic {topic!r} partition: expected an integer in [0, {nparts}), got {partition!r}")
+        if partition is not None:
+            check_partition(topic, partition, nparts)
 
         producer = self._producer_client()
         send = producer.send
@@ -548,13 +542,8 @@ class KafkaLog(Log):
     # --- read -----------------------------------------------------------------------------
     def read(self, topic: str, partition: int, offset: int, max_records: int = 10_000) -> list[LogRecord]:
         config = self._topic(topic)
-        if type(partition) is not int or not 0 <= partition < config.partitions:
-            raise ValidationError(
-                f"topic {topic!r} partition: expected an integer in [0, {config.partitions}), got {partition!r}")
-        if type(offset) is not int or offset < 0:
-            raise ValidationError(f"topic {topic!r} partition {partition} offset: expected an int >= 0, got {offset!r}")
-        if type(max_records) is not int or max_records < 1:
-            raise ValidationError(f"read max_records: expected an int >= 1, got {max_records!r}")
+        check_partition(topic, partition, config.partitions)
+        check_read_args(topic, partition, offset, max_records)
         tp = TopicPartition(topic, partition)
         with self._read_lock:
             try:
@@ -627,10 +616,7 @@ class KafkaLog(Log):
             return int(probe.beginning_offsets([tp], timeout_ms=int(self._timeout_s * 1000))[tp])
 
     def end_offset(self, topic: str, partition: int) -> int:
-        config = self._topic(topic)
-        if type(partition) is not int or not 0 <= partition < config.partitions:
-            raise ValidationError(
-                f"topic {topic!r} partition: expected an integer in [0, {config.partitions}), got {partition!r}")
+        check_partition(topic, partition, self._topic(topic).partitions)
         return self._end_offsets(topic, [partition])[partition]
 
     def end_offsets(self, topic: str) -> dict[int, int]:
@@ -690,21 +676,12 @@ class KafkaLog(Log):
 
     # --- consumer groups ------------------------------------------------------------------
     def commit(self, group: str, offsets: Mapping[TP, int]) -> None:
-        if not isinstance(group, str) or not group:
-            raise ValidationError(f"consumer group: expected a non-empty string, got {group!r}")
+        check_group(group)
         request: dict[TopicPartition, OffsetAndMetadata] = {}
         for tp, nxt in offsets.items():
-            try:
-                topic, partition = tp
-            except (TypeError, ValueError):
-                raise ValidationError(f"commit offsets key: expected (topic, partition), got {tp!r}") from None
-            config = self._topic(topic)
-            if type(partition) is not int or not 0 <= partition < config.partitions:
-                raise ValidationError(
-                    f"topic {topic!r} partition: expected an integer in [0, {config.partitions}), got {partition!r}")
-            if type(nxt) is not int or nxt < 0:
-                raise ValidationError(
-                    f"commit offset for topic {topic!r} partition {partition}: expected an int >= 0, got {nxt!r}")
+            topic, partition = split_commit_key(tp)
+            check_partition(topic, partition, self._topic(topic).partitions)
+            check_commit_offset(topic, partition, nxt)
             request[TopicPartition(topic, partition)] = OffsetAndMetadata(nxt, "", -1)
         if not request:
             return
@@ -726,8 +703,7 @@ class KafkaLog(Log):
                             what=f"committing offsets of group {group!r} ({len(failed)} partitions failed)")
 
     def committed(self, group: str, topic: str) -> dict[int, int]:
-        if not isinstance(group, str) or not group:
-            raise ValidationError(f"consumer group: expected a non-empty string, got {group!r}")
+        check_group(group)
         config = self._topic(topic)
         tps = [TopicPartition(topic, p) for p in range(config.partitions)]
         try:
