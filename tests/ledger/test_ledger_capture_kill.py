@@ -11,78 +11,37 @@ from __future__ import annotations
 
 import os
 import random
-import signal
-import subprocess
 import sys
-import threading
 import time
 from collections import Counter
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import orjson
 import pytest
 
-from kappaflow.connectors.offsets import OFFSETS_TOPIC, find_last
 from kappaflow.ledger import Ledger, NewEvent, StreamAppend
 from kappaflow.ledger.logmap import to_log_record
 from kappaflow.ledger.relay import record_position
-from kappaflow.log import open_log
 from kappaflow.log.partitioner import partition_for
+from tests._kill import BackgroundWriter, kill_trials, open_for_check, run_until_caught_up
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 PARTITIONS = 3
 
 
-def wait_for(cond: Callable[[], Any], timeout: float, what: str) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        v = cond()
-        if v:
-            return v
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(0.02)
-
-
-def stored_offset(log_url: str, name: str, kafka: bool) -> dict[str, Any] | None:
-    try:
-        log = open_log(log_url) if kafka else open_log(log_url, read_only=True)
-    except Exception:
-        return None  # not created yet
-    try:
-        if OFFSETS_TOPIC not in log.list_topics():
-            return None
-        key = orjson.dumps({"source": name})
-        rec = find_last(log, OFFSETS_TOPIC, 0, lambda r: r.key == key)
-        return None if rec is None or rec.value is None else orjson.loads(rec.value)["offset"]
-    finally:
-        log.close()
-
-
-class Appender(threading.Thread):
+class Appender(BackgroundWriter):
     """Atomic two-stream appends (an account and an audit stream) until stopped."""
 
     def __init__(self, ledger: Ledger, seed: int) -> None:
-        super().__init__(daemon=True)
+        super().__init__(seed)
         self.ledger = ledger
-        self.rng = random.Random(seed)
-        self.stop_flag = threading.Event()
-        self.commits = 0
-        self.error: BaseException | None = None
 
-    def run(self) -> None:
-        try:
-            while not self.stop_flag.is_set():
-                i = self.rng.randint(0, 40)
-                self.ledger.append_many([StreamAppend(f"account-{i}", [NewEvent("Moved", {"i": self.commits})]),
-                                         StreamAppend(f"audit-{i % 3}", [NewEvent("Seen", {"i": i})])])
-                self.commits += 1
-                time.sleep(0.002)
-        except BaseException as exc:  # reported by the test
-            self.error = exc
+    def write_one(self, session: Any) -> None:
+        i = self.rng.randint(0, 40)
+        self.ledger.append_many([StreamAppend(f"account-{i}", [NewEvent("Moved", {"i": self.commits})]),
+                                 StreamAppend(f"audit-{i % 3}", [NewEvent("Seen", {"i": i})])])
+        time.sleep(0.002)
 
 
 def trials(tmp_path: Path, ledger: Ledger, dsn: str, name: str, log_url: str, *, kafka: bool, kills: int,
@@ -97,46 +56,22 @@ def trials(tmp_path: Path, ledger: Ledger, dsn: str, name: str, log_url: str, *,
     cmd = [sys.executable, "-m", "kappaflow.cli.capture", name, "--config", str(config), "--no-progress"]
     writer = Appender(ledger, seed)
     writer.start()
-    phases = []
     try:
-        for trial in range(kills):
-            before = stored_offset(log_url, name, kafka)
-            proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, cwd=str(tmp_path))
-            def progressed(proc: subprocess.Popen[bytes] = proc, before: dict[str, Any] | None = before) -> bool:
-                off = stored_offset(log_url, name, kafka)
-                return (off is not None and off != before) or proc.poll() is not None
-
-            def streaming(proc: subprocess.Popen[bytes] = proc) -> bool:
-                off = stored_offset(log_url, name, kafka)
-                return (off is not None and off["phase"] == "streaming") or proc.poll() is not None
-
-            try:
-                if trial < 2:  # during the snapshot, once it made progress in this run
-                    wait_for(progressed, 60, "snapshot progress")
-                    time.sleep(rng.uniform(0, 0.05))
-                else:  # while streaming
-                    wait_for(streaming, 60, "streaming")
-                    time.sleep(rng.uniform(0.05, 0.5))
-                assert proc.poll() is None, proc.stdout.read().decode() if proc.stdout else ""
-                phases.append((stored_offset(log_url, name, kafka) or {}).get("phase"))
-                os.kill(proc.pid, signal.SIGKILL)
-            finally:
-                proc.wait()
+        phases = kill_trials(cmd, tmp_path, log_url, name, kafka=kafka, kills=kills, snapshot_kills=2, rng=rng,
+                             streaming_pause=(0.05, 0.5))
     finally:
-        writer.stop_flag.set()
-        writer.join()
+        writer.stop()
     assert writer.error is None, writer.error
     assert writer.commits > 20
     assert "snapshot" in phases and "streaming" in phases, phases
-    done = subprocess.run([*cmd, "--until-caught-up"], capture_output=True, timeout=120, cwd=str(tmp_path))
-    assert done.returncode == 0, done.stdout.decode() + done.stderr.decode()
+    run_until_caught_up(cmd, tmp_path)
 
     want = {}
     for e in ledger.iter_all(decode=False):
         topic, rec = to_log_record(name, e)
         want[e.position] = (topic, partition_for(rec.key, PARTITIONS), rec.key, rec.value, rec.headers,
                             rec.timestamp_ms)
-    log = open_log(log_url) if kafka else open_log(log_url, read_only=True)
+    log = open_for_check(log_url, kafka)
     try:
         got: dict[int, tuple[Any, ...]] = {}
         seen: Counter[int] = Counter()

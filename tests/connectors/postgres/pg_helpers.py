@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable
+import struct
 from typing import Any
 
 import orjson
@@ -12,11 +11,27 @@ from kappaflow.config import PostgresSourceConfig
 from kappaflow.connectors.base import record_position
 from kappaflow.connectors.postgres import slots
 from kappaflow.connectors.postgres.connector import PostgresConnector
+from kappaflow.connectors.postgres.decoder import UNCHANGED
 from kappaflow.connectors.postgres.rows import TableCodec
 from kappaflow.events import EventCodec, Position, TableSchema
 from kappaflow.log.base import Log
+from tests._kill import wait_for as wait_for  # one bounded polling wait for all capture tests
 
 TRUNCATE_KEY = b"{}"
+
+
+def tup(*values: bytes | object | None) -> bytes:
+    """pgoutput TupleData: None -> 'n' (NULL), UNCHANGED -> 'u' (unchanged TOAST), bytes -> 't' (text)."""
+    out = struct.pack(">h", len(values))
+    for v in values:
+        if v is None:
+            out += b"n"
+        elif v is UNCHANGED:
+            out += b"u"
+        else:
+            assert isinstance(v, bytes)
+            out += b"t" + struct.pack(">I", len(v)) + v
+    return out
 
 
 def config(dsn: str, name: str, tables: list[str], **kw: Any) -> PostgresSourceConfig:
@@ -92,14 +107,3 @@ def positions(log: Log, topic: str) -> list[tuple[Position, bool]]:
         assert pos is not None, f"record without a position in {topic}: {rec}"
         out.append((pos, rec.value is None))
     return out
-
-
-def wait_for(cond: Callable[[], Any], timeout: float, what: str, interval: float = 0.05) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        v = cond()
-        if v:
-            return v
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(interval)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import struct
 
 import pytest
+from pg_helpers import tup
 
 from kappaflow.connectors.postgres.decoder import (
     PG_EPOCH_US,
@@ -22,19 +23,6 @@ from kappaflow.connectors.postgres.decoder import (
     Update,
 )
 from kappaflow.errors import ValidationError
-
-
-def tup(*values: bytes | object | None) -> bytes:
-    out = struct.pack(">h", len(values))
-    for v in values:
-        if v is None:
-            out += b"n"
-        elif v is UNCHANGED:
-            out += b"u"
-        else:
-            assert isinstance(v, bytes)
-            out += b"t" + struct.pack(">I", len(v)) + v
-    return out
 
 
 def relation(relid: int = 16400, ns: bytes = b"public", name: bytes = b"orders", ident: bytes = b"d") -> bytes:

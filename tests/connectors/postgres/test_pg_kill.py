@@ -13,13 +13,10 @@ again. At the end, with the writer stopped and one clean ``--until-caught-up`` r
 
 from __future__ import annotations
 
-import os
 import random
 import signal
 import subprocess
 import sys
-import threading
-import time
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -27,12 +24,12 @@ from typing import Any
 import orjson
 import psycopg
 import pytest
-from pg_helpers import compacted, positions, table_state, wait_for
+from pg_helpers import compacted, positions, table_state
 
-from kappaflow.connectors.offsets import OFFSETS_TOPIC, find_last
 from kappaflow.connectors.postgres.decoder import Begin, Delete, Insert, PgOutputDecoder, Update
 from kappaflow.events import PgPosition
 from kappaflow.log import open_log
+from tests._kill import BackgroundWriter, kill_trials, open_for_check, run_until_caught_up, stored_offset, wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -49,61 +46,37 @@ def _write_config(tmp: Path, name: str, dsn: str, log_url: str) -> Path:
     return path
 
 
-def _start(config: Path, *extra: str) -> subprocess.Popen[bytes]:
-    return subprocess.Popen([sys.executable, "-m", "kappaflow.cli.capture", config.read_text().split("sources.")[1]
-                             .split("]")[0], "--config", str(config), "--no-progress", *extra],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, cwd=str(config.parent))
+def _capture_cmd(config: Path, name: str) -> list[str]:
+    return [sys.executable, "-m", "kappaflow.cli.capture", name, "--config", str(config), "--no-progress"]
 
 
-def _stored_offset(log_url: str, name: str, kafka: bool) -> dict[str, Any] | None:
-    try:
-        log = open_log(log_url) if kafka else open_log(log_url, read_only=True)
-    except Exception:
-        return None  # not created yet
-    try:
-        if OFFSETS_TOPIC not in log.list_topics():
-            return None
-        key = orjson.dumps({"source": name})
-        rec = find_last(log, OFFSETS_TOPIC, 0, lambda r: r.key == key)
-        return None if rec is None or rec.value is None else orjson.loads(rec.value)["offset"]
-    finally:
-        log.close()
-
-
-class Writer(threading.Thread):
+class Writer(BackgroundWriter):
     """Random transactions: transfers with an audit row, new accounts, closures, renumbering."""
 
     def __init__(self, dsn: str, seed: int) -> None:
-        super().__init__(daemon=True)
+        super().__init__(seed)
         self.dsn = dsn
-        self.rng = random.Random(seed)
-        self.stop_flag = threading.Event()
-        self.commits = 0
-        self.error: BaseException | None = None
+        self.next_id = 100_000
 
-    def run(self) -> None:
-        try:
-            with psycopg.connect(self.dsn, autocommit=True) as conn:
-                next_id = 100_000
-                while not self.stop_flag.is_set():
-                    r = self.rng.random()
-                    a, b = self.rng.randint(1, 6000), self.rng.randint(1, 6000)
-                    with conn.transaction():
-                        if r < 0.7:
-                            conn.execute("UPDATE acct SET balance = balance - 1 WHERE id = %s", (a,))
-                            conn.execute("UPDATE acct SET balance = balance + 1 WHERE id = %s", (b,))
-                            conn.execute("INSERT INTO audit (src, dst, amount) VALUES (%s, %s, 1)", (a, b))
-                        elif r < 0.8:
-                            conn.execute("INSERT INTO acct VALUES (%s, 0, 'new') ON CONFLICT DO NOTHING", (next_id,))
-                            next_id += 1
-                        elif r < 0.9:
-                            conn.execute("DELETE FROM acct WHERE id = %s", (a,))
-                        else:
-                            conn.execute("UPDATE acct SET id = %s WHERE id = %s", (next_id, a))
-                            next_id += 1
-                    self.commits += 1
-        except BaseException as exc:  # reported by the test
-            self.error = exc
+    def session(self) -> psycopg.Connection[Any]:
+        return psycopg.connect(self.dsn, autocommit=True)
+
+    def write_one(self, conn: psycopg.Connection[Any]) -> None:
+        r = self.rng.random()
+        a, b = self.rng.randint(1, 6000), self.rng.randint(1, 6000)
+        with conn.transaction():
+            if r < 0.7:
+                conn.execute("UPDATE acct SET balance = balance - 1 WHERE id = %s", (a,))
+                conn.execute("UPDATE acct SET balance = balance + 1 WHERE id = %s", (b,))
+                conn.execute("INSERT INTO audit (src, dst, amount) VALUES (%s, %s, 1)", (a, b))
+            elif r < 0.8:
+                conn.execute("INSERT INTO acct VALUES (%s, 0, 'new') ON CONFLICT DO NOTHING", (self.next_id,))
+                self.next_id += 1
+            elif r < 0.9:
+                conn.execute("DELETE FROM acct WHERE id = %s", (a,))
+            else:
+                conn.execute("UPDATE acct SET id = %s WHERE id = %s", (self.next_id, a))
+                self.next_id += 1
 
 
 def _expected_streamed(dsn: str, slot: str, publication: str, from_lsn: int) -> Counter[tuple[str, int]]:
@@ -135,44 +108,22 @@ def _trials(tmp_path: Path, dsn: str, name: str, log_url: str, kafka: bool, kill
         conn.execute(f'CREATE PUBLICATION "kappaflow_{name}" FOR TABLE acct, audit')
         conn.execute("SELECT pg_create_logical_replication_slot('verify', 'pgoutput')")
     config = _write_config(tmp_path, name, dsn, log_url)
+    cmd = _capture_cmd(config, name)
     writer = Writer(dsn, seed)
     writer.start()
-    phases = []
     try:
-        for trial in range(kills):
-            before = _stored_offset(log_url, name, kafka)
-            proc = _start(config)
-            try:
-                alive = proc.poll
-                if trial < 3:  # during the snapshot: once it made progress in this run
-                    def progressed(before: dict[str, Any] | None = before) -> bool:
-                        off = _stored_offset(log_url, name, kafka)
-                        return off is not None and off != before
-                    wait_for(lambda alive=alive: progressed() or alive() is not None, 60, "snapshot progress")
-                    time.sleep(rng.uniform(0, 0.05))
-                else:  # while streaming
-                    wait_for(lambda alive=alive: ((o := _stored_offset(log_url, name, kafka)) is not None
-                             and o["phase"] == "streaming") or alive() is not None, 60, "streaming")
-                    time.sleep(rng.uniform(0.05, 0.6))
-                assert proc.poll() is None, proc.stdout.read().decode() if proc.stdout else ""
-                phases.append((_stored_offset(log_url, name, kafka) or {}).get("phase"))
-                os.kill(proc.pid, signal.SIGKILL)
-            finally:
-                proc.wait()
+        phases = kill_trials(cmd, tmp_path, log_url, name, kafka=kafka, kills=kills, snapshot_kills=3, rng=rng,
+                             streaming_pause=(0.05, 0.6))
     finally:
-        writer.stop_flag.set()
-        writer.join()
+        writer.stop()
     assert writer.error is None, writer.error
     assert writer.commits > 50
     assert "snapshot" in phases and "streaming" in phases, phases
-    done = subprocess.run([sys.executable, "-m", "kappaflow.cli.capture", name, "--config", str(config),
-                           "--until-caught-up", "--no-progress"], capture_output=True, timeout=120,
-                          cwd=str(config.parent))
-    assert done.returncode == 0, done.stdout.decode() + done.stderr.decode()
+    run_until_caught_up(cmd, tmp_path)
 
-    log = open_log(log_url) if kafka else open_log(log_url, read_only=True)
+    log = open_for_check(log_url, kafka)
     try:
-        final = _stored_offset(log_url, name, kafka)
+        final = stored_offset(log_url, name, kafka)
         assert final is not None and final["snapshot"]["completed"]
         seen: Counter[tuple[str, int]] = Counter()
         for table in ("acct", "audit"):
@@ -208,16 +159,17 @@ def test_sigterm_stops_cleanly_and_acknowledges(tmp_path: Path, pg_dsn: str, sou
         conn.execute("INSERT INTO acct SELECT i, 0, 'n' FROM generate_series(1, 100) i")
     log_url = str(tmp_path / "log")
     config = _write_config(tmp_path, source_name, pg_dsn, log_url)
-    proc = _start(config)
+    proc = subprocess.Popen(_capture_cmd(config, source_name), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            cwd=str(tmp_path))
     try:
-        wait_for(lambda: (o := _stored_offset(log_url, source_name, False)) is not None
+        wait_for(lambda: (o := stored_offset(log_url, source_name, False)) is not None
                  and o["phase"] == "streaming", 60, "streaming")
         with psycopg.connect(pg_dsn, autocommit=True) as conn:
             conn.execute("UPDATE acct SET balance = 1 WHERE id <= 10")
             end = conn.execute("SELECT pg_current_wal_insert_lsn()::text").fetchone()[0]  # type: ignore[index]
         hi, lo = end.split("/")
         target = (int(hi, 16) << 32) | int(lo, 16)
-        wait_for(lambda: ((_stored_offset(log_url, source_name, False) or {}).get("lsn", 0)) >= target, 60,
+        wait_for(lambda: ((stored_offset(log_url, source_name, False) or {}).get("lsn", 0)) >= target, 60,
                  "the update to be captured")
         proc.send_signal(signal.SIGTERM)
         out, _ = proc.communicate(timeout=30)

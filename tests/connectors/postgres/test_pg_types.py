@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import datetime as dt
-import struct
 from decimal import Decimal
 
 import orjson
 import pytest
+from pg_helpers import tup
 
 from kappaflow.connectors.postgres import types as t
 from kappaflow.connectors.postgres.decoder import UNCHANGED, parse_tuple
@@ -95,19 +95,6 @@ def test_timestamps_python_cannot_hold_are_errors_not_garbage() -> None:
             _js_timestamptz(text)
 
 
-def _tuple_bytes(values: list[bytes | object | None]) -> bytes:
-    out = struct.pack(">h", len(values))
-    for v in values:
-        if v is None:
-            out += b"n"
-        elif v is UNCHANGED:
-            out += b"u"
-        else:
-            assert isinstance(v, bytes)
-            out += b"t" + struct.pack(">I", len(v)) + v
-    return out
-
-
 def _codec() -> TableCodec:
     cols = [
         column_codec("id", t.INT8, -1, optional=False),
@@ -137,7 +124,7 @@ def test_generated_parser_matches_generic_path() -> None:
          b"x" * 300],
     ]
     for raw in rows:
-        buf = b"xx" + _tuple_bytes(raw)
+        buf = b"xx" + tup(*raw)
         fast = tc.fast(buf, 2)
         assert fast is not None
         generic, end = parse_tuple(buf, 2)
@@ -150,9 +137,9 @@ def test_generated_parser_matches_generic_path() -> None:
         assert fj[2] == len(buf)
         assert tc.values_json(raw)[:2] == fj[:2]  # the snapshot's builder agrees
     # unchanged TOAST and other shapes are left to the generic path
-    unchanged = b"xx" + _tuple_bytes([b"1", UNCHANGED, None, None, None, None, None, None, None, None])
+    unchanged = b"xx" + tup(b"1", UNCHANGED, None, None, None, None, None, None, None, None)
     assert tc.fast(unchanged, 2) is None and tc.fast_json(unchanged, 2) is None
-    assert tc.fast(b"xx" + _tuple_bytes([b"1"]), 2) is None and tc.fast_json(b"xx" + _tuple_bytes([b"1"]), 2) is None
+    assert tc.fast(b"xx" + tup(b"1"), 2) is None and tc.fast_json(b"xx" + tup(b"1"), 2) is None
 
 
 def test_bad_value_names_the_column() -> None:
