@@ -125,3 +125,19 @@ class ManagedProcess:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+class LoopbackServer(ManagedProcess):
+    """A server listening on 127.0.0.1 (`port` or a free one), ready once `_ready()` says so."""
+
+    def __init__(self, *, port: int | None = None, workdir: str | Path | None = None, keep: bool = False) -> None:
+        super().__init__(workdir, keep=keep)
+        self.host = "127.0.0.1"
+        self.port = port or free_port()
+
+    def _ready(self) -> bool:
+        raise NotImplementedError
+
+    def _wait_ready(self, timeout: float, what: str) -> None:
+        """Poll `_ready` (bounded); the timeout error carries the tail of the server's log."""
+        wait_until(self._ready, timeout=timeout, what=what, on_timeout=self.log_tail)

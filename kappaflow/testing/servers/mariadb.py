@@ -8,11 +8,9 @@ import subprocess
 from pathlib import Path
 
 from kappaflow.testing.servers._process import (
-    ManagedProcess,
+    LoopbackServer,
     ServerStartError,
     chown_tree,
-    free_port,
-    wait_until,
 )
 
 
@@ -24,7 +22,7 @@ def _binary(*names: str) -> str:
     raise ServerStartError(f"none of {', '.join(names)} found; install mariadb-server")
 
 
-class PrivateMariaDB(ManagedProcess):
+class PrivateMariaDB(LoopbackServer):
     """mariadbd with log_bin, binlog_format=ROW, binlog_row_image=FULL, binlog_row_metadata=FULL."""
 
     name = "mariadb"
@@ -32,9 +30,7 @@ class PrivateMariaDB(ManagedProcess):
     def __init__(self, *, port: int | None = None, binlog_format: str = "ROW", row_image: str = "FULL",
                  extra_args: list[str] | None = None, workdir: str | Path | None = None,
                  keep: bool = False) -> None:
-        super().__init__(workdir, keep=keep)
-        self.host = "127.0.0.1"
-        self.port = port or free_port()
+        super().__init__(port=port, workdir=workdir, keep=keep)
         self.user = "root"
         self.password = ""
         self.binlog_format = binlog_format
@@ -77,8 +73,7 @@ class PrivateMariaDB(ManagedProcess):
         if self.os_user:
             argv.append(f"--user={self.os_user}")
         self._spawn(argv)
-        wait_until(self._ready, timeout=timeout, what=f"MariaDB on {self.host}:{self.port}",
-                   on_timeout=self.log_tail)
+        self._wait_ready(timeout, f"MariaDB on {self.host}:{self.port}")
         return self
 
     def _ready(self) -> bool:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from kappaflow.testing.servers._process import ManagedProcess, ServerStartError, free_port, wait_until
+from kappaflow.testing.servers._process import LoopbackServer, ServerStartError
 
 
 def osmem_binary() -> Path:
@@ -18,13 +18,8 @@ def osmem_binary() -> Path:
     return path
 
 
-class OsmemServer(ManagedProcess):
+class OsmemServer(LoopbackServer):
     name = "osmem"
-
-    def __init__(self, *, port: int | None = None, workdir: str | Path | None = None) -> None:
-        super().__init__(workdir)
-        self.host = "127.0.0.1"
-        self.port = port or free_port()
 
     @property
     def url(self) -> str:
@@ -35,7 +30,7 @@ class OsmemServer(ManagedProcess):
         binary.chmod(binary.stat().st_mode | 0o111)
         # osmem exits when its stdin closes: hold a pipe open for its lifetime.
         self._spawn([str(binary), "-addr", f"{self.host}:{self.port}"], hold_stdin=True)
-        wait_until(self._ready, timeout=timeout, what=f"osmem on {self.url}", on_timeout=self.log_tail)
+        self._wait_ready(timeout, f"osmem on {self.url}")
         return self
 
     def _ready(self) -> bool:

@@ -11,12 +11,10 @@ import shutil
 from pathlib import Path
 
 from kappaflow.testing.servers._process import (
-    ManagedProcess,
+    LoopbackServer,
     ServerStartError,
     as_user,
     chown_tree,
-    free_port,
-    wait_until,
 )
 
 
@@ -34,7 +32,7 @@ def find_pg_bin() -> Path:
     raise ServerStartError("no PostgreSQL server binaries found (initdb); install postgresql or set PG_BIN")
 
 
-class PrivatePostgres(ManagedProcess):
+class PrivatePostgres(LoopbackServer):
     """initdb + postgres on 127.0.0.1:<free port>, superuser `postgres`, trust auth."""
 
     name = "postgres"
@@ -42,9 +40,7 @@ class PrivatePostgres(ManagedProcess):
     def __init__(self, *, wal_level: str = "logical", port: int | None = None, durable: bool = False,
                  settings: dict[str, str] | None = None, workdir: str | Path | None = None,
                  keep: bool = False) -> None:
-        super().__init__(workdir, keep=keep)
-        self.host = "127.0.0.1"
-        self.port = port or free_port()
+        super().__init__(port=port, workdir=workdir, keep=keep)
         self.user = "postgres"
         self.wal_level = wal_level
         self.durable = durable
@@ -94,8 +90,7 @@ class PrivatePostgres(ManagedProcess):
         for k, v in opts.items():
             argv += ["-c", f"{k}={v}"]
         self._spawn(as_user(self.os_user, argv))
-        wait_until(self._ready, timeout=timeout, what=f"PostgreSQL on {self.host}:{self.port}",
-                   on_timeout=self.log_tail)
+        self._wait_ready(timeout, f"PostgreSQL on {self.host}:{self.port}")
         return self
 
     def _ready(self) -> bool:

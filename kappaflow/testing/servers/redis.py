@@ -5,16 +5,11 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-from kappaflow.testing.servers._process import ManagedProcess, ServerStartError, free_port, wait_until
+from kappaflow.testing.servers._process import LoopbackServer, ServerStartError
 
 
-class PrivateRedis(ManagedProcess):
+class PrivateRedis(LoopbackServer):
     name = "redis"
-
-    def __init__(self, *, port: int | None = None, workdir: str | Path | None = None) -> None:
-        super().__init__(workdir)
-        self.host = "127.0.0.1"
-        self.port = port or free_port()
 
     @property
     def url(self) -> str:
@@ -26,8 +21,7 @@ class PrivateRedis(ManagedProcess):
             raise ServerStartError("redis-server not found; install redis-server")
         self._spawn([binary, "--port", str(self.port), "--bind", self.host, "--save", "",
                      "--appendonly", "no", "--dir", str(self.workdir), "--daemonize", "no"])
-        wait_until(self._ready, timeout=timeout, what=f"Redis on {self.host}:{self.port}",
-                   on_timeout=self.log_tail)
+        self._wait_ready(timeout, f"Redis on {self.host}:{self.port}")
         return self
 
     def _ready(self) -> bool:

@@ -11,7 +11,7 @@ import socket
 import struct
 from pathlib import Path
 
-from kappaflow.testing.servers._process import ManagedProcess, ServerStartError, free_port, wait_until
+from kappaflow.testing.servers._process import LoopbackServer, ServerStartError
 
 _CLIENT_ID = b"kappaflow-probe"
 
@@ -57,15 +57,10 @@ def _recv_exact(s: socket.socket, n: int) -> bytes:
     return bytes(buf)
 
 
-class TansuBroker(ManagedProcess):
+class TansuBroker(LoopbackServer):
     """`with TansuBroker().start() as broker: KafkaLog(broker.bootstrap)`."""
 
     name = "tansu"
-
-    def __init__(self, *, port: int | None = None, workdir: str | Path | None = None) -> None:
-        super().__init__(workdir)
-        self.host = "127.0.0.1"
-        self.port = port or free_port()
 
     @property
     def bootstrap(self) -> str:
@@ -78,8 +73,7 @@ class TansuBroker(ManagedProcess):
         self._spawn([str(binary), "broker", "--listener-url", url, "--advertised-listener-url", url,
                      "--storage-engine", "memory://tansu/"])
         try:
-            wait_until(self._ready, timeout=timeout, what=f"tansu broker on {self.bootstrap}",
-                       on_timeout=self.log_tail)
+            self._wait_ready(timeout, f"tansu broker on {self.bootstrap}")
         except BaseException:
             self.stop()
             raise
