@@ -177,8 +177,8 @@ def _raw_rows(row: Any, path: str) -> Any:
 
 
 # -- source blocks ---------------------------------------------------------------------------------
-def _src_pg(s: SourceInfo, version: str) -> dict[str, Any]:
-    p: PgPosition = s.position  # type: ignore[assignment]
+def _src_common(s: SourceInfo, version: str) -> dict[str, Any]:
+    """The fields every connector's source block starts with, in Debezium's order."""
     return {
         "version": version,
         "connector": s.connector,
@@ -187,6 +187,13 @@ def _src_pg(s: SourceInfo, version: str) -> dict[str, Any]:
         "snapshot": s.snapshot,
         "db": s.db,
         "sequence": None,
+    }
+
+
+def _src_pg(s: SourceInfo, version: str) -> dict[str, Any]:
+    p: PgPosition = s.position  # type: ignore[assignment]
+    return {
+        **_src_common(s, version),
         "schema": s.schema,
         "table": s.table,
         "txId": s.tx_id,
@@ -199,13 +206,7 @@ def _src_pg(s: SourceInfo, version: str) -> dict[str, Any]:
 def _src_binlog(s: SourceInfo, version: str) -> dict[str, Any]:
     p: BinlogPosition = s.position  # type: ignore[assignment]
     return {
-        "version": version,
-        "connector": s.connector,
-        "name": s.name,
-        "ts_ms": s.ts_ms,
-        "snapshot": s.snapshot,
-        "db": s.db,
-        "sequence": None,
+        **_src_common(s, version),
         "table": s.table,
         "server_id": p.server_id if p.server_id is not None else 0,
         "gtid": p.gtid,
@@ -221,13 +222,7 @@ def _src_binlog(s: SourceInfo, version: str) -> dict[str, Any]:
 
 def _src_ledger(s: SourceInfo, version: str) -> dict[str, Any]:
     return {
-        "version": version,
-        "connector": s.connector,
-        "name": s.name,
-        "ts_ms": s.ts_ms,
-        "snapshot": s.snapshot,
-        "db": s.db,
-        "sequence": None,
+        **_src_common(s, version),
         "schema": s.schema,
         "table": s.table,
         "txId": s.tx_id,
