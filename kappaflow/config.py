@@ -176,8 +176,9 @@ class _DbSource(_SourceBase):
         return urlunsplit((parts.scheme, netloc, parts.path, parts.query, parts.fragment))
 
 
-class PostgresSourceConfig(_DbSource):
-    kind: Literal["postgres"] = "postgres"
+class _PgLogicalSource(_DbSource):
+    """A source read by PostgreSQL logical decoding: a postgresql:// DSN, a slot and a publication."""
+
     slot: str | None = None
     publication: str | None = None
 
@@ -197,6 +198,10 @@ class PostgresSourceConfig(_DbSource):
         return self.publication or f"kappaflow_{self.name.replace('-', '_')}"
 
 
+class PostgresSourceConfig(_PgLogicalSource):
+    kind: Literal["postgres"] = "postgres"
+
+
 class MySQLSourceConfig(_DbSource):
     kind: Literal["mysql"] = "mysql"
     server_id: int = Field(5401, ge=1, le=2**32 - 1)
@@ -209,7 +214,7 @@ class MySQLSourceConfig(_DbSource):
         return v
 
 
-class LedgerSourceConfig(_DbSource):
+class LedgerSourceConfig(_PgLogicalSource):
     """The ledger's events captured from PostgreSQL's WAL (``kappaflow.connectors.ledger``).
 
     One topic per stream type, ``<name>.<stream_type>``, keyed by stream id, the domain event
@@ -219,15 +224,6 @@ class LedgerSourceConfig(_DbSource):
 
     kind: Literal["ledger"] = "ledger"
     schema_name: str = "kappaflow_ledger"
-    slot: str | None = None
-    publication: str | None = None
-
-    @field_validator("dsn")
-    @classmethod
-    def _pg_scheme(cls, v: str) -> str:
-        if not v.startswith(("postgresql://", "postgres://")):
-            raise ValueError("expected a postgresql://user@host:port/db URL")
-        return v
 
     @field_validator("schema_name")
     @classmethod
