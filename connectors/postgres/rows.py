@@ -185,22 +185,36 @@ def _numeric_typmod(typmod: int) -> tuple[int | None, int | None]:
     return precision, scale
 
 
+# Built-in types whose column type follows from the OID alone (typmod only adds detail elsewhere).
+_PLAIN_TYPES: dict[int, FieldType] = {
+    t.INT2: FieldType.INT16,
+    t.INT4: FieldType.INT32,
+    t.INT8: FieldType.INT64,
+    t.OID: FieldType.INT64,
+    t.FLOAT4: FieldType.FLOAT32,
+    t.FLOAT8: FieldType.FLOAT64,
+    t.BOOL: FieldType.BOOLEAN,
+    t.BYTEA: FieldType.BYTES,
+    t.DATE: FieldType.DATE,
+    t.TIME: FieldType.TIME,
+    t.TIMESTAMP: FieldType.TIMESTAMP,
+    t.TIMESTAMPTZ: FieldType.TIMESTAMPTZ,
+    t.INTERVAL: FieldType.INTERVAL,
+    t.UUID: FieldType.UUID,
+    t.JSON: FieldType.JSON,
+    t.JSONB: FieldType.JSON,
+}
+
+
 def _field(name: str, oid: int, typmod: int, optional: bool, native: str | None,
            lookup: TypeLookup | None) -> tuple[Column, Converter]:
     """Column (event model) and text->Python converter for a type OID."""
     ft: FieldType
     kw: dict[str, Any] = {}
     py: Converter = t.converter_for(oid, lookup)
-    if oid in (t.INT2,):
-        ft = FieldType.INT16
-    elif oid == t.INT4:
-        ft = FieldType.INT32
-    elif oid in (t.INT8, t.OID):
-        ft = FieldType.INT64
-    elif oid == t.FLOAT4:
-        ft = FieldType.FLOAT32
-    elif oid == t.FLOAT8:
-        ft = FieldType.FLOAT64
+    plain = _PLAIN_TYPES.get(oid)
+    if plain is not None:
+        ft = plain
     elif oid == t.NUMERIC:
         precision, scale = _numeric_typmod(typmod)
         if scale is None:
@@ -208,30 +222,12 @@ def _field(name: str, oid: int, typmod: int, optional: bool, native: str | None,
         else:
             ft = FieldType.DECIMAL
             kw = {"scale": scale, "precision": precision}
-    elif oid == t.BOOL:
-        ft = FieldType.BOOLEAN
     elif oid == t.BIT and typmod == 1:
         ft, py = FieldType.BOOLEAN, t._bit1
     elif oid in (t.BIT, t.VARBIT):
         ft = FieldType.BITS
         if typmod > 0:
             kw = {"length": typmod}
-    elif oid == t.BYTEA:
-        ft = FieldType.BYTES
-    elif oid == t.DATE:
-        ft = FieldType.DATE
-    elif oid == t.TIME:
-        ft = FieldType.TIME
-    elif oid == t.TIMESTAMP:
-        ft = FieldType.TIMESTAMP
-    elif oid == t.TIMESTAMPTZ:
-        ft = FieldType.TIMESTAMPTZ
-    elif oid == t.INTERVAL:
-        ft = FieldType.INTERVAL
-    elif oid == t.UUID:
-        ft = FieldType.UUID
-    elif oid in (t.JSON, t.JSONB):
-        ft = FieldType.JSON
     elif oid in t.SCALARS:
         ft = FieldType.STRING
     else:
