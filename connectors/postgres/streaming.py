@@ -36,6 +36,7 @@ from __future__ import annotations
 import struct
 import time
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 import orjson
@@ -281,24 +282,12 @@ class PgStreamingSource(StreamingSource):
                         events += 1
                         continue
                 elif tag == 66:  # 'B'
-                    final_lsn, ts, xid = _begin(m, 26)
-                    self.in_tx = True
-                    self.tx_lsn = tx_lsn = final_lsn
-                    self.tx_ts_ms = (ts + PG_EPOCH_US) // 1000
-                    self.tx_xid = xid
-                    self.tx_id = tx_id = b"%d:%d" % (xid, final_lsn)
+                    self._begin_tx(m)
                     index = 0
-                    self.dco = dco = {}
-                    self.prefixes = prefixes = {}
-                    self.dedup = dedup = not cap.past_duplicates((final_lsn, 1, 0))
+                    tx_lsn, tx_id, dco, prefixes, dedup = self.tx_lsn, self.tx_id, self.dco, self.prefixes, self.dedup
                     continue
                 elif tag == 67:  # 'C'
-                    _flags, commit_lsn, end_lsn, _ts = _commit(m, 26)
-                    self.in_tx = False
-                    off = self.offset
-                    off.lsn = end_lsn
-                    off.last_commit_lsn = commit_lsn
-                    self.complete_end = end_lsn
+                    self._commit_tx(m)
                     if pending.count + count >= self.batch_records:  # a full batch: hand it over now
                         self.index = index
                         self.events = events
@@ -345,25 +334,33 @@ class PgStreamingSource(StreamingSource):
         elif tag == 68:  # 'D'
             self._delete(m, now_ms)
         elif tag == 66:  # 'B'
-            final_lsn, ts, xid = _begin(m, 26)
-            self.in_tx = True
-            self.tx_lsn = final_lsn
-            self.tx_ts_ms = (ts + PG_EPOCH_US) // 1000
-            self.tx_xid = xid
-            self.tx_id = b"%d:%d" % (xid, final_lsn)
-            self.index = 0
-            self.dco = {}
-            self.prefixes = {}
-            self.dedup = not self.cap.past_duplicates((final_lsn, 1, 0))
+            self._begin_tx(m)
         elif tag == 67:  # 'C'
-            _flags, commit_lsn, end_lsn, _ts = _commit(m, 26)
-            self.in_tx = False
-            off = self.offset
-            off.lsn = end_lsn
-            off.last_commit_lsn = commit_lsn
-            self.complete_end = end_lsn
+            self._commit_tx(m)
         else:
             self._other(m, marker)
+
+    def _begin_tx(self, m: bytes) -> None:
+        """A Begin message: the transaction's position, id and per-transaction counters."""
+        final_lsn, ts, xid = _begin(m, 26)
+        self.in_tx = True
+        self.tx_lsn = final_lsn
+        self.tx_ts_ms = (ts + PG_EPOCH_US) // 1000
+        self.tx_xid = xid
+        self.tx_id = b"%d:%d" % (xid, final_lsn)
+        self.index = 0
+        self.dco = {}
+        self.prefixes = {}
+        self.dedup = not self.cap.past_duplicates((final_lsn, 1, 0))
+
+    def _commit_tx(self, m: bytes) -> None:
+        """A Commit message: the offset moves past the transaction (flushed later, in batches)."""
+        _flags, commit_lsn, end_lsn, _ts = _commit(m, 26)
+        self.in_tx = False
+        off = self.offset
+        off.lsn = end_lsn
+        off.last_commit_lsn = commit_lsn
+        self.complete_end = end_lsn
 
     def _other(self, m: bytes, marker: bytes | None) -> None:
         start = _xlog_start(m, 1)[0]
@@ -451,13 +448,17 @@ class PgStreamingSource(StreamingSource):
         self.events += 1
 
     # -- fast paths: generated per-table parsers; anything unusual goes to the *_slow twins ------------
-    def _insert(self, m: bytes, now_ms: int) -> None:
+    def _fast_new_row(self, m: bytes, now_ms: int, what: str,
+                      slow: Callable[[bytes, int], None]) -> tuple[TableCodec, Any, bool] | None:
+        """(codec, row, has large values) of an Insert/Update carrying only a new tuple, parsed
+        by the table's generated parser; None when the message was handled otherwise: table not
+        captured, a record mapper (`_mapped`), or anything unusual (`slow`)."""
         tc = self.rels.get(_u32(m, 26)[0], _MISSING)
         if tc is None:
-            return
+            return None
         if tc is not _MISSING and tc.mapper is not None:
-            self._mapped(m, tc, "INSERT")
-            return
+            self._mapped(m, tc, what)
+            return None
         r = None
         if tc is not _MISSING and m[30] == 78:
             try:
@@ -465,34 +466,28 @@ class PgStreamingSource(StreamingSource):
             except Exception:
                 r = None
         if r is None or r[1] != len(m):
-            self._insert_slow(m, now_ms)
+            slow(m, now_ms)
+            return None
+        return tc, r[0], r[2]
+
+    def _insert(self, m: bytes, now_ms: int) -> None:
+        fast = self._fast_new_row(m, now_ms, "INSERT", self._insert_slow)
+        if fast is None:
             return
-        js = r[0]
+        tc, js, big = fast
         key = tc.key_of(js)
-        if r[2] and len(m) >= TOAST_ROW_MIN:
+        if big and len(m) >= TOAST_ROW_MIN:
             tc.remember_all(key, js)
         self._emit(tc, key, b"c", _OP_C, b"null", orjson.dumps(js), None, now_ms)
 
     def _update(self, m: bytes, now_ms: int) -> None:
-        tc = self.rels.get(_u32(m, 26)[0], _MISSING)
-        if tc is None:
+        fast = self._fast_new_row(m, now_ms, "UPDATE", self._update_slow)
+        if fast is None:
             return
-        if tc is not _MISSING and tc.mapper is not None:
-            self._mapped(m, tc, "UPDATE")
-            return
-        r = None
-        if tc is not _MISSING and m[30] == 78:
-            try:
-                r = tc.fast(m, 31)
-            except Exception:
-                r = None
-        if r is None or r[1] != len(m):
-            self._update_slow(m, now_ms)
-            return
-        js = r[0]
+        tc, js, big = fast
         key = tc.key_of(js)
         state = tc.toast_state
-        if r[2] and len(m) >= TOAST_ROW_MIN:
+        if big and len(m) >= TOAST_ROW_MIN:
             tc.remember_all(key, js)
         elif state:
             state.pop(key, None)
