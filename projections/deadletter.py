@@ -5,7 +5,10 @@ Nothing is dropped silently: a record that cannot be folded (malformed value, an
 ``kf.deadletter.<projection>`` and the rest of the batch proceeds. Each dead letter is a
 JSON object ``{"projection", "topic", "partition", "offset", "key" (base64 or null),
 "reason", "ts_ms"}`` keyed by ``topic:partition:offset``, so re-processing the same batch
-after a crash overwrites rather than duplicates once the topic is compacted.
+after a crash overwrites rather than duplicates once the topic is compacted. A row a sink
+refused (``WriteResult.rejected``, e.g. a document the search mapping rejects) also names
+the ``sink``, the view ``row_key`` and the row's ``version``, and is keyed by
+``topic:partition:offset:sink:row_key`` (one record may be refused by one sink only).
 
 Where: on Kafka, the same cluster as the log. The embedded log has exactly one writer
 (the capture process), so for it dead letters go to a sibling embedded log
@@ -60,7 +63,8 @@ def _open_writer(log_url: str, client_options: Mapping[str, Any], timeout_s: flo
 def write_dead_letters(
     log_url: str, client_options: Mapping[str, Any], projection: str, rows: Sequence[Mapping[str, Any]]
 ) -> int:
-    """Append dead letters (dicts with topic, partition, offset, key, reason)."""
+    """Append dead letters (dicts with topic, partition, offset, key, reason; for rows a sink
+    refused also sink, row_key, version)."""
     if not rows:
         return 0
     now = int(time.time() * 1000)
@@ -76,7 +80,11 @@ def write_dead_letters(
             "reason": r.get("reason"),
             "ts_ms": now,
         }
-        rk = f"{r.get('topic')}:{r.get('partition')}:{r.get('offset')}".encode()
+        rk_text = f"{r.get('topic')}:{r.get('partition')}:{r.get('offset')}"
+        if r.get("sink"):
+            value.update(sink=r["sink"], row_key=r.get("row_key"), version=r.get("version"))
+            rk_text += f":{r['sink']}:{r.get('row_key')}"
+        rk = rk_text.encode()
         records.append(Record(rk, orjson.dumps(value)))
     log = _open_writer(log_url, client_options)
     try:

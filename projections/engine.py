@@ -36,6 +36,7 @@ from kappaflow.projections.executor import LOAD_RESULT_DDL, FoldJob, fold_arrow_
 from kappaflow.projections.plan import Plan, fold_output_type
 from kappaflow.projections.runtime import Offsets, Runtime
 from kappaflow.projections.schemas import load_table_schemas
+from kappaflow.projections.sinks._rows import key_str
 from kappaflow.projections.sinks.base import DELETED, VERSION, Positions, Sink, Target, TopicPartition
 
 log = logging.getLogger("kappaflow.projections")
@@ -173,15 +174,20 @@ def _spans(end: Offsets, start: Offsets | None = None) -> list[int]:
     return [o - (start or {}).get(t, {}).get(p, 0) for t, parts in end.items() for p, o in parts.items()]
 
 
-def build(plan: Plan, rt: Runtime, target: Target, end: Offsets, *, dead_letters: bool = True) -> BuildResult:
-    """Fold [0, end) into the empty `target`. ``dead_letters=False`` (verify) only counts them."""
+def build(
+    plan: Plan, rt: Runtime, target: Target, end: Offsets, *, dead_letters: bool = True, sink: Sink | None = None
+) -> BuildResult:
+    """Fold [0, end) into the empty `target` of `sink` (default ``rt.sink``). ``dead_letters=False``
+    (verify) only counts them. Rows the sink refuses go to the dead letters too."""
     t0 = time.monotonic()
     spec = plan.spec
     spans = _spans(end)
     total = sum(spans)
     parallel = max(1, rt.spark.sparkContext.defaultParallelism)
     version = watermark(flatten(end))
-    cfg = rt.sink.config()
+    sink = sink or rt.sink
+    cfg = sink.config()
+    rows_df: DataFrame | None = None
     res = BuildResult(events=total)
     obs = Observation(f"kf_build_{spec.name}_{time.monotonic_ns()}")
     dead: list[dict[str, Any]] = []
@@ -220,6 +226,7 @@ def build(plan: Plan, rt: Runtime, target: Target, end: Offsets, *, dead_letters
         ev = plan.all_events(raws).observe(obs, F.count(F.when(F.col("_kf_bad"), 1)).alias("bad"))
         rows = plan.rows(plan.latest(ev, deduped=deduped))
         if isinstance(spec.fold, LatestFold):
+            rows_df = rows
             out = plan.latest_view_rows(rows).mapInArrow(make_loader(cfg, target), LOAD_RESULT_DDL).collect()
             res.rows = sum(r["_kf_loaded"] or 0 for r in out)
         else:
@@ -233,8 +240,14 @@ def build(plan: Plan, rt: Runtime, target: Target, end: Offsets, *, dead_letters
                 res.rows = sum(r["_kf_loaded"] or 0 for r in out)
             finally:
                 state.unpersist()
+        dead = _dead_rows(out)
         if obs.get.get("bad"):
-            dead = _collect_bad(plan, raws)
+            dead += _collect_bad(plan, raws)
+    refused = [d for d in dead if d["topic"] is None]
+    if refused:
+        dead = [d for d in dead if d["topic"] is not None] + sink_rejections(
+            plan, sink.kind, [(bytes(d["key"]).decode(), d["offset"], d["reason"]) for d in refused], rows_df
+        )
     res.dead_letters = _dead_letter(rt, plan, dead) if dead_letters else len(dead)
     res.seconds = time.monotonic() - t0
     return res
@@ -300,6 +313,7 @@ def apply_batch(
         observations.append(obs)
     res = BatchResult()
     dead: list[dict[str, Any]] = []
+    rows_df: DataFrame | None = None
     bad_obs: Observation | None = None
     tbl: pa.Table
     if isinstance(spec.fold, CustomFold):
@@ -337,6 +351,7 @@ def apply_batch(
         ev = plan.all_events(observed).observe(bad_obs, bad_metric)
         rows = plan.rows(plan.latest(ev, deduped=bool(deduped_input)))
         if isinstance(spec.fold, LatestFold):
+            rows_df = rows
             tbl = plan.latest_changes(rows).toArrow()
         else:
             tbl = plan.state_changes(rows).toArrow()
@@ -369,8 +384,64 @@ def apply_batch(
             )
         w = _with_retry("applying the batch", lambda: sink.write(target, tbl, changed))
     res.upserted, res.deleted = w.upserted, w.deleted
+    if w.rejected:
+        # The rest of the batch is written and the positions moved on: the refused rows go to the
+        # dead letters with the reason and, for latest-row views, the log position of their change.
+        versions = _versions_by_key(plan, tbl, {key_str(k) for k, _ in w.rejected})
+        refused = [(key_str(k), versions.get(key_str(k)), reason) for k, reason in w.rejected]
+        res.dead_letters += _dead_letter(rt, plan, sink_rejections(plan, sink.kind, refused, rows_df))
     res.positions = after
     return res
+
+
+def _versions_by_key(plan: Plan, tbl: pa.Table, wanted: set[str]) -> dict[str, int]:
+    keys = [tbl.column(k).to_pylist() for k in plan.view.key]
+    versions = tbl.column(VERSION).to_pylist()
+    out: dict[str, int] = {}
+    for i in range(tbl.num_rows):
+        k = key_str(tuple(kc[i] for kc in keys))
+        if k in wanted:
+            out[k] = versions[i]
+    return out
+
+
+def sink_rejections(
+    plan: Plan, sink: str, refused: list[tuple[str, int | None, str]], rows: DataFrame | None
+) -> list[dict[str, Any]]:
+    """Dead letters for view rows a sink refused: (row key text, version, reason) each.
+
+    A latest-row view's version is the offset of the change that made the row, so its log
+    position is found in `rows` (the batch's folded rows); a grouped/custom row comes from
+    many changes and is dead-lettered with its key and version (the batch's watermark)."""
+    located: dict[tuple[str, int], tuple[str, int, bytes | None]] = {}
+    if rows is not None and isinstance(plan.spec.fold, LatestFold):
+        offsets = sorted({v for _, v, _ in refused if v is not None})[:10_000]
+        if offsets:
+            key = list(plan.spec.key)
+            found = (
+                rows.where(F.col("_kf_offset").isin(offsets))
+                .select("_kf_topic", "_kf_partition", "_kf_offset", "_kf_key", *key)
+                .collect()
+            )
+            for r in found:
+                located[(key_str(tuple(r[k] for k in key)), int(r["_kf_offset"]))] = (
+                    r["_kf_topic"], int(r["_kf_partition"]), r["_kf_key"])
+    out = []
+    for rk, version, reason in refused:
+        pos = located.get((rk, version)) if version is not None else None
+        out.append(
+            {
+                "topic": pos[0] if pos else None,
+                "partition": pos[1] if pos else None,
+                "offset": version if pos else None,
+                "key": bytes(pos[2]) if pos and pos[2] is not None else None,
+                "reason": f"the {sink} sink refused the row of view {plan.view.name!r} with key {rk}: {reason}",
+                "sink": sink,
+                "row_key": rk,
+                "version": version,
+            }
+        )
+    return out
 
 
 def apply_range(
@@ -394,5 +465,6 @@ __all__ = [
     "build",
     "flatten",
     "prepare",
+    "sink_rejections",
     "watermark",
 ]

@@ -54,12 +54,44 @@ def make_loader(
 
         sink = cfg.open()
         try:
-            n = sink.load_state(target, rows()) if state else sink.load(target, rows())
+            if state:
+                n = sink.load_state(target, rows())
+            elif hasattr(sink, "rejected_in_load"):
+                # Rows the sink refuses (search mapping, Redis key size) come back as dead letters
+                # (topic NULL, offset = the row's version, key = the row key), batch by batch.
+                n = 0
+                for b in rows():
+                    seen = len(sink.rejected_in_load)
+                    n += sink.load(target, [b])
+                    refused = sink.rejected_in_load[seen:]
+                    if refused:
+                        dead.append(_refused_batch(target, b, refused))
+            else:
+                n = sink.load(target, rows())
         finally:
             sink.close()
         yield _count_batch(n, dead)
 
     return load
+
+
+def _refused_batch(target: Target, batch: pa.RecordBatch, refused: list[tuple[tuple[Any, ...], str]]) -> pa.RecordBatch:
+    """Dead-letter rows for rows a sink refused while loading (see ``engine.sink_rejections``)."""
+    from kappaflow.projections.sinks._rows import key_str
+
+    keys = [batch.column(k).to_pylist() for k in target.view.key]
+    versions = batch.column(VERSION).to_pylist()
+    by_key = {key_str(tuple(kc[i] for kc in keys)): versions[i] for i in range(batch.num_rows)}
+    rk = [key_str(k) for k, _ in refused]
+    return pa.RecordBatch.from_pydict(
+        {
+            "_kf_dl_topic": [None] * len(refused),
+            "_kf_dl_partition": pa.array([None] * len(refused), pa.int32()),
+            "_kf_dl_offset": pa.array([by_key.get(k) for k in rk], pa.int64()),
+            "_kf_dl_key": [k.encode() for k in rk],
+            "_kf_dl_reason": [reason for _, reason in refused],
+        }
+    )
 
 
 LOAD_RESULT_DDL = (

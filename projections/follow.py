@@ -1,5 +1,9 @@
 """Follow: keep a view current with Spark Structured Streaming, exactly-once in effect.
 
+One ``Follower`` per (projection, sink): a projection that names several sinks
+(``Projection.sinks``) runs one streaming query per sink (``FollowerGroup``), each from
+that sink's OWN stored positions, so a failing sink neither blocks nor corrupts the others.
+
 Each micro-batch (``foreachBatch``):
 
 1. reads the positions stored with the live view (the sink is the source of truth, not
@@ -7,34 +11,48 @@ Each micro-batch (``foreachBatch``):
 2. drops records below them — a batch Spark re-runs after a crash (its checkpoint is
    behind the sink) therefore changes nothing;
 3. folds the rest (``engine.apply_batch``) and writes the changes AND the new positions
-   in ONE PostgreSQL transaction;
+   (PostgreSQL: in ONE transaction; search/Redis: positions after the version-guarded rows);
+   rows the sink refuses go to the dead-letter topic;
 4. returns, and Spark then records the batch in its checkpoint.
 A crash between 3 and 4 re-runs the batch after restart, filtered out by 2; a crash
 before 3's commit re-runs it for real. The stream starts from the stored positions
 when there is no checkpoint, and the checkpoint directory carries the view's generation,
 so a checkpoint from before a rebuild is never resumed against the new view.
 
-One follower per projection: the follower holds a PostgreSQL advisory lock for its
-lifetime (released by the server when the process dies, kill -9 included).
+Failures: when a batch fails (store down, timeouts after the sink's own retries) the
+query stops; the follower logs it and restarts it after a backoff (doubling up to
+``max_backoff_s``; ``max_restarts`` failures in a row without a successful batch end the
+follower, ``error`` says why), with a fresh checkpoint, i.e. from the sink's stored
+positions. When the store lost the view (``SinkStateLostError``: Redis flushed or
+restarted empty, index deleted) the follower rebuilds that sink's view from the log
+(``replay.rebuild``: new build, swap) and carries on. Errors that no retry can fix (a
+view schema mismatch, bad configuration) end the follower at once.
+
+One follower per projection and sink: the follower holds the sink's projection lock
+(``Sink.try_lock``: a PostgreSQL advisory lock, a Redis / search lease) for its lifetime;
+it is released when the process dies, kill -9 included.
 """
 
 from __future__ import annotations
 
 import logging
+import shutil
 import signal
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from pyspark.sql import DataFrame
 from pyspark.sql import functions as F
 
-from kappaflow.errors import ConfigError
+from kappaflow.errors import ConfigError, KappaflowError
 from kappaflow.projections.api import CustomFold, Projection, ProjectionSpec
 from kappaflow.projections.engine import BatchResult, ProjectionBusy, apply_batch, nest, prepare
 from kappaflow.projections.replay import _record, as_spec
+from kappaflow.projections.sinks._rows import SinkStateLostError
 
 log = logging.getLogger("kappaflow.projections")
 
@@ -70,7 +88,9 @@ def parse_trigger(text: str) -> str:
 
 
 class Follower:
-    """A running follow of one projection. ``start()``, then ``stop()`` or ``run_until(...)``."""
+    """A running follow of one projection into one sink. ``start()``, then ``stop()`` or ``run_until(...)``.
+
+    `sink` names the sink (default: the projection's only sink, else its first)."""
 
     def __init__(
         self,
@@ -81,42 +101,80 @@ class Follower:
         max_records_per_batch: int | None = 200_000,
         on_batch: Callable[[FollowStats, BatchResult], None] | None = None,
         checkpoint: str | None = None,
+        sink: str | None = None,
+        max_restarts: int = 20,
+        backoff_s: float = 1.0,
+        max_backoff_s: float = 60.0,
     ) -> None:
         self.spec = as_spec(projection)
         self.rt = rt
+        self.sink_name = sink or self.spec.sinks[0]
+        rt.sinks_for(self.spec, [self.sink_name])  # a clear error now if it is not configured
         self.trigger = parse_trigger(trigger)
         self.max_records = max_records_per_batch
         self.on_batch = on_batch
         self.stats = FollowStats()
         self.query: Any = None
         self._checkpoint = checkpoint
-        self._lock_conn: Any = None
         self.plan: Any = None
         self.target: Any = None
         self.sink: Any = None
+        self._lock_sink: Any = None
         self.error: BaseException | None = None
+        self.failed: BaseException | None = None  # set when the follower gave up
+        self.restarts = 0
+        self.rebuilds = 0
+        self.max_restarts = max_restarts
+        self.backoff_s = backoff_s
+        self.max_backoff_s = max_backoff_s
+        self._stopping = threading.Event()
+        self._supervisor: threading.Thread | None = None
+        self._failures = 0  # in a row, reset by a successful batch
+
+    @property
+    def name(self) -> str:
+        return f"{self.spec.name}/{self.sink_name}"
 
     # --- lifecycle -------------------------------------------------------------------------
     def start(self) -> Follower:
-        import psycopg
-
         rt = self.rt
         spec = self.spec
-        self.plan = plan = prepare(spec, rt)
+        self.plan = prepare(spec, rt)
+        base = rt.sink_for(spec.name, self.sink_name)
         # Own sink (connection): followers in one process run their batches concurrently.
-        self.sink = sink = rt.sink.config().open()
-        # The lock lives on its own connection so it is held for the follower's lifetime.
-        self._lock_conn = psycopg.connect(rt.dsn, autocommit=True)
-        got = self._lock_conn.execute(
-            "SELECT pg_try_advisory_lock(hashtextextended(%s, 7270604))", ("kappaflow.projection:" + spec.name,)
-        ).fetchone()
-        if not got or not got[0]:
-            self._lock_conn.close()
-            self.sink.close()
-            raise ProjectionBusy(f"projection {spec.name!r} is already followed or being replayed by another process")
+        self.sink = base.config().open()
+        # The lock on its own connection/client, so it is held for the follower's lifetime.
+        self._lock_sink = base.config().open()
+        if not self._lock_sink.try_lock(spec.name):
+            self._release()
+            raise ProjectionBusy(
+                f"projection {spec.name!r} is already followed or being replayed in the {self.sink_name} sink "
+                "by another process"
+            )
         try:
-            created = sink.live(plan.view) is None
-            self.target = sink.ensure(plan.view)
+            self._start_query(first=True)
+        except BaseException:
+            self._release()
+            raise
+        self._supervisor = threading.Thread(target=self._supervise, name=f"kappaflow-follow-{self.name}", daemon=True)
+        self._supervisor.start()
+        return self
+
+    def _checkpoint_path(self, generation: int) -> str:
+        spec = self.spec
+        if self._checkpoint:
+            return self._checkpoint if len(spec.sinks) == 1 else str(Path(self._checkpoint) / self.sink_name)
+        root = self.rt.checkpoint_dir / spec.name
+        # PostgreSQL keeps the path it always had; other sinks get their own folder.
+        if self.sink_name == "postgres":
+            return str(root / f"g{generation}")
+        return str(root / self.sink_name / f"g{generation}")
+
+    def _start_query(self, *, first: bool = False, fresh: bool = False) -> None:
+        rt, spec, plan, sink = self.rt, self.spec, self.plan, self.sink
+        created = sink.live(plan.view) is None
+        self.target = sink.ensure(plan.view)
+        if first:
             reg = None
             if rt.dsn:
                 with rt.registry() as r:
@@ -126,25 +184,26 @@ class Follower:
                     f"projection {spec.name!r} changed since its view was built (definition fingerprint differs); "
                     f"rebuild it with `kappaflow replay {spec.class_path or spec.name}` before following"
                 )
-            generation = _record(rt, plan, new_generation=created, replayed=False)
-            positions = sink.read_positions(self.target)
-            log_ = rt.reader()
-            partitions = {t: log_.partitions(t) for t in spec.topics}
-            start = nest(positions, spec.topics, partitions)
-            ckpt = self._checkpoint or str(rt.checkpoint_dir / spec.name / f"g{generation}")
-            declarative = not isinstance(spec.fold, CustomFold)
-            stream = rt.stream(spec.topics, start, self.max_records, latest_per_key=declarative)
-            self.query = (
-                stream.writeStream.queryName(f"kappaflow_{spec.name}")
-                .foreachBatch(self._batch)
-                .option("checkpointLocation", ckpt)
-                .trigger(processingTime=self.trigger)
-                .start()
-            )
-        except BaseException:
-            self._release()
-            raise
-        return self
+        generation = _record(rt, plan, new_generation=created, replayed=False)
+        positions = sink.read_positions(self.target)
+        log_ = rt.reader()
+        partitions = {t: log_.partitions(t) for t in spec.topics}
+        start = nest(positions, spec.topics, partitions)
+        ckpt = self._checkpoint_path(generation)
+        if fresh:
+            # After a failure the sink's stored positions are the truth: start the stream from them.
+            shutil.rmtree(ckpt, ignore_errors=True)
+        declarative = not isinstance(spec.fold, CustomFold)
+        stream = rt.stream(spec.topics, start, self.max_records, latest_per_key=declarative)
+        qname = f"kappaflow_{spec.name}" if self.sink_name == "postgres" else f"kappaflow_{spec.name}_{self.sink_name}"
+        self.error = None
+        self.query = (
+            stream.writeStream.queryName(qname)
+            .foreachBatch(self._batch)
+            .option("checkpointLocation", ckpt)
+            .trigger(processingTime=self.trigger)
+            .start()
+        )
 
     def _batch(self, df: DataFrame, batch_id: int) -> None:
         try:
@@ -164,32 +223,100 @@ class Follower:
             s.dead_letters += res.dead_letters
             s.last_batch_at = time.time()
             s.positions = res.positions
+            self._failures = 0
             if self.on_batch is not None:
                 self.on_batch(s, res)
         except BaseException as exc:
             self.error = exc
             raise
 
-    def _release(self) -> None:
-        if self.sink is not None:
-            self.sink.close()
-            self.sink = None
-        if self._lock_conn is not None:
+    # --- supervision: restart after failures, rebuild after state loss -----------------------
+    def _supervise(self) -> None:
+        while not self._stopping.wait(0.1):
+            q = self.query
+            if q is None or q.isActive:
+                continue
+            exc = self.error or (q.exception() and RuntimeError(str(q.exception())))
+            if exc is None:  # stopped without an error (by someone else): nothing to do
+                return
+            if not self._recover(exc):
+                return
+
+    def _recover(self, exc: BaseException) -> bool:
+        """Restart (or rebuild, then restart) after `exc`; False when the follower gives up."""
+        while not self._stopping.is_set():
+            lost = isinstance(exc, SinkStateLostError)
+            if isinstance(exc, KappaflowError) and not exc.transient and not lost:
+                return self._give_up(exc, "an error no retry can fix")
+            self._failures += 1
+            if self._failures > self.max_restarts:
+                return self._give_up(exc, f"{self.max_restarts} restarts in a row failed")
+            delay = min(self.backoff_s * 2 ** (self._failures - 1), self.max_backoff_s)
+            log.warning(
+                "follower %s: %s: %s; %s in %.1fs (attempt %d/%d)",
+                self.name, "the sink lost the view" if lost else "batch failed", exc,
+                "rebuilding" if lost else "restarting from the sink's positions", delay, self._failures,
+                self.max_restarts,
+            )
+            if self._stopping.wait(delay):
+                return False
             try:
-                self._lock_conn.close()
-            except Exception:
-                pass
-            self._lock_conn = None
+                if lost or self._view_lost():
+                    self._rebuild()
+                self._start_query(fresh=True)
+                self.restarts += 1
+                log.warning("follower %s: restarted", self.name)
+                return True
+            except BaseException as again:  # still down: back off further
+                exc = again
+        return False
+
+    def _view_lost(self) -> bool:
+        return bool(self.sink.live(self.plan.view) is None)
+
+    def _rebuild(self) -> None:
+        """The store lost the view: take the lock again if its lease went with it, rebuild the view
+        from the log into a new build and swap it in."""
+        from kappaflow.projections.replay import rebuild
+
+        spec = self.spec
+        self._lock_sink.unlock(spec.name)
+        if not self._lock_sink.try_lock(spec.name):
+            raise ProjectionBusy(
+                f"projection {spec.name!r}: the {self.sink_name} sink lost the lock while the store was down, "
+                "and another process holds it now"
+            )
+        log.warning("follower %s: rebuilding the view from the log", self.name)
+        rebuild(self.plan, self.rt, {self.sink_name: self.sink})
+        self.rebuilds += 1
+
+    def _give_up(self, exc: BaseException, why: str) -> bool:
+        log.error("follower %s stopped (%s): %s", self.name, why, exc)
+        self.failed = exc
+        return False
+
+    def _release(self) -> None:
+        for attr in ("sink", "_lock_sink"):
+            s = getattr(self, attr)
+            if s is not None:
+                try:
+                    s.close()
+                except Exception:
+                    pass
+                setattr(self, attr, None)
 
     def stop(self) -> None:
+        self._stopping.set()
         try:
+            if self._supervisor is not None and self._supervisor is not threading.current_thread():
+                self._supervisor.join(timeout=30)
             if self.query is not None:
                 self.query.stop()
         finally:
             self._release()
 
     def wait_for(self, condition: Callable[[FollowStats], bool], timeout: float) -> bool:
-        """Block until `condition(stats)` holds (True) or `timeout` passes / the query dies (False)."""
+        """Block until `condition(stats)` holds (True) or `timeout` passes / the follower gives up (False)."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if condition(self.stats):
@@ -199,40 +326,119 @@ class Follower:
         return condition(self.stats)
 
     def check(self) -> None:
-        """Raise the query's failure, if any."""
-        if self.query is not None and not self.query.isActive:
-            exc = self.query.exception()
-            if exc is not None:
-                raise self.error or RuntimeError(str(exc))
+        """Raise the failure that made the follower give up, if any."""
+        if self.failed is not None:
+            raise self.failed
+
+    @property
+    def healthy(self) -> bool:
+        """Running (not between a failure and its restart, not given up)."""
+        return self.failed is None and self.query is not None and bool(self.query.isActive)
 
     def caught_up(self) -> bool:
         """True when the stored positions reach the log's current end."""
         ends = self.rt.end_offsets(self.spec.topics)
-        pos = self.rt.sink.read_positions(self.target)  # not the batch connection (may be mid-transaction)
+        pos = self._lock_sink.read_positions(self.target)  # not the batch connection (may be mid-transaction)
         return all(pos.get((t, p), 0) >= e for t, parts in ends.items() for p, e in parts.items())
 
     def run_forever(self, stop: threading.Event | None = None) -> None:
         """Run until SIGINT/SIGTERM (or `stop` is set), then stop cleanly."""
-        stop = stop or threading.Event()
-        prev: dict[signal.Signals, Any] = {}
-        if threading.current_thread() is threading.main_thread():
-            for sig in (signal.SIGINT, signal.SIGTERM):
-                prev[sig] = signal.signal(sig, lambda *_: stop.set())
+        _run_forever([self], stop)
+
+
+class FollowerGroup:
+    """One follower per sink of a projection (or per selected sink), started and stopped together.
+
+    A follower that gives up does not stop the others; ``run_forever`` returns when all gave up."""
+
+    def __init__(
+        self,
+        projection: ProjectionSpec | type[Projection] | Projection,
+        rt: Any,
+        *,
+        sinks: Sequence[str] | None = None,
+        **kwargs: Any,
+    ) -> None:
+        self.spec = as_spec(projection)
+        selected = rt.sinks_for(self.spec, sinks)
+        self.followers = {name: Follower(self.spec, rt, sink=name, **kwargs) for name in selected}
+
+    def __getitem__(self, sink: str) -> Follower:
+        return self.followers[sink]
+
+    def start(self) -> FollowerGroup:
+        started: list[Follower] = []
         try:
-            while not stop.is_set():
-                if self.query is not None and not self.query.isActive:
-                    self.check()
-                    break
-                stop.wait(0.5)
-        finally:
-            for sig, h in prev.items():
-                signal.signal(sig, h)
-            self.stop()
+            for f in self.followers.values():
+                started.append(f.start())
+        except BaseException:
+            for f in started:
+                f.stop()
+            raise
+        return self
+
+    def stop(self) -> None:
+        errors = []
+        for f in self.followers.values():
+            try:
+                f.stop()
+            except Exception as exc:
+                errors.append(exc)
+        if errors:
+            raise errors[0]
+
+    def caught_up(self) -> bool:
+        return all(f.caught_up() for f in self.followers.values())
+
+    def check(self) -> None:
+        """Raise when every follower gave up (one failing sink alone does not stop the rest)."""
+        failed = [f.failed for f in self.followers.values() if f.failed is not None]
+        if failed and len(failed) == len(self.followers):
+            raise failed[0]
+
+    def wait_for(self, condition: Callable[[FollowerGroup], bool], timeout: float) -> bool:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if condition(self):
+                return True
+            self.check()
+            time.sleep(0.05)
+        return condition(self)
+
+    def run_forever(self, stop: threading.Event | None = None) -> None:
+        _run_forever(list(self.followers.values()), stop)
 
 
-def follow(projection: ProjectionSpec | type[Projection] | Projection, rt: Any, **kwargs: Any) -> Follower:
-    """Start following `projection` (returns the running Follower)."""
-    return Follower(projection, rt, **kwargs).start()
+def _run_forever(followers: list[Follower], stop: threading.Event | None) -> None:
+    stop = stop or threading.Event()
+    prev: dict[signal.Signals, Any] = {}
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            prev[sig] = signal.signal(sig, lambda *_: stop.set())
+    try:
+        while not stop.is_set():
+            if all(f.failed is not None for f in followers):
+                break
+            stop.wait(0.5)
+    finally:
+        for sig, h in prev.items():
+            signal.signal(sig, h)
+        for f in followers:
+            f.stop()
+    failed = [f.failed for f in followers if f.failed is not None]
+    if failed and len(failed) == len(followers):
+        raise failed[0]
 
 
-__all__ = ["FollowStats", "Follower", "follow", "parse_trigger"]
+def follow(
+    projection: ProjectionSpec | type[Projection] | Projection,
+    rt: Any,
+    *,
+    sinks: Sequence[str] | None = None,
+    **kwargs: Any,
+) -> FollowerGroup:
+    """Start following `projection` in its sinks (or the `sinks` named): one follower per sink."""
+    return FollowerGroup(projection, rt, sinks=sinks, **kwargs).start()
+
+
+__all__ = ["FollowStats", "Follower", "FollowerGroup", "follow", "parse_trigger"]

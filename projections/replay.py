@@ -1,32 +1,48 @@
 """Replay: rebuild a view from the start of the log without taking the old one offline.
 
-Steps (each is tested):
+A projection's view lives in every sink it names (``Projection.sinks``); a replay rebuilds
+all of them, or the ones selected (``sinks=["redis"]``, CLI ``--sink redis``). Steps
+(each is tested):
 
-1. take the projection's lock (one replay or follow per projection at a time);
-2. note the log's end offsets E and create an empty shadow beside the live view
+1. take the projection's lock in every selected sink (one replay or follow per
+   projection and sink at a time: PostgreSQL advisory lock, search/Redis lease);
+2. note the log's end offsets E and create an empty shadow beside each live view
    (a leftover shadow from an interrupted replay is dropped first: a replay killed with
    -9 never leaves a half view live, and the next replay restarts cleanly);
-3. fold the log [0, E) into the shadow in Spark (executors COPY their partitions);
-4. store E as the shadow's positions, then catch up: fold (E, E'] with the follow code
-   path until the log's end stops moving (bounded rounds);
-5. swap: the shadow becomes the live view and its positions the live positions, in one
-   transaction; readers see the old view until that commit and the new one after;
+3. fold the log [0, E) into each shadow in Spark (executors load their partitions);
+   rows a sink refuses go to the dead-letter topic;
+4. store E as each shadow's positions, then catch up: fold (E, E'] with the follow code
+   path into every shadow until the log's end stops moving (bounded rounds);
+5. swap each sink in turn: the shadow becomes the live view and its positions the live
+   positions atomically within that sink (rename in one transaction / alias swap /
+   pointer switch); readers see the old view until then and the new one after;
 6. record the projection (new generation) in the registry.
-On any failure before 5 the shadow is dropped and the live view is untouched.
+On any failure before 5 every shadow is dropped and every live view is untouched.
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 from kappaflow.projections.api import Projection, ProjectionSpec
 from kappaflow.projections.engine import ProjectionBusy, apply_range, build, flatten, prepare
 from kappaflow.projections.plan import Plan
 from kappaflow.projections.runtime import Offsets, Runtime
+from kappaflow.projections.sinks.base import Sink, Target
+
+
+@dataclass
+class SinkReplay:
+    """What a replay did in one sink."""
+
+    sink: str
+    rows: int = 0
+    dead_letters: int = 0
+    build_seconds: float = 0.0
 
 
 @dataclass
@@ -40,6 +56,8 @@ class ReplayResult:
     build_seconds: float
     positions: dict[tuple[str, int], int]
     catch_up_rounds: int = 0
+    sinks: dict[str, SinkReplay] = field(default_factory=dict)
+    """Per sink; ``rows`` above is the first sink's (PostgreSQL when it is one of them)."""
 
     @property
     def events_per_s(self) -> float:
@@ -84,6 +102,89 @@ class _Progress:
         self.report(self.total, self.total)
 
 
+def lock_sinks(spec: ProjectionSpec, sinks: dict[str, Sink], wait_lock_s: float = 0.0) -> None:
+    """Take the projection's lock in every sink, or none of them (ProjectionBusy naming the sink)."""
+    deadline = time.monotonic() + wait_lock_s
+    taken: list[Sink] = []
+    try:
+        for name, sink in sinks.items():
+            while not sink.try_lock(spec.name):
+                if time.monotonic() >= deadline:
+                    raise ProjectionBusy(
+                        f"projection {spec.name!r} is being followed or replayed in the {name} sink by another "
+                        "process; stop it first (a replay swaps the view under the follower's feet otherwise)"
+                    )
+                time.sleep(0.2)
+            taken.append(sink)
+    except BaseException:
+        unlock_sinks(spec, taken)
+        raise
+
+
+def unlock_sinks(spec: ProjectionSpec, sinks: Sequence[Sink]) -> None:
+    for sink in sinks:
+        try:
+            sink.unlock(spec.name)
+        except Exception:  # a lost lease or connection: the store releases it on its own
+            pass
+
+
+def rebuild(
+    plan: Plan,
+    rt: Runtime,
+    sinks: dict[str, Sink],
+    *,
+    catch_up_rounds: int = 3,
+    progress: Callable[[int, int], None] | None = None,
+) -> tuple[dict[str, SinkReplay], int, float, dict[tuple[str, int], int], int]:
+    """Steps 2-5 for `sinks` (locks held by the caller): (per sink, events, build seconds of the first
+    sink, positions, catch-up rounds)."""
+    spec = plan.spec
+    end: Offsets = rt.end_offsets(spec.topics)
+    shadows: dict[str, Target] = {}
+    out: dict[str, SinkReplay] = {}
+    events = 0
+    first_build = 0.0
+    rounds = 0
+    try:
+        for name, sink in sinks.items():
+            shadows[name] = sink.begin_shadow(plan.view)
+        total = sum(sum(p.values()) for p in end.values())
+        for name, sink in sinks.items():
+            if progress is not None:
+                with _Progress(rt, total, progress):
+                    built = build(plan, rt, shadows[name], end, sink=sink)
+            else:
+                built = build(plan, rt, shadows[name], end, sink=sink)
+            sink.store_positions(shadows[name], flatten(end))
+            out[name] = SinkReplay(name, dead_letters=built.dead_letters, build_seconds=built.seconds)
+            events = built.events
+            first_build = first_build or built.seconds
+        for _ in range(catch_up_rounds):
+            new_end = rt.end_offsets(spec.topics)
+            if new_end == end:
+                break
+            for i, (name, sink) in enumerate(sinks.items()):
+                batch = apply_range(plan, rt, shadows[name], end, new_end, sink=sink)
+                out[name].dead_letters += batch.dead_letters
+                if i == 0:
+                    events += batch.events
+            end = new_end
+            rounds += 1
+    except BaseException:
+        for name, shadow in shadows.items():
+            try:
+                sinks[name].drop(shadow)
+            except Exception:
+                pass
+        raise
+    for name, sink in sinks.items():
+        sink.swap(shadows[name])
+        live = sink.live(plan.view)
+        out[name].rows = sink.count(live) if live is not None else 0
+    return out, events, first_build, flatten(end), rounds
+
+
 def replay(
     projection: ProjectionSpec | type[Projection] | Projection,
     rt: Runtime,
@@ -92,65 +193,34 @@ def replay(
     progress: Callable[[int, int], None] | None = None,
     plan: Plan | None = None,
     wait_lock_s: float = 0.0,
+    sinks: Sequence[str] | None = None,
 ) -> ReplayResult:
-    """Rebuild `projection`'s view from the log (see the module docstring)."""
+    """Rebuild `projection`'s view in its sinks (or the `sinks` named) from the log (see the module docstring)."""
     t0 = time.monotonic()
     spec = as_spec(projection)
+    selected = rt.sinks_for(spec, sinks)
     plan = plan or prepare(spec, rt)
-    sink = rt.sink
-    deadline = time.monotonic() + wait_lock_s
-    while not sink.try_lock(spec.name):
-        if time.monotonic() >= deadline:
-            raise ProjectionBusy(
-                f"projection {spec.name!r} is being followed or replayed by another process; stop it first "
-                "(a replay swaps the view under the follower's feet otherwise)"
-            )
-        time.sleep(0.2)
+    lock_sinks(spec, selected, wait_lock_s)
     try:
-        end: Offsets = rt.end_offsets(spec.topics)
-        shadow = sink.begin_shadow(plan.view)
-        try:
-            total = sum(sum(p.values()) for p in end.values())
-            if progress is not None:
-                with _Progress(rt, total, progress):
-                    built = build(plan, rt, shadow, end)
-            else:
-                built = build(plan, rt, shadow, end)
-            sink.store_positions(shadow, flatten(end))
-            rounds = 0
-            events = built.events
-            dead = built.dead_letters
-            for _ in range(catch_up_rounds):
-                new_end = rt.end_offsets(spec.topics)
-                if new_end == end:
-                    break
-                batch = apply_range(plan, rt, shadow, end, new_end)
-                events += batch.events
-                dead += batch.dead_letters
-                end = new_end
-                rounds += 1
-            sink.swap(shadow)
-        except BaseException:
-            try:
-                sink.drop(shadow)
-            except Exception:
-                pass
-            raise
+        per_sink, events, build_s, positions, rounds = rebuild(
+            plan, rt, selected, catch_up_rounds=catch_up_rounds, progress=progress
+        )
         _record(rt, plan, new_generation=True, replayed=True)
-        rows = sink.count(sink.live(plan.view))
+        first = next(iter(per_sink.values()))
         return ReplayResult(
             projection=spec.name,
             view=plan.view.name,
             events=events,
-            rows=rows,
-            dead_letters=dead,
+            rows=first.rows,
+            dead_letters=sum(r.dead_letters for r in per_sink.values()),
             seconds=time.monotonic() - t0,
-            build_seconds=built.seconds,
-            positions=flatten(end),
+            build_seconds=build_s,
+            positions=positions,
             catch_up_rounds=rounds,
+            sinks=per_sink,
         )
     finally:
-        sink.unlock(spec.name)
+        unlock_sinks(spec, list(selected.values()))
 
 
 def _record(rt: Runtime, plan: Plan, *, new_generation: bool, replayed: bool) -> int:
@@ -179,4 +249,4 @@ def replay_class(path: str, rt: Runtime, **kwargs: Any) -> ReplayResult:
     return replay(load_projection(path), rt, **kwargs)
 
 
-__all__ = ["ReplayResult", "as_spec", "replay", "replay_class"]
+__all__ = ["ReplayResult", "SinkReplay", "as_spec", "lock_sinks", "rebuild", "replay", "replay_class", "unlock_sinks"]

@@ -1,13 +1,17 @@
-"""What replay/follow/verify run against: a SparkSession, the log, the views sink.
+"""What replay/follow/verify run against: a SparkSession, the log, the view sinks.
 
-``Runtime.from_settings(settings)`` builds it from ``kappaflow.toml``; tests and
-applications may build one directly: ``Runtime(spark, log_url, sink)``.
+``Runtime.from_settings(settings)`` builds it from ``kappaflow.toml`` (one sink per
+configured ``[views]`` store: ``postgres_dsn``, ``search_url``, ``redis_url``); tests and
+applications may build one directly: ``Runtime(spark, log_url, sink)`` (one sink) or
+``Runtime(spark, log_url, pg_sink, sinks={"postgres": pg_sink, "redis": redis_sink})``.
+A projection writes to the sinks it names (``Projection.sinks``), see ``sinks_for``.
 """
 
 from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -19,6 +23,32 @@ from kappaflow.projections.datasource import FORMAT, offsets_to_json, open_cache
 from kappaflow.projections.sinks.base import Sink
 
 Offsets = dict[str, dict[int, int]]
+
+SINK_SETTINGS = {"postgres": "views.postgres_dsn", "search": "views.search_url", "redis": "views.redis_url"}
+"""The ``kappaflow.toml`` key that configures each sink."""
+
+
+def open_sinks(views: Any) -> dict[str, Sink]:
+    """A sink for every store configured in ``[views]`` (connections open lazily or cheaply)."""
+    from kappaflow.projections.sinks.postgres import PostgresSink
+
+    sinks: dict[str, Sink] = {}
+    if views.postgres_dsn:
+        sinks["postgres"] = PostgresSink(views.postgres_connect_dsn())
+    if views.search_url:
+        from kappaflow.projections.sinks.search import SearchSink
+
+        sinks["search"] = SearchSink.from_config(views)
+    if views.redis_url:
+        from kappaflow.projections.sinks.redis import RedisSink
+
+        sinks["redis"] = RedisSink.from_config(views)
+    if not sinks:
+        raise ConfigError(
+            "views: no view store configured; set views.postgres_dsn (and/or views.search_url, views.redis_url) "
+            "in kappaflow.toml or KAPPAFLOW_VIEWS__POSTGRES_DSN"
+        )
+    return sinks
 
 
 def spark_session(master: str = "local[*]", app_name: str = "kappaflow", conf: dict[str, str] | None = None,
@@ -53,22 +83,59 @@ def spark_session(master: str = "local[*]", app_name: str = "kappaflow", conf: d
 
 @dataclass
 class Runtime:
+    """``sink`` is the primary sink (PostgreSQL when configured); ``sinks`` every configured
+    one by kind ("postgres", "search", "redis"), ``sink`` included."""
+
     spark: SparkSession
     log_url: str
     sink: Sink
     log_options: dict[str, Any] = field(default_factory=dict)
     checkpoint_dir: Path = Path(".kappaflow/checkpoints")
-    dsn: str | None = None  # the views database (registry), when the sink is PostgreSQL
+    dsn: str | None = None  # the views database (registry), when a sink is PostgreSQL
+    sinks: dict[str, Sink] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        register(self.spark)
-        if self.dsn is None and getattr(self.sink, "dsn", None):
-            self.dsn = self.sink.dsn
+        if self.spark is not None and getattr(self.spark, "sparkContext", None) is not None:
+            register(self.spark)
+        self.sinks = dict(self.sinks)
+        if self.sink.kind not in self.sinks:
+            self.sinks[self.sink.kind] = self.sink
+        for kind, s in self.sinks.items():
+            if kind != s.kind:
+                raise ConfigError(f"Runtime.sinks[{kind!r}]: the sink is a {s.kind!r} sink")
+        pg = self.sinks.get("postgres")
+        if self.dsn is None and pg is not None and getattr(pg, "dsn", None):
+            self.dsn = getattr(pg, "dsn", None)
+
+    def sink_for(self, projection: str, kind: str) -> Sink:
+        """The configured sink of `kind`, or a ConfigError naming the projection and the missing key."""
+        s = self.sinks.get(kind)
+        if s is None:
+            key = SINK_SETTINGS.get(kind, f"views.{kind}")
+            env = "KAPPAFLOW_" + key.upper().replace(".", "__")
+            raise ConfigError(
+                f"projection {projection!r} writes to the {kind} sink, but {key} is not configured "
+                f"(set it in kappaflow.toml or {env})"
+            )
+        return s
+
+    def sinks_for(self, spec: Any, only: Sequence[str] | None = None) -> dict[str, Sink]:
+        """The sinks of a projection (``spec.sinks``, in order), or the `only` ones among them."""
+        declared = tuple(getattr(spec, "sinks", ("postgres",)))
+        names = declared
+        if only:
+            unknown = [n for n in only if n not in declared]
+            if unknown:
+                raise ConfigError(
+                    f"--sink {','.join(unknown)}: projection {spec.name!r} does not write to {unknown} "
+                    f"(its sinks: {list(declared)})"
+                )
+            names = tuple(n for n in declared if n in only)
+        return {n: self.sink_for(spec.name, n) for n in names}
 
     @classmethod
-    def from_settings(cls, settings: Any, spark: SparkSession | None = None) -> Runtime:
-        from kappaflow.projections.sinks.postgres import PostgresSink
-
+    def from_settings(cls, settings: Any, spark: SparkSession | None = None, *, with_spark: bool = True) -> Runtime:
+        """From ``kappaflow.toml``. ``with_spark=False``: no SparkSession (status, query)."""
         log_url = settings.log.url
         if not settings.log.is_kafka:
             p = Path(log_url.removeprefix("file:"))
@@ -76,11 +143,13 @@ class Runtime:
         options = settings.log.kafka.client_options() if settings.log.is_kafka else {}
         if options:
             options = {k: v for k, v in options.items() if k != "client_id"}
-        dsn = settings.views.postgres_connect_dsn()
-        if spark is None:
+        sinks = open_sinks(settings.views)
+        dsn = settings.views.postgres_connect_dsn() if settings.views.postgres_dsn else None
+        if spark is None and with_spark:
             spark = spark_session(settings.spark.master, settings.spark.app_name, settings.spark.conf)
-        return cls(spark=spark, log_url=log_url, sink=PostgresSink(dsn), log_options=options,
-                   checkpoint_dir=settings.resolve(settings.spark.checkpoint_dir), dsn=dsn)
+        primary = sinks.get("postgres") or next(iter(sinks.values()))
+        return cls(spark=spark, log_url=log_url, sink=primary, log_options=options,  # type: ignore[arg-type]
+                   checkpoint_dir=settings.resolve(settings.spark.checkpoint_dir), dsn=dsn, sinks=sinks)
 
     # --- log access -------------------------------------------------------------------------
     def reader(self) -> Any:
@@ -128,7 +197,11 @@ class Runtime:
         return Registry(self.dsn)
 
     def close(self) -> None:
-        self.sink.close()
+        seen: set[int] = set()
+        for s in [self.sink, *self.sinks.values()]:
+            if id(s) not in seen:
+                seen.add(id(s))
+                s.close()
 
 
-__all__ = ["Runtime", "spark_session"]
+__all__ = ["SINK_SETTINGS", "Runtime", "open_sinks", "spark_session"]

@@ -1,4 +1,8 @@
-"""Status of projections: where each view is, its positions and lag per log partition."""
+"""Status of projections: where each view is, its positions and lag per log partition, per sink.
+
+Every configured sink that holds a live copy of a registered view reports its own rows,
+positions and lag (each sink follows from its own positions); the top-level fields of a
+``ProjectionStatus`` are those of its first sink (PostgreSQL when it has the view)."""
 
 from __future__ import annotations
 
@@ -22,6 +26,32 @@ class PartitionLag:
 
 
 @dataclass
+class SinkStatus:
+    sink: str
+    rows: int | None
+    partitions: list[PartitionLag] = field(default_factory=list)
+    following: bool = False
+    error: str | None = None  # the store could not be read (down?)
+
+    @property
+    def lag(self) -> int:
+        return sum(p.lag for p in self.partitions)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "sink": self.sink,
+            "rows": self.rows,
+            "following": self.following,
+            "lag": self.lag,
+            "error": self.error,
+            "partitions": [
+                {"topic": p.topic, "partition": p.partition, "position": p.position, "end": p.end, "lag": p.lag}
+                for p in self.partitions
+            ],
+        }
+
+
+@dataclass
 class ProjectionStatus:
     name: str
     kind: str
@@ -33,6 +63,7 @@ class ProjectionStatus:
     updated_at: Any
     partitions: list[PartitionLag] = field(default_factory=list)
     following: bool = False
+    sinks: list[SinkStatus] = field(default_factory=list)
 
     @property
     def lag(self) -> int:
@@ -54,13 +85,12 @@ class ProjectionStatus:
                 {"topic": p.topic, "partition": p.partition, "position": p.position, "end": p.end, "lag": p.lag}
                 for p in self.partitions
             ],
+            "sinks": [x.to_dict() for x in self.sinks],
         }
 
 
 def projection_status(rt: Runtime, name: str | None = None) -> list[ProjectionStatus]:
-    """Every registered projection (or one), with per-partition positions and lag."""
-    from kappaflow.projections.sinks.base import Target
-
+    """Every registered projection (or one), with per-partition positions and lag per sink."""
     out = []
     with rt.registry() as reg:
         entries = reg.list() if name is None else [e for e in [reg.by_view(name)] if e is not None]
@@ -69,37 +99,72 @@ def projection_status(rt: Runtime, name: str | None = None) -> list[ProjectionSt
             raise ConfigError(f"unknown projection or view {name!r} (registered: {known})")
         for e in entries:
             view = e.view
-            live = Target(view, view.name)
-            try:
-                rows = rt.sink.count(live)
-            except Exception:
-                rows = None
-            positions = rt.sink.read_positions(live)
-            parts = []
             log = rt.reader()
+            ends: dict[tuple[str, int], int] = {}
             for t in e.topics:
                 try:
-                    ends = log.end_offsets(t)
+                    for p, end in log.end_offsets(t).items():
+                        ends[(t, p)] = end
                 except UnknownTopicError:
-                    ends = {}
-                for p, end in sorted(ends.items()):
-                    parts.append(PartitionLag(t, p, positions.get((t, p), 0), end))
-            following = _is_locked(rt, e.name)
+                    pass
+            per_sink = [
+                st for kind, sink in rt.sinks.items() if (st := _sink_status(rt, kind, sink, e.name, view, ends))
+            ]
+            first = per_sink[0] if per_sink else SinkStatus("postgres", None)
             out.append(
                 ProjectionStatus(
                     e.name,
                     e.kind,
                     f"{e.view_schema}.{e.view_table}",
-                    rows,
+                    first.rows,
                     e.generation,
                     e.class_path,
                     e.replayed_at,
                     e.updated_at,
-                    parts,
-                    following,
+                    first.partitions,
+                    first.following,
+                    per_sink,
                 )
             )
     return out
+
+
+def _sink_status(
+    rt: Runtime, kind: str, sink: Any, name: str, view: Any, ends: dict[tuple[str, int], int]
+) -> SinkStatus | None:
+    """The view's status in one sink; None when the sink does not hold the view."""
+    from kappaflow.errors import KappaflowError
+
+    try:
+        live = sink.live(view)
+        if live is None:
+            return None
+        positions = sink.read_positions(live)
+        try:
+            rows = sink.count(live)
+        except Exception:
+            rows = None
+        following = _is_locked(rt, name) if kind == "postgres" else _lease_held(sink, name)
+    except KappaflowError as exc:
+        return SinkStatus(kind, None, [PartitionLag(t, p, 0, end) for (t, p), end in sorted(ends.items())],
+                          error=str(exc))
+    parts = [PartitionLag(t, p, positions.get((t, p), 0), end) for (t, p), end in sorted(ends.items())]
+    return SinkStatus(kind, rows, parts, following)
+
+
+def _lease_held(sink: Any, name: str) -> bool:
+    """True when a Redis / search projection lease is held (read without taking it)."""
+    import time
+
+    try:
+        if sink.kind == "redis":
+            return bool(sink.client.exists(sink._lock_key(name)))
+        if sink.kind == "search":
+            held = sink.client.get_doc_meta(sink.options.positions_index, f"~lock:{name}")
+            return held is not None and held[0].get("expires_ms", 0) > time.time() * 1000
+    except Exception:
+        return False
+    return False
 
 
 def _is_locked(rt: Runtime, name: str) -> bool:
@@ -117,4 +182,4 @@ def _is_locked(rt: Runtime, name: str) -> bool:
     return bool(row and row[0])
 
 
-__all__ = ["PartitionLag", "ProjectionStatus", "projection_status"]
+__all__ = ["PartitionLag", "ProjectionStatus", "SinkStatus", "projection_status"]

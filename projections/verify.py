@@ -31,6 +31,7 @@ class VerifyResult:
     positions: dict[tuple[str, int], int] = field(default_factory=dict)
     seconds: float = 0.0
     attempts: int = 1
+    sink: str = "postgres"
 
     @property
     def ok(self) -> bool:
@@ -44,36 +45,42 @@ def verify(
     limit: int = 100,
     attempts: int = 5,
     plan: Plan | None = None,
+    sink: str | None = None,
 ) -> VerifyResult:
+    """Verify the view in `sink` (default: the projection's first sink)."""
     t0 = time.monotonic()
     spec = as_spec(projection)
+    name = sink or spec.sinks[0]
+    store = rt.sinks_for(spec, [name])[name]
     plan = plan or prepare(spec, rt)
-    sink = rt.sink
-    live = sink.live(plan.view)
+    sink_ = store
+    live = sink_.live(plan.view)
     if live is None:
         raise ConfigError(
-            f"projection {spec.name!r} has no live view {plan.view.name!r} yet: run `kappaflow replay` first"
+            f"projection {spec.name!r} has no live view {plan.view.name!r} in the {name} sink yet: "
+            "run `kappaflow replay` first"
         )
-    sink.ensure(plan.view)  # schema check: a mismatching table is reported clearly
+    sink_.ensure(plan.view)  # schema check: a mismatching table is reported clearly
     log_ = rt.reader()
     partitions = {t: log_.partitions(t) for t in spec.topics}
-    positions = sink.read_positions(live)
+    positions = sink_.read_positions(live)
     end = nest(positions, spec.topics, partitions)
-    scratch = sink.begin_shadow(plan.view, label="verify")
+    scratch = sink_.begin_shadow(plan.view, label="verify")
     try:
-        build(plan, rt, scratch, end, dead_letters=False)
+        build(plan, rt, scratch, end, dead_letters=False, sink=sink_)
         for attempt in range(1, attempts + 1):
-            now_pos, count, drift = sink.diff(live, scratch, limit)
+            now_pos, count, drift = sink_.diff(live, scratch, limit)
             if now_pos == flatten(end) or attempt == attempts:
                 return VerifyResult(
-                    spec.name, plan.view.name, sink.count(live), count, drift, now_pos, time.monotonic() - t0, attempt
+                    spec.name, plan.view.name, sink_.count(live), count, drift, now_pos, time.monotonic() - t0, attempt,
+                    name,
                 )
             new_end = nest(now_pos, spec.topics, partitions)  # a follower moved on: catch the scratch up
-            apply_range(plan, rt, scratch, end, new_end)
+            apply_range(plan, rt, scratch, end, new_end, sink=sink_)
             end = new_end
         raise AssertionError("unreachable")
     finally:
-        sink.drop(scratch)
+        sink_.drop(scratch)
 
 
 __all__ = ["VerifyResult", "verify"]

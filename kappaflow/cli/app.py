@@ -46,6 +46,7 @@ app.command("replay")(projections_cli.replay)
 app.command("follow")(projections_cli.follow)
 app.command("verify")(projections_cli.verify)
 app.command("query")(projections_cli.query)
+app.command("status")(projections_cli.status)
 app.add_typer(projections_cli.app, name="projection")
 
 

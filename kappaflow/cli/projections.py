@@ -35,27 +35,16 @@ def _cwd_importable() -> None:
 def _runtime(ctx: typer.Context, *, spark: bool = True) -> Any:
     from kappaflow.projections.runtime import Runtime
 
-    s = settings(ctx)
-    if not spark:
-        from kappaflow.projections.sinks.postgres import PostgresSink
+    return Runtime.from_settings(settings(ctx), with_spark=spark)
 
-        dsn = s.views.postgres_connect_dsn()
-        log_url = s.log.url
-        if not s.log.is_kafka:
-            p = Path(log_url.removeprefix("file:"))
-            log_url = str(p if p.is_absolute() else s.base_dir / p)
 
-        class _NoSpark:
-            sparkContext = None
-
-        rt = Runtime.__new__(Runtime)
-        rt.spark = _NoSpark()
-        rt.log_url, rt.sink, rt.dsn = log_url, PostgresSink(dsn), dsn
-        rt.log_options = s.log.kafka.client_options() if s.log.is_kafka else {}
-        rt.log_options.pop("client_id", None)
-        rt.checkpoint_dir = s.resolve(s.spark.checkpoint_dir)
-        return rt
-    return Runtime.from_settings(s)
+SinkOption = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--sink",
+        help="Only this sink of the projection (postgres, search, redis); repeat for several. Default: all of them.",
+    ),
+]
 
 
 def _load(path: str) -> Any:
@@ -71,8 +60,9 @@ def replay(
         str, typer.Argument(help="module:Class of the projection, e.g. examples.shop:CustomerTotals")
     ],
     wait: Annotated[float, typer.Option("--wait", help="Seconds to wait for a running follower to stop.")] = 0.0,
+    sink: SinkOption = None,
 ) -> None:
-    """Rebuild a view from the log into a shadow, catch up, swap it in atomically."""
+    """Rebuild a view from the log into a shadow in each of its sinks, catch up, swap it in atomically."""
     from kappaflow.projections.replay import replay as run_replay
 
     spec = _load(projection)
@@ -96,10 +86,14 @@ def replay(
                 secs = max(time.monotonic() - started, 1e-6)
                 progress.update(task, completed=done, total=max(total, 1), rate=f"{done / secs:,.0f} events/s")
 
-            res = run_replay(spec, rt, progress=report, wait_lock_s=wait)
+            res = run_replay(spec, rt, progress=report, wait_lock_s=wait, sinks=sink)
+        per_sink = ", ".join(
+            f"{k} {r.rows:,} rows" + (f" ({r.dead_letters} dead letters)" if r.dead_letters else "")
+            for k, r in res.sinks.items()
+        )
         console.print(
-            f"[green]replayed[/] {res.projection} -> view [bold]{res.view}[/]: {res.events:,} events, "
-            f"{res.rows:,} rows, {res.dead_letters} dead letters, {res.seconds:.1f}s "
+            f"[green]replayed[/] {res.projection} -> view [bold]{res.view}[/] ({per_sink}): {res.events:,} events, "
+            f"{res.dead_letters} dead letters, {res.seconds:.1f}s "
             f"({res.events_per_s:,.0f} events/s in the build"
             + (f", {res.catch_up_rounds} catch-up rounds" if res.catch_up_rounds else "")
             + ")"
@@ -114,9 +108,10 @@ def follow(
     trigger: Annotated[str, typer.Option("--trigger", help="Micro-batch interval, e.g. 0.5s, 2s, 500ms.")] = "0.5s",
     max_records: Annotated[int, typer.Option("--max-records", help="Records per micro-batch at most.")] = 200_000,
     checkpoint: Annotated[str | None, typer.Option("--checkpoint", help="Spark checkpoint directory.")] = None,
+    sink: SinkOption = None,
 ) -> None:
-    """Keep a view current (Spark Structured Streaming); Ctrl-C stops cleanly."""
-    from kappaflow.projections.follow import Follower
+    """Keep a view current in each of its sinks (one streaming query per sink); Ctrl-C stops cleanly."""
+    from kappaflow.projections.follow import FollowerGroup
 
     spec = _load(projection)
     rt = _runtime(ctx)
@@ -130,12 +125,25 @@ def follow(
             )
 
     try:
-        f = Follower(
-            spec, rt, trigger=trigger, max_records_per_batch=max_records, on_batch=on_batch, checkpoint=checkpoint
+        group = FollowerGroup(
+            spec, rt, sinks=sink, trigger=trigger, max_records_per_batch=max_records, on_batch=on_batch,
+            checkpoint=checkpoint,
         ).start()
-        console.print(f"following {spec.name} -> view [bold]{f.plan.view.name}[/] (trigger {trigger}); Ctrl-C stops")
-        f.run_forever()
-        console.print(f"stopped after {f.stats.batches} batches, {f.stats.events:,} events")
+        names = ", ".join(group.followers)
+        console.print(
+            f"following {spec.name} -> view [bold]{spec.view}[/] in {names} (trigger {trigger}); Ctrl-C stops"
+        )
+        try:
+            group.run_forever()
+        finally:
+            for name, f in group.followers.items():
+                console.print(
+                    f"{name}: {f.stats.batches} batches, {f.stats.events:,} events"
+                    + (f", {f.restarts} restarts" if f.restarts else "")
+                    + (f", {f.rebuilds} rebuilds" if f.rebuilds else "")
+                    + (f", gave up: {f.failed}" if f.failed else ""),
+                    highlight=False,
+                )
     finally:
         rt.close()
 
@@ -144,28 +152,33 @@ def verify(
     ctx: typer.Context,
     projection: Annotated[str, typer.Argument(help="module:Class of the projection")],
     limit: Annotated[int, typer.Option("--limit", help="Show at most this many drifted rows.")] = 20,
+    sink: SinkOption = None,
 ) -> None:
-    """Replay into a scratch table and compare with the live view; exit code 1 on drift."""
+    """Replay into a scratch target and compare with the live view (per sink); exit code 1 on drift."""
     from kappaflow.projections.verify import verify as run_verify
 
     spec = _load(projection)
     rt = _runtime(ctx)
+    drifted = False
     try:
-        res = run_verify(spec, rt, limit=limit)
+        for name in rt.sinks_for(spec, sink):
+            res = run_verify(spec, rt, limit=limit, sink=name)
+            if res.ok:
+                console.print(f"[green]ok[/]: view {res.view} in {name} matches a fresh replay ({res.rows:,} rows)")
+                continue
+            drifted = True
+            table = Table(title=f"drift in {res.view} ({name}): {res.drift_count} keys")
+            table.add_column("key")
+            table.add_column("kind")
+            table.add_column("view")
+            table.add_column("replay")
+            for d in res.drift:
+                table.add_row(json.dumps(list(d.key), default=str), d.kind, _short(d.live), _short(d.expected))
+            console.print(table)
     finally:
         rt.close()
-    if res.ok:
-        console.print(f"[green]ok[/]: view {res.view} matches a fresh replay ({res.rows:,} rows)")
-        return
-    table = Table(title=f"drift in {res.view}: {res.drift_count} keys")
-    table.add_column("key")
-    table.add_column("kind")
-    table.add_column("view")
-    table.add_column("replay")
-    for d in res.drift:
-        table.add_row(json.dumps(list(d.key), default=str), d.kind, _short(d.live), _short(d.expected))
-    console.print(table)
-    raise typer.Exit(1)
+    if drifted:
+        raise typer.Exit(1)
 
 
 def _short(row: dict[str, Any] | None) -> str:
@@ -207,7 +220,7 @@ def status(
     name: Annotated[str | None, typer.Argument(help="Projection or view name (default: all).")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
 ) -> None:
-    """Position and lag per log partition."""
+    """Position and lag per sink and log partition."""
     from kappaflow.projections.status import projection_status
 
     rt = _runtime(ctx, spark=False)
@@ -219,14 +232,18 @@ def status(
         console.print_json(json.dumps([s.to_dict() for s in rows], default=str))
         return
     for s in rows:
-        table = Table(
-            title=f"{s.name} ({s.kind}) -> {s.view}: {s.rows if s.rows is not None else '?'} rows, "
-            f"lag {s.lag:,}, {'following' if s.following else 'not followed'}"
-        )
-        for c in ("topic", "partition", "position", "end", "lag"):
+        table = Table(title=f"{s.name} ({s.kind}) -> {s.view}")
+        for c in ("sink", "rows", "following", "topic", "partition", "position", "end", "lag"):
             table.add_column(c)
-        for p in s.partitions:
-            table.add_row(p.topic, str(p.partition), f"{p.position:,}", f"{p.end:,}", f"{p.lag:,}")
+        for st in s.sinks:
+            head = [st.sink, f"{st.rows:,}" if st.rows is not None else "?",
+                    "error: " + st.error[:60] if st.error else ("yes" if st.following else "no")]
+            for i, p in enumerate(st.partitions or [None]):
+                cells = head if i == 0 else ["", "", ""]
+                if p is None:
+                    table.add_row(*cells, "-", "-", "-", "-", "-")
+                else:
+                    table.add_row(*cells, p.topic, str(p.partition), f"{p.position:,}", f"{p.end:,}", f"{p.lag:,}")
         console.print(table)
 
 
@@ -234,39 +251,29 @@ def query(
     ctx: typer.Context,
     view: Annotated[str, typer.Argument(help="View (or projection) name")],
     key: Annotated[str, typer.Argument(help="Key value; for composite keys a JSON object or comma list")],
+    sink: Annotated[
+        str, typer.Option("--sink", help="Read the view from this sink: postgres, search or redis.")
+    ] = "postgres",
 ) -> None:
     """Print one row of a view by key."""
     rt = _runtime(ctx, spark=False)
     try:
-        row = query_row(rt, view, key)
+        row = query_row(rt, view, key, sink=sink)
     finally:
         rt.close()
     if row is None:
-        err_console.print(f"no row with key {key!r} in {view}")
+        err_console.print(f"no row with key {key!r} in {view} ({sink})")
         raise typer.Exit(1)
     console.print_json(json.dumps(row, default=str))
 
 
-def query_row(rt: Any, view: str, key: str) -> dict[str, Any] | None:
-    """The row of `view` with key `key` (text, cast by PostgreSQL to each key column's type)."""
-    from psycopg import sql
-    from psycopg.rows import dict_row
-
+def _key_values(view: str, keys: list[str], key: str) -> list[str]:
     from kappaflow.errors import ConfigError
-    from kappaflow.projections.sinks.postgres import pg_type
 
-    with rt.registry() as reg:
-        entry = reg.by_view(view)
-        if entry is None:
-            known = ", ".join(e.view_table for e in reg.list()) or "none yet"
-            raise ConfigError(f"unknown view {view!r} (views: {known})")
-    spec = entry.view
-    keys = list(spec.key)
-    values: list[str]
     text = key.strip()
     if len(keys) == 1:
-        values = [text]
-    elif text.startswith("{"):
+        return [text]
+    if text.startswith("{"):
         try:
             obj = json.loads(text)
         except ValueError:
@@ -274,11 +281,75 @@ def query_row(rt: Any, view: str, key: str) -> dict[str, Any] | None:
         missing = [k for k in keys if k not in obj]
         if missing:
             raise ConfigError(f"KEY: view {view!r} is keyed by {keys}; missing {missing}")
-        values = [str(obj[k]) for k in keys]
-    else:
-        values = [v.strip() for v in text.split(",")]
-        if len(values) != len(keys):
-            raise ConfigError(f"KEY: view {view!r} is keyed by {keys}: give {len(keys)} comma-separated values")
+        return [str(obj[k]) for k in keys]
+    values = [v.strip() for v in text.split(",")]
+    if len(values) != len(keys):
+        raise ConfigError(f"KEY: view {view!r} is keyed by {keys}: give {len(keys)} comma-separated values")
+    return values
+
+
+def _typed_key(spec: Any, values: list[str]) -> tuple[Any, ...]:
+    """Key text -> the key columns' Python values (how the search / Redis sinks name rows)."""
+    from decimal import Decimal, InvalidOperation
+
+    from pyspark.sql import types as st
+
+    from kappaflow.errors import ConfigError
+
+    out: list[Any] = []
+    for name, v in zip(spec.key, values, strict=True):
+        t = spec.column(name).type
+        try:
+            if isinstance(t, st.ByteType | st.ShortType | st.IntegerType | st.LongType):
+                out.append(int(v))
+            elif isinstance(t, st.DecimalType):
+                out.append(Decimal(v))
+            elif isinstance(t, st.FloatType | st.DoubleType):
+                out.append(float(v))
+            elif isinstance(t, st.BooleanType):
+                out.append(v.lower() in ("true", "t", "1", "yes"))
+            else:
+                out.append(v)
+        except (ValueError, InvalidOperation):
+            raise ConfigError(f"KEY: {name!r} is a {t.simpleString()} column, got {v!r}") from None
+    return tuple(out)
+
+
+def query_row(rt: Any, view: str, key: str, *, sink: str = "postgres") -> dict[str, Any] | None:
+    """The row of `view` with key `key` in `sink` (PostgreSQL: text cast by the server to each key
+    column's type; Redis: the ``get`` helper that follows the build pointer; search: by document id)."""
+    from psycopg import sql
+    from psycopg.rows import dict_row
+
+    from kappaflow.errors import ConfigError
+    from kappaflow.projections.runtime import SINK_SETTINGS
+    from kappaflow.projections.sinks.postgres import pg_type
+
+    if sink not in SINK_SETTINGS:
+        raise ConfigError(f"--sink: expected one of {list(SINK_SETTINGS)}, got {sink!r}")
+    with rt.registry() as reg:
+        entry = reg.by_view(view)
+        if entry is None:
+            known = ", ".join(e.view_table for e in reg.list()) or "none yet"
+            raise ConfigError(f"unknown view {view!r} (views: {known})")
+    spec = entry.view
+    keys = list(spec.key)
+    values = _key_values(view, keys, key)
+    if sink != "postgres":
+        store = rt.sink_for(entry.name, sink)
+        typed = _typed_key(spec, values)
+        if sink == "redis":
+            from kappaflow.projections.sinks.redis import get
+
+            prefix = store.view_options(spec).prefix
+            return get(store.client, spec.name, typed if len(typed) > 1 else typed[0], prefix=prefix)
+        live = store.live(spec)
+        if live is None:
+            raise ConfigError(f"view {view!r} has no live index in the search sink (replay it with --sink search)")
+        row = store.fetch(live, [typed]).get(typed)
+        if row is not None:
+            row.pop("_kf_version", None)
+        return row
     where = sql.SQL(" AND ").join(
         sql.SQL("{} = %s::{}").format(sql.Identifier(k), sql.SQL(pg_type(spec.column(k).type))) for k in keys
     )

@@ -127,6 +127,8 @@ class ViewSpec:
             "key": list(self.key),
             "columns": [c.to_dict() for c in self.columns],
             "namespace": self.namespace,
+            # per-sink view options (search index alias, Redis prefix...): status/query find the view by them
+            "options": {k: v for k, v in self.options.items() if k in ("search", "redis")},
         }
 
     @classmethod
@@ -137,6 +139,7 @@ class ViewSpec:
             key=tuple(d["key"]),
             columns=tuple(ViewColumn.from_dict(c) for c in d["columns"]),
             namespace=d.get("namespace"),
+            options=dict(d.get("options") or {}),
         )
 
 
@@ -275,6 +278,17 @@ class Sink(abc.ABC):
     @abc.abstractmethod
     def store_positions(self, target: Target, positions: Positions) -> None:
         """Store next offsets (never moving one backwards)."""
+
+    # --- the projection lock ------------------------------------------------------------
+    @abc.abstractmethod
+    def try_lock(self, projection: str) -> bool:
+        """Take `projection`'s lock in this store (one replay or follow writes a view at a time);
+        False when another holder has it. Held until ``unlock``/``close``, and released by the
+        store when the holder dies (session lock, or a lease that expires)."""
+
+    @abc.abstractmethod
+    def unlock(self, projection: str) -> None:
+        """Release the lock taken with ``try_lock`` (no error if not held)."""
 
     def close(self) -> None:  # noqa: B027 - optional
         """Release connections."""

@@ -272,6 +272,25 @@ class SinkContract:
             sink.write(t, pa.table({"id": [1]}))
 
 
+    # -- the projection lock (replay / follow) --------------------------------------------------
+    def test_the_projection_lock_is_exclusive_and_released(self, sink: Sink, view: ViewSpec) -> None:
+        name = f"lock_{uuid.uuid4().hex[:10]}"
+        other = pickle.loads(pickle.dumps(sink.config())).open()
+        try:
+            sink.unlock(name)  # not held: no error
+            assert sink.try_lock(name)
+            assert not other.try_lock(name), "a second holder took a held lock"
+            assert other.try_lock(name + "_b"), "the lock of another projection is independent"
+            other.unlock(name + "_b")
+            sink.unlock(name)
+            assert other.try_lock(name), "unlock did not release the lock"
+            assert not sink.try_lock(name)
+        finally:
+            other.close()
+        assert sink.try_lock(name), "close did not release the holder's lock"
+        sink.unlock(name)
+
+
 def iter_rows(n: int) -> Iterator[dict[str, Any]]:
     for i in range(n):
         yield contract_row(i, i)

@@ -54,7 +54,7 @@ def _projections() -> tuple[type[Projection], dict[str, type[Projection]]]:
     session), and once per sink: own name (lock, registry, checkpoint), the same view name."""
     view = "mcustomers_" + uuid.uuid4().hex[:8]
     base = type("CustomersT", (Customers,), {"name": view, "view": view})
-    return base, {k: type(f"Customers_{k}", (Customers,), {"name": f"{view}_{k}", "view": view})
+    return base, {k: type(f"Customers_{k}", (Customers,), {"name": f"{view}_{k}", "view": view, "sinks": (k,)})
                   for k in ("postgres", "search", "redis")}
 
 
