@@ -11,23 +11,26 @@ event to fold, in ledger order, never a row version.
   folded into it. Sum of balances == sum of deposits - sum of withdrawals at every
   commit point (transfers move money between rows, they never create any).
 - `AccountActivity` (view ``account_activity``): one row per account event — the
-  statement lines, with the signed amount and the counterparty of transfers.
-- `AccountActivitySearch`: the same fold into a search index (alias
-  ``account_activity``) on the search sink: a projection per sink, each with its own name
-  (lock, positions, registry) and the same view name.
+  statement lines, with the signed amount and the counterparty of transfers. It declares two
+  sinks: the PostgreSQL table and a search index (alias ``account_activity``, field mappings
+  in ``ACTIVITY_SEARCH_FIELDS``). One replay folds the log once per sink and swaps both; each
+  sink keeps its own positions, so a follow of one never waits for the other
+  (``kappaflow replay ...:AccountActivity --sink postgres`` rebuilds one of them).
 """
 
 from __future__ import annotations
 
 import datetime as dt
-from typing import Any
+from collections.abc import Mapping, Sequence
+from typing import Any, ClassVar
 
 from kappaflow.projections import Event, Projection, Source
 
 SOURCE = "bank"  # the ledger source name: the topic prefix
 ACCOUNT_TOPIC = f"{SOURCE}.account"
 
-# Search field mappings for the activity index (sink-wide overrides of the derived mapping)
+# Search field mappings of the activity index (overrides of the mapping derived from the schema):
+# exact keywords for ids and names to filter on, the owner's name as full text plus keyword.
 ACTIVITY_SEARCH_FIELDS: dict[str, str] = {
     "account": "keyword", "stream_id": "keyword", "event_type": "keyword", "counterparty": "keyword",
     "transfer_id": "keyword", "owner": "text+keyword",
@@ -81,6 +84,8 @@ class AccountActivity(Projection):
     schema = ("position bigint, stream_id string, account string, stream_version bigint, event_type string, "
               "amount bigint, delta bigint, counterparty string, transfer_id string, owner string, "
               "recorded_at timestamp")
+    sinks: ClassVar[Sequence[str]] = ("postgres", "search")
+    sink_options: ClassVar[Mapping[str, Mapping[str, Any]]] = {"search": {"fields": ACTIVITY_SEARCH_FIELDS}}
 
     def apply(self, row: dict[str, Any] | None, event: Event) -> dict[str, Any] | None:
         e = event.after or {}
@@ -97,9 +102,3 @@ class AccountActivity(Projection):
             "recorded_at": dt.datetime.fromisoformat(e["recorded_at"]),
         }
 
-
-class AccountActivitySearch(AccountActivity):
-    """`AccountActivity` into the search sink (run it with a Runtime whose sink is a SearchSink)."""
-
-    name = "account_activity_search"
-    view = "account_activity"

@@ -3,7 +3,8 @@
 * replayed to several commit points (log cuts at a ledger position), the balances view
   satisfies sum(balance) == deposits - withdrawals and equals a replay of the ledger;
 * the activity view has one row per account event and its deltas add up to the balances;
-  the same fold fills an account-activity search index (search sink);
+  the same replay fills the projection's second sink, the account-activity search index,
+  which holds the same rows as the PostgreSQL view;
 * read-your-writes: append -> capture -> follow -> `wait_for_projection` returns once the
   view has the position, then the view shows the write; a position the projection cannot
   reach times out with a clear error.
@@ -41,10 +42,8 @@ if "events" not in getattr(Source, "__dataclass_fields__", {}):  # pragma: no co
 
 from examples.bank.projections import (  # noqa: E402 - needs event topics
     ACCOUNT_TOPIC,
-    ACTIVITY_SEARCH_FIELDS,
     SOURCE,
     AccountActivity,
-    AccountActivitySearch,
     Balances,
 )
 
@@ -109,6 +108,8 @@ def test_replay_points_activity_and_search_index(bank_ledger: Ledger, ledger_dsn
     from kappaflow.projections.engine import build, prepare
     from kappaflow.projections.replay import as_spec, replay
     from kappaflow.projections.runtime import Runtime
+    from kappaflow.projections.sinks.base import VERSION
+    from kappaflow.projections.sinks.postgres import PostgresSink
     from kappaflow.projections.sinks.search import SearchSink
 
     bank = Bank(bank_ledger)
@@ -131,9 +132,27 @@ def test_replay_points_activity_and_search_index(bank_ledger: Ledger, ledger_dsn
         assert st.last_position == p and st.transfers > 0
         assert max(r["last_position"] for r in rows) == p
 
-    # the live views, replayed in full
+    # the live views, replayed in full; AccountActivity into both of its sinks, its search index under
+    # an alias of this test's own (the search server is shared by the session)
     replay(Balances, rt)
-    replay(AccountActivity, rt)
+    index = f"account_activity_{uuid.uuid4().hex[:8]}"
+    activity_proj = type("AccountActivityT", (AccountActivity,), {
+        "name": index, "view": "account_activity", "__module__": AccountActivity.__module__,
+        "sink_options": {"search": {**AccountActivity.sink_options["search"], "index": index}}})
+    both = Runtime(spark, str(embedded_log.path), PostgresSink(ledger_dsn),
+                   sinks={"search": SearchSink(search_server.url)}, checkpoint_dir=tmp_path / "ckpt-both")
+    try:
+        res = replay(activity_proj, both)
+        assert sorted(res.sinks) == ["postgres", "search"]
+        activity_plan = prepare(as_spec(activity_proj), both)
+        live = {k: both.sinks[k].live(activity_plan.view) for k in ("postgres", "search")}
+        assert live["postgres"] is not None and live["search"] is not None
+        pg_rows, search_rows = ({r["position"]: {c: v for c, v in r.items() if c != VERSION}
+                                 for r in both.sinks[k].scan(t)} for k, t in live.items())
+        assert both.sinks["search"].count(live["search"]) == len(pg_rows)
+        assert search_rows == pg_rows  # the index equals the PostgreSQL account_activity view
+    finally:
+        both.close()
     balances = view_rows(ledger_dsn, "balances")
     everything = check_balances_view(balances, bank_ledger.iter_all(decode=False))
     assert everything.last_position == commits[-1].position
@@ -146,14 +165,7 @@ def test_replay_points_activity_and_search_index(bank_ledger: Ledger, ledger_dsn
     sent = [r for r in activity if r["event_type"] == "TransferSent"]
     assert sent and all(r["counterparty"] in ACCOUNTS and r["delta"] < 0 for r in sent)
 
-    # the same activity fold into a search index: one document per event, searchable by account
-    index = f"account_activity_{uuid.uuid4().hex[:8]}"
-    sink = SearchSink(search_server.url, options={"index": index, "fields": ACTIVITY_SEARCH_FIELDS})
-    search_rt = Runtime(spark, str(embedded_log.path), sink, checkpoint_dir=tmp_path / "ckpt-search")
-    try:
-        replay(AccountActivitySearch, search_rt)
-    finally:
-        search_rt.close()
+    # the index as an application queries it: one document per event, filtered by account, full text on owner
     from opensearchpy import OpenSearch
 
     client = OpenSearch(search_server.url)

@@ -13,6 +13,7 @@ PostgreSQL source tables -> capture (pgoutput) -> embedded log -> Spark -> searc
 
 from __future__ import annotations
 
+import json
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -26,7 +27,7 @@ from psycopg.rows import dict_row
 
 from examples.shop.demo import SHOP_TABLES, seed
 from examples.shop.projections import CustomerCache, OrderSearch, ProductSearch
-from kappaflow.config import PostgresSourceConfig
+from kappaflow.config import LogConfig, PostgresSourceConfig, Settings, SparkConfig, ViewsConfig
 from kappaflow.connectors.base import StopSignal
 from kappaflow.connectors.postgres import PostgresConnector
 from kappaflow.log.embedded import EmbeddedLog
@@ -36,8 +37,7 @@ from kappaflow.projections.follow import Follower
 from kappaflow.projections.replay import as_spec, replay
 from kappaflow.projections.runtime import Runtime
 from kappaflow.projections.sinks.base import VERSION, Sink, Target
-from kappaflow.projections.sinks.redis import RedisSink, get, get_many
-from kappaflow.projections.sinks.search import SearchSink
+from kappaflow.projections.sinks.redis import get, get_many
 
 pytestmark = pytest.mark.integration
 
@@ -56,13 +56,14 @@ def _unique(cls: type[Projection], suffix: str) -> type[Projection]:
 
 @dataclass
 class Shop:
-    """One test's world: the source database, its log, runtimes per sink and the projections."""
+    """One test's world: the source database, its log, the runtime (every sink configured, as
+    ``kappaflow.toml``'s ``[views]`` would) and the projections."""
 
     source_dsn: str
-    views_dsn: str
     log_dir: Path
     slot: str
-    runtimes: dict[str, Runtime] = field(default_factory=dict)
+    rt: Runtime
+    config: Path
     projections: dict[str, type[Projection]] = field(default_factory=dict)
 
     def capture(self) -> int:
@@ -80,11 +81,10 @@ class Shop:
 
     def live(self, name: str) -> tuple[Sink, Target]:
         proj = self.projections[name]
-        rt = self.runtimes[_sink_of(proj)]
-        view = prepare(as_spec(proj), rt).view
-        target = rt.sink.live(view)
+        sink = self.rt.sinks[_sink_of(proj)]
+        target = sink.live(prepare(as_spec(proj), self.rt).view)
         assert target is not None, f"{name}: no live view after replay"
-        return rt.sink, target
+        return sink, target
 
 
 def _sink_of(proj: type[Projection]) -> str:
@@ -108,27 +108,30 @@ def shop(pg_server: Any, spark: Any, search_server: Any, redis_server: Any, tmp_
     source_db, views_db = f"shop_src_{suffix}", f"shop_views_{suffix}"
     source_dsn = pg_server.create_database(source_db)
     views_dsn = pg_server.create_database(views_db)
-    world = Shop(source_dsn, views_dsn, tmp_path / "log", slot=f"kf_shop_{suffix}")
-    sinks: dict[str, Sink] = {"search": SearchSink(search_server.url), "redis": RedisSink(redis_server.url)}
+    settings = Settings(
+        log=LogConfig(url=str(tmp_path / "log")),
+        views=ViewsConfig(postgres_dsn=views_dsn, search_url=search_server.url, redis_url=redis_server.url),
+        spark=SparkConfig(checkpoint_dir=str(tmp_path / "ckpt")),
+        base_dir=tmp_path,
+    )
+    settings.save(tmp_path / "kappaflow.toml")
+    rt = Runtime.from_settings(settings, spark=spark)
+    world = Shop(source_dsn, tmp_path / "log", slot=f"kf_shop_{suffix}", rt=rt, config=tmp_path / "kappaflow.toml")
     try:
-        for kind, sink in sinks.items():
-            world.runtimes[kind] = Runtime(spark, str(world.log_dir), sink, dsn=views_dsn,
-                                           checkpoint_dir=tmp_path / f"ckpt-{kind}")
+        assert sorted(rt.sinks) == ["postgres", "redis", "search"]
         for cls in (ProductSearch, OrderSearch, CustomerCache):
             world.projections[cls.__name__] = _unique(cls, suffix)
         yield world
     finally:
-        for rt in world.runtimes.values():
-            rt.close()
+        rt.close()
         pg_server.drop_database(source_db)
         pg_server.drop_database(views_db)
 
 
-def _replay(shop: Shop, name: str, expected_rows: int | None = None) -> None:
+def _replay(shop: Shop, name: str) -> None:
     proj = shop.projections[name]
-    res = replay(proj, shop.runtimes[_sink_of(proj)])
-    if expected_rows is not None:
-        assert res.rows == expected_rows, (name, res)
+    res = replay(proj, shop.rt)
+    assert list(res.sinks) == [_sink_of(proj)], res  # only the store the projection declares
 
 
 def _check_products(shop: Shop) -> dict[Any, dict[str, Any]]:
@@ -177,6 +180,21 @@ def _search(search_server: Any, alias: str, query: dict[str, Any]) -> list[dict[
     return [h["_source"] for h in hits]
 
 
+def _query(shop: Shop, view: str, key: str, sink: str) -> dict[str, Any] | None:
+    """`kappaflow query VIEW KEY --sink SINK` as the README shows it: the row as JSON, or None (exit 1)."""
+    from typer.testing import CliRunner
+
+    from kappaflow.cli.app import app
+
+    out = CliRunner().invoke(app, ["--config", str(shop.config), "query", view, key, "--sink", sink])
+    if out.exit_code == 1 and "no row with key" in out.output:
+        return None
+    assert out.exit_code == 0, out.output
+    row = json.loads(out.stdout)
+    assert isinstance(row, dict)
+    return row
+
+
 def _alias(shop: Shop, name: str) -> str:
     view = shop.projections[name].view
     assert view is not None
@@ -202,6 +220,11 @@ def test_shop_search_indexes_and_caches_follow_the_source_tables(shop: Shop, sea
     camping = _search(search_server, products_alias, {"term": {"category": "camping"}})
     assert sorted(h["id"] for h in camping) == sorted(p["id"] for p in products.values() if p["category"] == "camping")
     assert _search(search_server, products_alias, {"term": {"category": "Camping"}}) == []  # keyword: exact
+    customers_view = _alias(shop, "CustomerCache")
+    assert _query(shop, customers_view, "1", "redis") == {"id": "1", "name": "Ada", "email": "ada1@example.com",
+                                                          "city": "Oslo"}
+    found = _query(shop, products_alias, str(boots[0]["id"]), "search")
+    assert found is not None and (found["name"], found["price"]) == ("Leather boots", "149.00")
 
     # change the source: update, insert and delete rows of every table, capture again
     with psycopg.connect(shop.source_dsn) as conn:
@@ -223,8 +246,7 @@ def test_shop_search_indexes_and_caches_follow_the_source_tables(shop: Shop, sea
 
     # follow: products (search) and customers (Redis); replay: orders
     followers = [
-        Follower(shop.projections[n], shop.runtimes[_sink_of(shop.projections[n])], trigger="0.2s",
-                 checkpoint=str(tmp_path / f"follow-{n}"))
+        Follower(shop.projections[n], shop.rt, trigger="0.2s", checkpoint=str(tmp_path / f"follow-{n}"))
         for n in ("ProductSearch", "CustomerCache")
     ]
     try:
@@ -248,3 +270,6 @@ def test_shop_search_indexes_and_caches_follow_the_source_tables(shop: Shop, sea
     cancelled = _search(search_server, orders_alias, {"term": {"status": "cancelled"}})
     assert len(cancelled) == 1
     assert _search(search_server, orders_alias, {"term": {"customer_id": 2}}) == []
+    assert _query(shop, customers_view, "2", "redis") is None
+    assert _query(shop, customers_view, "1", "redis") == {"id": "1", "name": "Ada", "email": "ada.new@example.com",
+                                                          "city": "Bergen"}
