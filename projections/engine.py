@@ -313,7 +313,7 @@ def apply_batch(
         observations.append(obs)
     res = BatchResult()
     dead: list[dict[str, Any]] = []
-    rows_df: DataFrame | None = None
+    where_in_log: pa.Table | None = None
     bad_obs: Observation | None = None
     tbl: pa.Table
     if isinstance(spec.fold, CustomFold):
@@ -351,8 +351,9 @@ def apply_batch(
         ev = plan.all_events(observed).observe(bad_obs, bad_metric)
         rows = plan.rows(plan.latest(ev, deduped=bool(deduped_input)))
         if isinstance(spec.fold, LatestFold):
-            rows_df = rows
-            tbl = plan.latest_changes(rows).toArrow()
+            tbl = plan.latest_changes_at(rows).toArrow()
+            where_in_log = tbl.select(["_kf_topic", "_kf_partition"])
+            tbl = tbl.drop_columns(["_kf_topic", "_kf_partition"])
         else:
             tbl = plan.state_changes(rows).toArrow()
     # positions after the batch: max offset seen + 1 per partition, at least the known end
@@ -382,38 +383,57 @@ def apply_batch(
             tbl = tbl.set_column(
                 tbl.schema.get_field_index(VERSION), VERSION, pa.array([wm] * tbl.num_rows, pa.int64())
             )
-        w = _with_retry("applying the batch", lambda: sink.write(target, tbl, changed))
+        # Sinks without transactions (search, Redis) may refuse single rows: the positions are stored
+        # only after the refused rows are in the dead-letter topic, so a crash between the two
+        # re-runs the batch (the version guard skips what was written) and loses no dead letter.
+        transactional = sink.kind == "postgres"
+        w = _with_retry("applying the batch", lambda: sink.write(target, tbl, changed if transactional else None))
+        if w.rejected:
+            # The rest of the batch is written: the refused rows go to the dead letters with the
+            # reason and, for latest-row views, the log position of their change.
+            versions, located = _where_by_key(plan, tbl, where_in_log, {key_str(k) for k, _ in w.rejected})
+            refused = [(key_str(k), versions.get(key_str(k)), reason) for k, reason in w.rejected]
+            res.dead_letters += _dead_letter(rt, plan, sink_rejections(plan, sink.kind, refused, None, located))
+        if not transactional and changed:
+            _with_retry("storing positions", lambda: sink.store_positions(target, changed))
     res.upserted, res.deleted = w.upserted, w.deleted
-    if w.rejected:
-        # The rest of the batch is written and the positions moved on: the refused rows go to the
-        # dead letters with the reason and, for latest-row views, the log position of their change.
-        versions = _versions_by_key(plan, tbl, {key_str(k) for k, _ in w.rejected})
-        refused = [(key_str(k), versions.get(key_str(k)), reason) for k, reason in w.rejected]
-        res.dead_letters += _dead_letter(rt, plan, sink_rejections(plan, sink.kind, refused, rows_df))
     res.positions = after
     return res
 
 
-def _versions_by_key(plan: Plan, tbl: pa.Table, wanted: set[str]) -> dict[str, int]:
+def _where_by_key(
+    plan: Plan, tbl: pa.Table, where_in_log: pa.Table | None, wanted: set[str]
+) -> tuple[dict[str, int], dict[tuple[str, int], tuple[str, int, bytes | None]]]:
+    """Versions of the `wanted` rows, and (for latest-row views) their log positions."""
     keys = [tbl.column(k).to_pylist() for k in plan.view.key]
     versions = tbl.column(VERSION).to_pylist()
+    topics = where_in_log.column("_kf_topic").to_pylist() if where_in_log is not None else None
+    parts = where_in_log.column("_kf_partition").to_pylist() if where_in_log is not None else None
     out: dict[str, int] = {}
+    located: dict[tuple[str, int], tuple[str, int, bytes | None]] = {}
     for i in range(tbl.num_rows):
         k = key_str(tuple(kc[i] for kc in keys))
         if k in wanted:
             out[k] = versions[i]
-    return out
+            if topics is not None and parts is not None:
+                located[(k, versions[i])] = (topics[i], int(parts[i]), None)
+    return out, located
 
 
 def sink_rejections(
-    plan: Plan, sink: str, refused: list[tuple[str, int | None, str]], rows: DataFrame | None
+    plan: Plan,
+    sink: str,
+    refused: list[tuple[str, int | None, str]],
+    rows: DataFrame | None,
+    located: dict[tuple[str, int], tuple[str, int, bytes | None]] | None = None,
 ) -> list[dict[str, Any]]:
     """Dead letters for view rows a sink refused: (row key text, version, reason) each.
 
     A latest-row view's version is the offset of the change that made the row, so its log
     position is found in `rows` (the batch's folded rows); a grouped/custom row comes from
-    many changes and is dead-lettered with its key and version (the batch's watermark)."""
-    located: dict[tuple[str, int], tuple[str, int, bytes | None]] = {}
+    many changes and is dead-lettered with its key and version (the batch's watermark).
+    `located` gives positions already known: (row key, version) -> (topic, partition, record key)."""
+    located = dict(located or {})
     if rows is not None and isinstance(plan.spec.fold, LatestFold):
         offsets = sorted({v for _, v, _ in refused if v is not None})[:10_000]
         if offsets:

@@ -396,6 +396,12 @@ class Plan:
         # Records without a usable key (e.g. a truncate marker) change no row.
         return rows.select(*cols).where(cond)
 
+    def latest_changes_at(self, rows: DataFrame) -> DataFrame:
+        """``latest_changes`` plus where each change is in the log (``_kf_topic``, ``_kf_partition``;
+        the offset is the version), so a row a sink refuses is dead-lettered with its position."""
+        cols, cond = self._cached("latest_changes", lambda: self._latest_change_columns(rows))
+        return rows.select(*cols, F.col("_kf_topic"), F.col("_kf_partition")).where(cond)
+
     def _latest_change_columns(self, rows: DataFrame) -> tuple[list[SparkColumn], SparkColumn]:
         schema = self.schemas[self.spec.topics[0]]
         kj = F.from_json(F.col("_kf_key").cast("string"), key_struct(schema))
