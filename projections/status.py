@@ -144,42 +144,12 @@ def _sink_status(
             rows = sink.count(live)
         except Exception:
             rows = None
-        following = _is_locked(rt, name) if kind == "postgres" else _lease_held(sink, name)
+        following = sink.is_locked(name)
     except KappaflowError as exc:
         return SinkStatus(kind, None, [PartitionLag(t, p, 0, end) for (t, p), end in sorted(ends.items())],
                           error=str(exc))
     parts = [PartitionLag(t, p, positions.get((t, p), 0), end) for (t, p), end in sorted(ends.items())]
     return SinkStatus(kind, rows, parts, following)
-
-
-def _lease_held(sink: Any, name: str) -> bool:
-    """True when a Redis / search projection lease is held (read without taking it)."""
-    import time
-
-    try:
-        if sink.kind == "redis":
-            return bool(sink.client.exists(sink._lock_key(name)))
-        if sink.kind == "search":
-            held = sink.client.get_doc_meta(sink.options.positions_index, f"~lock:{name}")
-            return held is not None and held[0].get("expires_ms", 0) > time.time() * 1000
-    except Exception:
-        return False
-    return False
-
-
-def _is_locked(rt: Runtime, name: str) -> bool:
-    """True when a follower or replay holds the projection's lock (checked without taking it)."""
-    if not rt.dsn:
-        return False
-    import psycopg
-
-    with psycopg.connect(rt.dsn, autocommit=True) as conn:
-        row = conn.execute(
-            "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND granted AND "
-            "((classid::bigint << 32) | objid::bigint) = hashtextextended(%s, 7270604)",
-            ("kappaflow.projection:" + name,),
-        ).fetchone()
-    return bool(row and row[0])
 
 
 __all__ = ["PartitionLag", "ProjectionStatus", "SinkStatus", "projection_status"]

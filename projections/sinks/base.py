@@ -290,6 +290,11 @@ class Sink(abc.ABC):
     def unlock(self, projection: str) -> None:
         """Release the lock taken with ``try_lock`` (no error if not held)."""
 
+    @abc.abstractmethod
+    def is_locked(self, projection: str) -> bool:
+        """Whether anyone holds `projection`'s lock, read without taking it (``kappaflow status``
+        reports a projection as following when its lock is held)."""
+
     def close(self) -> None:  # noqa: B027 - optional
         """Release connections."""
 

@@ -30,7 +30,7 @@ import hashlib
 import io
 import threading
 import time
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -282,6 +282,17 @@ class PostgresSink(Sink):
         base = f"state__{self._schema(target.view)}__{target.view.name}"
         return physical_name(base, "" if not target.shadow else "__" + target.name.rsplit("__kf_", 1)[-1])
 
+    def changes_table(self, target: Target) -> str:
+        """Grouped views: the last watermark at which each group was recomputed (deleted groups
+        included), which mirrors of the view (search, Redis) read to find what changed."""
+        base = f"groups__{self._schema(target.view)}__{target.view.name}"
+        return physical_name(base, "" if not target.shadow else "__" + target.name.rsplit("__kf_", 1)[-1])
+
+    def _changes_rel(self, target: Target) -> Any:
+        from psycopg import sql
+
+        return sql.SQL("{}.{}").format(_q(KF_SCHEMA), _q(self.changes_table(target)))
+
     def _rel(self, view: ViewSpec, name: str) -> Any:
         from psycopg import sql
 
@@ -396,7 +407,11 @@ class PostgresSink(Sink):
             else:
                 self.check_schema(view)
                 if view.options.get("group"):
-                    self._check_state(Target(view, view.name))
+                    live = Target(view, view.name)
+                    self._check_state(live)
+                    if self._table_columns(KF_SCHEMA, self.changes_table(live)) is None:
+                        with self.conn.transaction():  # a view built before group changes were kept
+                            self._create_changes(view, live, view.options["group"])
         except ViewSchemaMismatch:
             raise
         except Exception as exc:
@@ -422,6 +437,7 @@ class PostgresSink(Sink):
 
         self.conn.execute(sql.SQL("DROP TABLE IF EXISTS {}").format(self._rel(target.view, target.name)))
         self.conn.execute(sql.SQL("DROP TABLE IF EXISTS {}").format(self._state_rel(target)))
+        self.conn.execute(sql.SQL("DROP TABLE IF EXISTS {}").format(self._changes_rel(target)))
         self.conn.execute(
             f'DELETE FROM "{KF_SCHEMA}"."{POSITIONS}" WHERE projection = %s AND target = %s',
             (target.view.projection, target.label),
@@ -457,6 +473,12 @@ class PostgresSink(Sink):
                         self.conn.execute(
                             sql.SQL("ALTER TABLE {} RENAME TO {}").format(
                                 self._state_rel(shadow), _q(self.state_table(live))
+                            )
+                        )
+                        self.conn.execute(sql.SQL("DROP TABLE IF EXISTS {}").format(self._changes_rel(live)))
+                        self.conn.execute(
+                            sql.SQL("ALTER TABLE {} RENAME TO {}").format(
+                                self._changes_rel(shadow), _q(self.changes_table(live))
                             )
                         )
                     self.conn.execute(
@@ -704,6 +726,31 @@ class PostgresSink(Sink):
                 _q(ix_name), rel, sql.SQL(", ").join(_q(g) for g in group["group_by"])
             )
         )
+        self._create_changes(view, target, group)
+
+    def _create_changes(self, view: ViewSpec, target: Target, group: Mapping[str, Any]) -> None:
+        """The group change table (see ``changes_table``): group key (primary key) -> version."""
+        from psycopg import sql
+
+        key_cols = [
+            sql.SQL("{} {} NOT NULL").format(_q(g), sql.SQL(pg_type(view.column(g).type))) for g in group["group_by"]
+        ]
+        rel = self._changes_rel(target)
+        tag = f"{self.changes_table(target)}{time.time_ns()}"
+        pk_name = "kf_pk_" + hashlib.sha1(f"gc{tag}".encode()).hexdigest()[:16]
+        ix_name = "kf_ix_" + hashlib.sha1(f"gv{tag}".encode()).hexdigest()[:16]
+        self.conn.execute(sql.SQL("CREATE SCHEMA IF NOT EXISTS {}").format(_q(KF_SCHEMA)))
+        self.conn.execute(sql.SQL("DROP TABLE IF EXISTS {}").format(rel))
+        self.conn.execute(
+            sql.SQL("CREATE TABLE {} ({}, {} bigint NOT NULL, CONSTRAINT {} PRIMARY KEY ({}))").format(
+                rel,
+                sql.SQL(", ").join(key_cols),
+                _q(VERSION),
+                _q(pk_name),
+                sql.SQL(", ").join(_q(g) for g in group["group_by"]),
+            )
+        )
+        self.conn.execute(sql.SQL("CREATE INDEX {} ON {} ({})").format(_q(ix_name), rel, _q(VERSION)))
 
     def _check_state(self, target: Target) -> None:
         group = target.view.options["group"]
@@ -779,7 +826,9 @@ class PostgresSink(Sink):
         3. delete / upsert the state rows (guarded by version);
         4. delete the view rows of the affected groups, re-insert them aggregated from the
            state (groups that became empty simply stay deleted), version = `version`;
-        5. store positions.
+        5. store positions;
+        6. record every affected group with `version` in the group change table, which
+           mirrors of the view (search/Redis sinks of the same projection) read.
         Recomputing from the state (instead of adding deltas) keeps min/max/collect exact
         under retraction, and costs O(rows of the affected groups).
         """
@@ -880,6 +929,20 @@ class PostgresSink(Sink):
                     ).rowcount
                     res.upserted = max(ins, 0)
                     res.deleted = max(gone - ins, 0)
+                    # 6. every affected group (recomputed or gone) at this version, for mirrors
+                    self.conn.execute(
+                        sql.SQL(
+                            "INSERT INTO {ch} AS c ({g}, {v}) SELECT DISTINCT {g}, %s::bigint FROM pg_temp.{aff} "
+                            "WHERE {nn} ON CONFLICT ({g}) DO UPDATE SET {v} = GREATEST(c.{v}, excluded.{v})"
+                        ).format(
+                            ch=self._changes_rel(target),
+                            g=g,
+                            v=_q(VERSION),
+                            aff=_q(affected),
+                            nn=sql.SQL(" AND ").join(sql.SQL("{} IS NOT NULL").format(_q(c)) for c in gcols),
+                        ),
+                        (version,),
+                    )
                 if positions:
                     self._store_positions(target, positions)
         except SinkError:
@@ -908,6 +971,73 @@ class PostgresSink(Sink):
         except Exception as exc:
             raise _sink_error(f"aggregating keyed state into {self.relation(target)}", exc) from None
         return max(n, 0)
+
+    def read_for_mirror(
+        self,
+        target: Target,
+        since: int | None,
+        consume: Callable[[list[dict[str, Any]]], None],
+        chunk: int = 5000,
+    ) -> tuple[dict[TopicPartition, int], list[tuple[Any, ...]]]:
+        """Rows of a grouped view for a mirror (a search/Redis copy of it), read in ONE snapshot
+        together with the view's positions: every row (``since`` None), or the rows of the groups
+        recomputed at a version above `since` (group change table). Rows (columns +
+        ``_kf_version``) go to `consume` in chunks; returns (positions, keys of changed groups
+        that no longer exist)."""
+        from psycopg import sql
+        from psycopg.rows import dict_row
+
+        view = target.view
+        keys = list(view.key)
+        vrel = self._rel(view, target.name)
+        gone: list[tuple[Any, ...]] = []
+        failed: list[BaseException] = []
+        try:
+            with self.conn.transaction():
+                self.conn.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
+                positions = self.read_positions(target)
+                if since is None:
+                    stmt = sql.SQL("SELECT v.* FROM {} v ORDER BY {}").format(
+                        vrel, sql.SQL(", ").join(sql.SQL("v.{}").format(_q(k)) for k in keys)
+                    )
+                    params: tuple[Any, ...] = ()
+                else:
+                    crel = self._changes_rel(target)
+                    on = sql.SQL(" AND ").join(sql.SQL("v.{k} = c.{k}").format(k=_q(k)) for k in keys)
+                    stmt = sql.SQL("SELECT v.* FROM {c} c JOIN {v} v ON {on} WHERE c.{ver} > %s").format(
+                        c=crel, v=vrel, on=on, ver=_q(VERSION)
+                    )
+                    params = (since,)
+                    rows = self.conn.execute(
+                        sql.SQL(
+                            "SELECT {ks} FROM {c} c WHERE c.{ver} > %s AND NOT EXISTS (SELECT 1 FROM {v} v WHERE {on})"
+                        ).format(
+                            ks=sql.SQL(", ").join(sql.SQL("c.{}").format(_q(k)) for k in keys),
+                            c=crel,
+                            v=vrel,
+                            on=on,
+                            ver=_q(VERSION),
+                        ),
+                        params,
+                    ).fetchall()
+                    gone = [tuple(r) for r in rows]
+                name = f"kf_mirror_{hashlib.sha1(target.name.encode()).hexdigest()[:8]}"
+                with self.conn.cursor(name=name, row_factory=dict_row) as cur:
+                    cur.execute(stmt, params)
+                    while True:
+                        part = cur.fetchmany(chunk)
+                        if not part:
+                            break
+                        try:
+                            consume(part)
+                        except BaseException as exc:  # the mirror's own failure: not a PostgreSQL one
+                            failed.append(exc)
+                            raise
+        except BaseException as exc:
+            if failed and exc is failed[0] or isinstance(exc, SinkError) or not isinstance(exc, Exception):
+                raise
+            raise _sink_error(f"reading {self.relation(target)} for its mirrors", exc) from None
+        return positions, gone
 
     # --- verify -------------------------------------------------------------------------------
     def diff(
@@ -963,6 +1093,14 @@ class PostgresSink(Sink):
         self.conn.execute(
             "SELECT pg_advisory_unlock(hashtextextended(%s, 7270604))", ("kappaflow.projection:" + projection,)
         )
+
+    def is_locked(self, projection: str) -> bool:
+        row = self.conn.execute(
+            "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND granted AND "
+            "((classid::bigint << 32) | objid::bigint) = hashtextextended(%s, 7270604)",
+            ("kappaflow.projection:" + projection,),
+        ).fetchone()
+        return bool(row and row[0])
 
 
 __all__ = [

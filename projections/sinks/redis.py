@@ -361,6 +361,9 @@ class RedisSink(Sink):
         if lease is not None:
             lease.release()
 
+    def is_locked(self, projection: str) -> bool:
+        return bool(self._retrying("read lock", lambda: self.client.exists(self._lock_key(projection))))
+
     # --- names and per-view options -------------------------------------------------
     def view_options(self, view: ViewSpec) -> RedisSinkOptions:
         extra = view.options.get("redis") if view.options else None

@@ -737,6 +737,12 @@ class SearchSink(Sink):
         if lease is not None:
             lease.release()
 
+    def is_locked(self, projection: str) -> bool:
+        self._ensure_positions_index()
+        index, doc_id = self.options.positions_index, f"~lock:{projection}"
+        held = self._call("read lock", lambda: self.client.get_doc_meta(index, doc_id))
+        return held is not None and held[0].get("expires_ms", 0) > time.time() * 1000
+
     # --- per-view settings ---------------------------------------------------
     def view_options(self, view: ViewSpec) -> SearchSinkOptions:
         extra = view.options.get("search") if view.options else None
