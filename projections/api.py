@@ -39,6 +39,10 @@ options (search: the index alias, field mappings; Redis: value format, TTL)::
         sink_options = {"search": {"fields": {"name": "text"}},
                         "redis": {"ttl_s": 3600, "format": "hash"}}
 
+A grouped projection's search/Redis views mirror its PostgreSQL view (so "postgres" must be
+among its sinks): they are copied from it on replay and follow it group by group
+(``kappaflow.projections.mirror``).
+
 Declarative folds compile to native Spark expressions (``kappaflow.projections.plan``);
 custom folds run once per Spark partition over events sorted by (view key, source
 position) — never one Python call per key group. ``where`` / ``derive`` are Spark SQL
@@ -493,12 +497,13 @@ def _validate_sinks(
     sinks = tuple(raw_sinks)
     if isinstance(fold, GroupFold):
         other = [s for s in sinks if s != "postgres"]
-        if other:
+        if other and "postgres" not in sinks:
             raise ConfigError(
-                f"{where}: 'sinks': a grouped projection ('aggregates') cannot write to {other}: its follow keeps "
-                "the per-source-key state in PostgreSQL and recomputes the touched groups there in one "
-                "transaction (apply_grouped), which search indexes and Redis cannot do; use sinks = ('postgres',), "
-                "or an apply() fold (custom folds work with every sink)"
+                f"{where}: 'sinks': a grouped projection ('aggregates') may write to {other} only together with "
+                "'postgres': the per-source-key state that retracts a changed or deleted row's old contribution, "
+                "and the recompute of the touched groups, live in PostgreSQL (apply_grouped); search and Redis "
+                "views of it are mirrors of the PostgreSQL view. Use sinks = "
+                f"('postgres', {', '.join(map(repr, other))})"
             )
     raw_options = raw_options or {}
     if not isinstance(raw_options, Mapping):

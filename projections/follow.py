@@ -28,6 +28,11 @@ restarted empty, index deleted) the follower rebuilds that sink's view from the 
 (``replay.rebuild``: new build, swap) and carries on. Errors that no retry can fix (a
 view schema mismatch, bad configuration) end the follower at once.
 
+Mirrors: the search/Redis views of a grouped projection copy its PostgreSQL view instead
+of folding the log (``mirror.py``): their follower polls the view's positions every
+trigger interval and copies the groups that changed, never storing positions ahead of
+PostgreSQL's; failures back off and restart the same way.
+
 One follower per projection and sink: the follower holds the sink's projection lock
 (``Sink.try_lock``: a PostgreSQL advisory lock, a Redis / search lease) for its lifetime;
 it is released when the process dies, kill -9 included.
@@ -51,6 +56,7 @@ from pyspark.sql import functions as F
 from kappaflow.errors import ConfigError, KappaflowError
 from kappaflow.projections.api import CustomFold, Projection, ProjectionSpec
 from kappaflow.projections.engine import BatchResult, ProjectionBusy, apply_batch, nest, prepare
+from kappaflow.projections.mirror import is_mirror, sync
 from kappaflow.projections.replay import _record, as_spec
 from kappaflow.projections.sinks._rows import SinkStateLostError
 
@@ -130,6 +136,7 @@ class Follower:
         self._stopping = threading.Event()
         self._supervisor: threading.Thread | None = None
         self._failures = 0  # in a row, reset by a successful batch
+        self._pg: Any = None  # mirrors: their own connection to the PostgreSQL view
 
     @property
     def name(self) -> str:
@@ -143,6 +150,9 @@ class Follower:
         base = rt.sink_for(spec.name, self.sink_name)
         # Own sink (connection): followers in one process run their batches concurrently.
         self.sink = base.config().open()
+        if is_mirror(spec, self.sink_name):
+            # A mirror follows the projection's PostgreSQL view, not the log (see mirror.py).
+            self._pg = rt.sink_for(spec.name, "postgres").config().open()
         # The lock on its own connection/client, so it is held for the follower's lifetime.
         self._lock_sink = base.config().open()
         if not self._lock_sink.try_lock(spec.name):
@@ -193,6 +203,10 @@ class Follower:
         if fresh:
             # After a failure the sink's stored positions are the truth: start the stream from them.
             shutil.rmtree(ckpt, ignore_errors=True)
+        if self._pg is not None:
+            self.error = None
+            self.query = _MirrorLoop(self, max(int(self.trigger.split()[0]) / 1000, 0.05))
+            return
         declarative = not isinstance(spec.fold, CustomFold)
         stream = rt.stream(spec.topics, start, self.max_records, latest_per_key=declarative)
         qname = f"kappaflow_{spec.name}" if self.sink_name == "postgres" else f"kappaflow_{spec.name}_{self.sink_name}"
@@ -215,20 +229,23 @@ class Follower:
                 else {spec.topics[0]: df}
             )
             res = apply_batch(self.plan, self.rt, self.target, raws, before, sink=self.sink, deduped_input=True)
-            s = self.stats
-            s.batches += 1
-            s.events += res.events
-            s.upserted += res.upserted
-            s.deleted += res.deleted
-            s.dead_letters += res.dead_letters
-            s.last_batch_at = time.time()
-            s.positions = res.positions
-            self._failures = 0
-            if self.on_batch is not None:
-                self.on_batch(s, res)
+            self._count(res)
         except BaseException as exc:
             self.error = exc
             raise
+
+    def _count(self, res: BatchResult) -> None:
+        s = self.stats
+        s.batches += 1
+        s.events += res.events
+        s.upserted += res.upserted
+        s.deleted += res.deleted
+        s.dead_letters += res.dead_letters
+        s.last_batch_at = time.time()
+        s.positions = res.positions
+        self._failures = 0
+        if self.on_batch is not None:
+            self.on_batch(s, res)
 
     # --- supervision: restart after failures, rebuild after state loss -----------------------
     def _supervise(self) -> None:
@@ -296,7 +313,7 @@ class Follower:
         return False
 
     def _release(self) -> None:
-        for attr in ("sink", "_lock_sink"):
+        for attr in ("sink", "_lock_sink", "_pg"):
             s = getattr(self, attr)
             if s is not None:
                 try:
@@ -344,6 +361,45 @@ class Follower:
     def run_forever(self, stop: threading.Event | None = None) -> None:
         """Run until SIGINT/SIGTERM (or `stop` is set), then stop cleanly."""
         _run_forever([self], stop)
+
+
+class _MirrorLoop:
+    """What a mirror follower runs instead of a streaming query: every `interval` seconds,
+    ``mirror.sync`` copies what changed in the PostgreSQL view. Quacks like the parts of a
+    ``StreamingQuery`` the supervisor uses (``isActive``, ``exception``, ``stop``)."""
+
+    def __init__(self, follower: Follower, interval: float) -> None:
+        self.follower = follower
+        self.interval = interval
+        self._stop = threading.Event()
+        self._exc: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name=f"kappaflow-mirror-{follower.name}", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        f = self.follower
+        while not self._stop.is_set():
+            try:
+                res = sync(f.plan, f.rt, f._pg, f.sink, f.target)
+            except BaseException as exc:
+                f.error = self._exc = exc
+                return
+            if res is not None:
+                f._count(res)
+            f._failures = 0
+            self._stop.wait(self.interval)
+
+    @property
+    def isActive(self) -> bool:
+        return self._thread.is_alive()
+
+    def exception(self) -> BaseException | None:
+        return self._exc
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout=30)
 
 
 class FollowerGroup:

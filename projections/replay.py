@@ -16,6 +16,9 @@ all of them, or the ones selected (``sinks=["redis"]``, CLI ``--sink redis``). S
 5. swap each sink in turn: the shadow becomes the live view and its positions the live
    positions atomically within that sink (rename in one transaction / alias swap /
    pointer switch); readers see the old view until then and the new one after;
+   the search/Redis views of a grouped projection are not folded from the log: they mirror
+   the PostgreSQL view and are copied from it after its swap (``mirror.py``), so a replay
+   of such a projection's postgres sink replays its mirrors too;
 6. record the projection (new generation) in the registry.
 On any failure before 5 every shadow is dropped and every live view is untouched.
 """
@@ -28,8 +31,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from kappaflow.projections.api import Projection, ProjectionSpec
+from kappaflow.projections.api import GroupFold, Projection, ProjectionSpec
 from kappaflow.projections.engine import ProjectionBusy, apply_range, build, flatten, prepare
+from kappaflow.projections.mirror import copy as copy_mirror
+from kappaflow.projections.mirror import is_mirror
 from kappaflow.projections.plan import Plan
 from kappaflow.projections.runtime import Offsets, Runtime
 from kappaflow.projections.sinks.base import Sink, Target
@@ -140,12 +145,17 @@ def rebuild(
     """Steps 2-5 for `sinks` (locks held by the caller): (per sink, events, build seconds of the first
     sink, positions, catch-up rounds)."""
     spec = plan.spec
+    mirrors = {n: s for n, s in sinks.items() if is_mirror(spec, n)}
+    sinks = {n: s for n, s in sinks.items() if n not in mirrors}
     end: Offsets = rt.end_offsets(spec.topics)
     shadows: dict[str, Target] = {}
     out: dict[str, SinkReplay] = {}
     events = 0
     first_build = 0.0
     rounds = 0
+    if not sinks:
+        out, positions = _copy_mirrors(plan, rt, mirrors)
+        return out, 0, 0.0, positions, 0
     try:
         for name, sink in sinks.items():
             shadows[name] = sink.begin_shadow(plan.view)
@@ -182,7 +192,38 @@ def rebuild(
         sink.swap(shadows[name])
         live = sink.live(plan.view)
         out[name].rows = sink.count(live) if live is not None else 0
+    if mirrors:
+        out.update(_copy_mirrors(plan, rt, mirrors)[0])
     return out, events, first_build, flatten(end), rounds
+
+
+def _copy_mirrors(
+    plan: Plan, rt: Runtime, mirrors: dict[str, Sink]
+) -> tuple[dict[str, SinkReplay], dict[tuple[str, int], int]]:
+    """Search/Redis views of a grouped projection: a new shadow filled from the live PostgreSQL
+    view (rows and positions from one snapshot), then swapped in (see ``mirror.py``)."""
+    out: dict[str, SinkReplay] = {}
+    positions: dict[tuple[str, int], int] = {}
+    pg = rt.sink_for(plan.spec.name, "postgres").config().open()
+    try:
+        for name, sink in mirrors.items():
+            t0 = time.monotonic()
+            shadow = sink.begin_shadow(plan.view)
+            try:
+                _, positions, dead = copy_mirror(plan, rt, pg, sink, shadow)
+            except BaseException:
+                try:
+                    sink.drop(shadow)
+                except Exception:
+                    pass
+                raise
+            sink.swap(shadow)
+            live = sink.live(plan.view)
+            out[name] = SinkReplay(name, rows=sink.count(live) if live is not None else 0, dead_letters=dead,
+                                   build_seconds=time.monotonic() - t0)
+    finally:
+        pg.close()
+    return out, positions
 
 
 def replay(
@@ -199,6 +240,9 @@ def replay(
     t0 = time.monotonic()
     spec = as_spec(projection)
     selected = rt.sinks_for(spec, sinks)
+    if sinks and isinstance(spec.fold, GroupFold) and "postgres" in selected:
+        # The search/Redis views mirror the PostgreSQL view: a new PostgreSQL view is copied to them.
+        selected = rt.sinks_for(spec, [*selected, *spec.sinks])
     plan = plan or prepare(spec, rt)
     lock_sinks(spec, selected, wait_lock_s)
     try:

@@ -4,7 +4,9 @@ The scratch is built from the log up to the live view's own positions, then comp
 with the live view in one snapshot that also reads those positions; if a follower moved
 the positions meanwhile, the scratch catches up (the follow code path) and the
 comparison is repeated. Drift means something changed the view behind kappaflow's back
-(or a projection is not deterministic); ``kappaflow verify`` exits 1 on drift.
+(or a projection is not deterministic); ``kappaflow verify`` exits 1 on drift. The
+search/Redis views of a grouped projection mirror its PostgreSQL view and are compared
+with it (``mirror.py``).
 """
 
 from __future__ import annotations
@@ -15,10 +17,12 @@ from dataclasses import dataclass, field
 from kappaflow.errors import ConfigError
 from kappaflow.projections.api import Projection, ProjectionSpec
 from kappaflow.projections.engine import apply_range, build, flatten, nest, prepare
+from kappaflow.projections.mirror import copy as copy_mirror
+from kappaflow.projections.mirror import is_mirror
 from kappaflow.projections.plan import Plan
 from kappaflow.projections.replay import as_spec
 from kappaflow.projections.runtime import Runtime
-from kappaflow.projections.sinks.base import Drift
+from kappaflow.projections.sinks.base import Drift, Sink, Target
 
 
 @dataclass
@@ -61,6 +65,8 @@ def verify(
             "run `kappaflow replay` first"
         )
     sink_.ensure(plan.view)  # schema check: a mismatching table is reported clearly
+    if is_mirror(spec, name):
+        return _verify_mirror(plan, rt, store, live, name, limit, attempts, t0)
     log_ = rt.reader()
     partitions = {t: log_.partitions(t) for t in spec.topics}
     positions = sink_.read_positions(live)
@@ -81,6 +87,33 @@ def verify(
         raise AssertionError("unreachable")
     finally:
         sink_.drop(scratch)
+
+
+def _verify_mirror(
+    plan: Plan, rt: Runtime, store: Sink, live: Target, name: str, limit: int, attempts: int, t0: float
+) -> VerifyResult:
+    """A mirror (search/Redis view of a grouped projection) is compared with its PostgreSQL view:
+    the view is copied into a scratch target of the mirror's sink (same value encoding) and
+    diffed there when the mirror's positions equal the copied ones (its follower may be one
+    poll behind: retried up to `attempts` times)."""
+    pg = rt.sink_for(plan.spec.name, "postgres").config().open()
+    try:
+        for attempt in range(1, attempts + 1):
+            scratch = store.begin_shadow(plan.view, label="verify")
+            try:
+                _, positions, _ = copy_mirror(plan, rt, pg, store, scratch, dead_letters=False)
+                now_pos, count, drift = store.diff(live, scratch, limit)
+            finally:
+                store.drop(scratch)
+            if now_pos == positions or attempt == attempts:
+                return VerifyResult(
+                    plan.spec.name, plan.view.name, store.count(live), count, drift, now_pos,
+                    time.monotonic() - t0, attempt, name,
+                )
+            time.sleep(0.5)
+        raise AssertionError("unreachable")
+    finally:
+        pg.close()
 
 
 __all__ = ["VerifyResult", "verify"]

@@ -1034,7 +1034,7 @@ class PostgresSink(Sink):
                             failed.append(exc)
                             raise
         except BaseException as exc:
-            if failed and exc is failed[0] or isinstance(exc, SinkError) or not isinstance(exc, Exception):
+            if (failed and exc is failed[0]) or isinstance(exc, SinkError) or not isinstance(exc, Exception):
                 raise
             raise _sink_error(f"reading {self.relation(target)} for its mirrors", exc) from None
         return positions, gone

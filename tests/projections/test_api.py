@@ -99,8 +99,9 @@ def test_the_fingerprint_changes_with_options_that_shape_the_view_only() -> None
         ({"sinks": ("redis",), "sink_options": {"redis": {"ttl_s": -1}}}, ["'sink_options'['redis']", "ttl_s"]),
         ({"sinks": ("search",), "sink_options": {"search": {"bogus": 1}}}, ["'sink_options'['search']", "bogus"]),
         ({"sink_options": {"postgres": {"x": 1}}}, ["'sink_options'['postgres']", "no per-view options"]),
-        ({"sinks": ("postgres", "search"), "aggregates": {"n": Count()}, "key": ["g"]},
-         ["'sinks'", "grouped", "['search']", "apply_grouped"]),
+        ({"sinks": ("search", "redis"), "aggregates": {"n": Count()}, "key": ["g"]},
+         ["'sinks'", "grouped", "['search', 'redis']", "only together with 'postgres'", "apply_grouped",
+          "mirrors"]),
     ],
 )
 def test_bad_sink_declarations_are_refused_clearly(attrs: dict[str, Any], words: list[str]) -> None:
