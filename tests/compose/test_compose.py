@@ -67,6 +67,13 @@ def test_every_kappaflow_setting_loads(resolved: dict[str, Any], tmp_path: Path,
         assert command[0] == "kappaflow"
         if command[1] == "capture":
             assert command[2] in settings.sources
+        if command[1] == "follow":  # the projection loads and every store it names is configured
+            from kappaflow.projections.api import load_projection
+
+            spec = load_projection(command[2])
+            keys = {"postgres": settings.views.postgres_dsn, "search": settings.views.search_url,
+                    "redis": settings.views.redis_url}
+            assert all(keys[s] for s in spec.sinks), f"{name}: {command[2]} names sinks {spec.sinks}"
 
 
 def test_kappaflow_commands_in_the_stack_exist(resolved: dict[str, Any]) -> None:
