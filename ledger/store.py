@@ -174,7 +174,11 @@ class Ledger:
         self._barrier_sql: Any = sql.SQL(
             "insert into {} as b (pid, n) values (pg_backend_pid(), 1) "
             "on conflict (pid) do update set n = b.n + 1").format(t.table("durability_barrier"))
-        cols = sql.SQL(", ").join(sql.Identifier(c) for c in EVENT_COLUMNS)
+        # JSON columns as text: orjson parses them in `_records` (psycopg's jsonb loader is a Python
+        # call per value; the server renders jsonb as text either way).
+        cols = sql.SQL(", ").join(
+            sql.SQL("{}::text").format(sql.Identifier(c)) if c in ("payload", "metadata") else sql.Identifier(c)
+            for c in EVENT_COLUMNS)
         self._read_stream_sql: Any = sql.SQL(
             "select {cols} from {events} where stream_id = %s and stream_version >= %s "
             "order by stream_version limit %s").format(cols=cols, events=t.events)
@@ -433,11 +437,14 @@ class Ledger:
             pool.release(conn)
 
     def _records(self, rows: list[tuple[Any, ...]], decode: bool) -> list[RecordedEvent]:
+        """Rows of EVENT_COLUMNS (payload and metadata as JSON text) -> RecordedEvents."""
         registry = self.registry if decode else None
+        loads = orjson.loads
         out = []
         for r in rows:
-            event = registry.decode(r[4], r[5], r[6], position=r[0]) if registry is not None else None
-            out.append(RecordedEvent(r[0], r[1], r[2], r[3], r[4], r[5], r[6], r[7], r[8], r[9], bytes(r[10]),
+            data = loads(r[6])
+            event = registry.decode(r[4], r[5], data, position=r[0]) if registry is not None else None
+            out.append(RecordedEvent(r[0], r[1], r[2], r[3], r[4], r[5], data, loads(r[7]), r[8], r[9], bytes(r[10]),
                                      event))
         return out
 
