@@ -911,9 +911,12 @@ class PostgresSink(Sink):
                         )
                     )
                     gone = self.conn.execute(
-                        sql.SQL("DELETE FROM {vr} v WHERE ({g}) IN (SELECT {g} FROM pg_temp.{aff})").format(
+                        # (both sides qualified: an unqualified name in the subquery would resolve to
+                        # the outer row when ambiguous, deleting every group, not only the affected)
+                        sql.SQL("DELETE FROM {vr} v WHERE ({vg}) IN (SELECT {ag} FROM pg_temp.{aff} a)").format(
                             vr=vrel,
-                            g=sql.SQL(", ").join(sql.SQL("v.{}").format(_q(c)) for c in gcols),
+                            vg=sql.SQL(", ").join(sql.SQL("v.{}").format(_q(c)) for c in gcols),
+                            ag=sql.SQL(", ").join(sql.SQL("a.{}").format(_q(c)) for c in gcols),
                             aff=_q(affected),
                         )
                     ).rowcount
