@@ -8,9 +8,11 @@ Redis caches of the same tables, each declaring its sink (``sinks``) and that si
   description (English stemming: "boot" finds "boots"), exact ``category``;
 - ``OrderSearch`` (alias ``order_search``): every order with status, amount and customer;
 - ``CustomerCache`` (Redis view ``customer_cache``, one hash per customer): what a service
-  reads with ``kappaflow.projections.sinks.redis.get(client, "customer_cache", 42)``.
-  (Order totals stay in PostgreSQL: a grouped fold keeps per-order state there to retract an
-  order that moves or is deleted, so ``CustomerTotals`` cannot declare a Redis sink.)
+  reads with ``kappaflow.projections.sinks.redis.get(client, "customer_cache", 42)``;
+- ``CustomerTotalsCache`` (PostgreSQL view and Redis hashes ``customer_totals_cache``): the
+  customer's order totals in Redis. A grouped fold keeps its per-order state in PostgreSQL
+  (to retract an order that moves or is deleted), so its Redis view mirrors the PostgreSQL
+  view: sinks ("postgres", "redis").
 
 Each is its own projection (own lock and positions per sink) and can be replayed and followed
 independently of the PostgreSQL views: ``kappaflow replay examples.shop:ProductSearch`` needs
@@ -115,3 +117,14 @@ class CustomerCache(Projection):
     sinks: ClassVar[Sequence[str]] = ("redis",)
     sink_options: ClassVar[Mapping[str, Mapping[str, Any]]] = {"redis": {"value_format": "hash"}}
 
+
+class CustomerTotalsCache(CustomerTotals):
+    """``CustomerTotals`` also in Redis (one hash per customer: orders, total_amount,
+    last_order_at), for services that read totals next to the customer cache.
+
+    The Redis view mirrors the PostgreSQL one: replay copies it, follow copies the customers
+    whose totals changed (moved, cancelled and deleted orders included)."""
+
+    name = "customer_totals_cache"
+    sinks: ClassVar[Sequence[str]] = ("postgres", "redis")
+    sink_options: ClassVar[Mapping[str, Mapping[str, Any]]] = {"redis": {"value_format": "hash"}}

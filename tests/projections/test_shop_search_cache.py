@@ -8,7 +8,9 @@ PostgreSQL source tables -> capture (pgoutput) -> embedded log -> Spark -> searc
 * the customer cache (one Redis hash per customer) answers ``get(client, view, key)`` with
   the customer's row;
 * after updates, inserts and deletes in PostgreSQL and another capture, a follow (products,
-  customers) or a replay (orders) brings every view back to what the tables say.
+  customers) or a replay (orders) brings every view back to what the tables say;
+* the customers' order totals (a grouped fold) reach Redis as a mirror of their PostgreSQL
+  view, after a replay and after a follow with moved, cancelled and deleted orders.
 """
 
 from __future__ import annotations
@@ -26,14 +28,14 @@ import pytest
 from psycopg.rows import dict_row
 
 from examples.shop.demo import SHOP_TABLES, seed
-from examples.shop.projections import CustomerCache, OrderSearch, ProductSearch
+from examples.shop.projections import CustomerCache, CustomerTotalsCache, OrderSearch, ProductSearch
 from kappaflow.config import LogConfig, PostgresSourceConfig, Settings, SparkConfig, ViewsConfig
 from kappaflow.connectors.base import StopSignal
 from kappaflow.connectors.postgres import PostgresConnector
 from kappaflow.log.embedded import EmbeddedLog
 from kappaflow.projections.api import Projection
 from kappaflow.projections.engine import prepare
-from kappaflow.projections.follow import Follower
+from kappaflow.projections.follow import Follower, FollowerGroup
 from kappaflow.projections.replay import as_spec, replay
 from kappaflow.projections.runtime import Runtime
 from kappaflow.projections.sinks.base import VERSION, Sink, Target
@@ -119,7 +121,7 @@ def shop(pg_server: Any, spark: Any, search_server: Any, redis_server: Any, tmp_
     world = Shop(source_dsn, tmp_path / "log", slot=f"kf_shop_{suffix}", rt=rt, config=tmp_path / "kappaflow.toml")
     try:
         assert sorted(rt.sinks) == ["postgres", "redis", "search"]
-        for cls in (ProductSearch, OrderSearch, CustomerCache):
+        for cls in (ProductSearch, OrderSearch, CustomerCache, CustomerTotalsCache):
             world.projections[cls.__name__] = _unique(cls, suffix)
         yield world
     finally:
@@ -273,3 +275,64 @@ def test_shop_search_indexes_and_caches_follow_the_source_tables(shop: Shop, sea
     assert _query(shop, customers_view, "2", "redis") is None
     assert _query(shop, customers_view, "1", "redis") == {"id": "1", "name": "Ada", "email": "ada.new@example.com",
                                                           "city": "Bergen"}
+
+
+def _source_totals(shop: Shop) -> dict[Any, dict[str, Any]]:
+    with psycopg.connect(shop.source_dsn, row_factory=dict_row) as conn:
+        rows = conn.execute(
+            "SELECT customer_id, count(*) AS orders, sum(amount) AS total_amount, max(created_at) AS last_order_at "
+            "FROM public.orders WHERE status <> 'cancelled' AND customer_id IS NOT NULL GROUP BY customer_id"
+        ).fetchall()
+    return {r["customer_id"]: r for r in rows}
+
+
+def _check_totals(shop: Shop, redis_server: Any) -> dict[Any, dict[str, Any]]:
+    import redis
+
+    proj = shop.projections["CustomerTotalsCache"]
+    view = prepare(as_spec(proj), shop.rt).view
+    expected = _source_totals(shop)
+    pg, rd = shop.rt.sinks["postgres"], shop.rt.sinks["redis"]
+    pg_live, rd_live = pg.live(view), rd.live(view)
+    assert pg_live is not None and rd_live is not None
+    assert _view_rows(pg, pg_live, "customer_id") == expected
+    assert _view_rows(rd, rd_live, "customer_id") == expected
+    assert rd.read_positions(rd_live) == pg.read_positions(pg_live)
+    client = redis.Redis.from_url(redis_server.url)
+    try:  # what a service reads next to the customer cache
+        one = min(expected)
+        got = get(client, view.name, one)
+        assert got is not None and got["orders"] == str(expected[one]["orders"])
+        assert Decimal(got["total_amount"]) == expected[one]["total_amount"]
+    finally:
+        client.close()
+    return expected
+
+
+def test_shop_customer_totals_reach_redis(shop: Shop, redis_server: Any, tmp_path: Path) -> None:
+    seed(shop.source_dsn, customers=6, orders=40)
+    shop.capture()
+    proj = shop.projections["CustomerTotalsCache"]
+    res = replay(proj, shop.rt)
+    assert set(res.sinks) == {"postgres", "redis"}
+    before = _check_totals(shop, redis_server)
+
+    with psycopg.connect(shop.source_dsn) as conn:
+        # move an order to another customer, cancel one, delete all of customer 2's, change an amount
+        moved = conn.execute("SELECT min(id) FROM public.orders WHERE customer_id = 3").fetchone()
+        assert moved is not None and moved[0] is not None
+        conn.execute("UPDATE public.orders SET customer_id = 4 WHERE id = %s", (moved[0],))
+        conn.execute("UPDATE public.orders SET status = 'cancelled' WHERE id IN "
+                     "(SELECT max(id) FROM public.orders WHERE customer_id = 1)")
+        conn.execute("DELETE FROM public.orders WHERE customer_id = 2")
+        conn.execute("UPDATE public.orders SET amount = amount + 5 WHERE id IN "
+                     "(SELECT max(id) FROM public.orders WHERE customer_id = 5)")
+    assert shop.capture() > 0
+    group = FollowerGroup(proj, shop.rt, trigger="0.2s", checkpoint=str(tmp_path / "follow-totals")).start()
+    try:
+        assert group.wait_for(lambda g: g.caught_up(), timeout=120), "totals followers not caught up in 120 s"
+    finally:
+        group.stop()
+    after = _check_totals(shop, redis_server)
+    assert 2 in before and 2 not in after
+    assert after[4]["orders"] == before[4]["orders"] + 1
