@@ -521,8 +521,12 @@ class RedisSink(Sink):
             raise ConfigError(f"redis sink: shadow label {label!r}: expected 1-20 lowercase letters or digits")
         live = self.live_build(view)
         builds = self._retrying("list builds", lambda: self.client.smembers(self._registry(view)))
+        # a replay killed between the pointer switch and dropping the old build leaves that build behind;
+        # the old one may be the first build (label "live", from ensure): a replay (which holds the
+        # projection lock, so no ensure runs meanwhile) drops those too
+        stale = (f"{label}-", "live-") if label == "shadow" else (f"{label}-",)
         for b in sorted(_s(x) for x in builds):
-            if b != live and b.startswith(f"{label}-"):
+            if b != live and b.startswith(stale):
                 self._drop_build(view, b)
         build = self._create_build(view, label)
         return Target(view, self.marker_key(view, build), shadow=True)

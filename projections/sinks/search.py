@@ -956,7 +956,11 @@ class SearchSink(Sink):
         self._positions_ready = False
         self._drop_strays(view)
         live = self._live_index(view)
-        for index in self._indexes(view, label):
+        # a replay killed between the alias swap and dropping the old index leaves that index behind;
+        # the old one may be the first build (label "live", from ensure): a replay (which holds the
+        # projection lock, so no ensure runs meanwhile) drops those too
+        stale = set(self._indexes(view, label)) | set(self._indexes(view, "live") if label == "shadow" else ())
+        for index in sorted(stale):
             if index != live:
                 self._drop_index(index)
         return Target(view, self._create_index(view, label, live=False), shadow=True)
