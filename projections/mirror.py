@@ -21,8 +21,11 @@ sinks MIRROR the PostgreSQL view instead of folding the log themselves:
   before-image carries only the source key (``REPLICA IDENTITY DEFAULT``).
 - **verify**: the PostgreSQL view is copied into a scratch target of the mirror's sink and
   compared there, at equal positions.
-PostgreSQL positions behind the mirror's (the PostgreSQL view was dropped and re-created)
-raise ``SinkStateLostError``: the follower then rebuilds the mirror from the view.
+PostgreSQL positions behind the mirror's (the PostgreSQL view was dropped and re-created),
+or a PostgreSQL view rebuilt after the mirror's position (e.g. by its own follower after the
+view was lost: the new change table starts at the rebuild, so the groups changed or gone in
+between are not in it), raise ``SinkStateLostError``: the follower then rebuilds the mirror
+from the view.
 """
 
 from __future__ import annotations

@@ -60,6 +60,7 @@ from pyspark.sql.types import (
 )
 
 from kappaflow.errors import ConfigError, Retry, SinkError
+from kappaflow.projections.sinks._rows import SinkStateLostError
 from kappaflow.projections.sinks.base import (
     DELETED,
     VERSION,
@@ -81,6 +82,7 @@ STATE_TOPIC = "_kf_topic"
 STATE_KEY = "_kf_key"
 SWAP_LOCK_TIMEOUT_MS = 2000
 SWAP_ATTEMPTS = 30
+CHANGES_BASE = "kappaflow: group changes complete since watermark "
 
 _MIGRATED: set[str] = set()
 _MIGRATE_LOCK = threading.Lock()
@@ -479,6 +481,18 @@ class PostgresSink(Sink):
                         self.conn.execute(
                             sql.SQL("ALTER TABLE {} RENAME TO {}").format(
                                 self._changes_rel(shadow), _q(self.changes_table(live))
+                            )
+                        )
+                        # The new change table knows only the groups changed after the build: record
+                        # from which watermark on it is complete (see ``read_for_mirror``).
+                        row = self.conn.execute(
+                            f'SELECT coalesce(sum(next_offset), 0) FROM "{KF_SCHEMA}"."{POSITIONS}" '
+                            "WHERE projection = %s AND target = %s",
+                            (view.projection, shadow.label),
+                        ).fetchone()
+                        self.conn.execute(
+                            sql.SQL("COMMENT ON TABLE {} IS {}").format(
+                                self._changes_rel(live), sql.Literal(f"{CHANGES_BASE}{int(row[0]) if row else 0}")
                             )
                         )
                     self.conn.execute(
@@ -975,6 +989,17 @@ class PostgresSink(Sink):
             raise _sink_error(f"aggregating keyed state into {self.relation(target)}", exc) from None
         return max(n, 0)
 
+    def _changes_base(self, crel: Any) -> int | None:
+        """The watermark from which the group change table is complete (set by ``swap``);
+        None for a view created empty (complete from the start) or built before it was kept."""
+        row = self.conn.execute(
+            "SELECT obj_description(to_regclass(%s), 'pg_class')", (crel.as_string(self.conn),)
+        ).fetchone()
+        text = row[0] if row else None
+        if not text or not text.startswith(CHANGES_BASE):
+            return None
+        return int(text[len(CHANGES_BASE):])
+
     def read_for_mirror(
         self,
         target: Target,
@@ -986,7 +1011,8 @@ class PostgresSink(Sink):
         together with the view's positions: every row (``since`` None), or the rows of the groups
         recomputed at a version above `since` (group change table). Rows (columns +
         ``_kf_version``) go to `consume` in chunks; returns (positions, keys of changed groups
-        that no longer exist)."""
+        that no longer exist). Raises ``SinkStateLostError`` when the view was rebuilt after
+        `since` (its change table starts at the rebuild): the mirror must be copied again."""
         from psycopg import sql
         from psycopg.rows import dict_row
 
@@ -1006,6 +1032,14 @@ class PostgresSink(Sink):
                     params: tuple[Any, ...] = ()
                 else:
                     crel = self._changes_rel(target)
+                    base = self._changes_base(crel)
+                    if base is not None and since < base:
+                        # The view was rebuilt (swapped in) after the mirror's position: its change
+                        # table does not know what changed in between, groups gone included.
+                        raise SinkStateLostError(
+                            f"{self.relation(target)} was rebuilt at watermark {base}, after its mirror's "
+                            f"position (watermark {since}): the mirror must be copied from it again"
+                        )
                     on = sql.SQL(" AND ").join(sql.SQL("v.{k} = c.{k}").format(k=_q(k)) for k in keys)
                     stmt = sql.SQL("SELECT v.* FROM {c} c JOIN {v} v ON {on} WHERE c.{ver} > %s").format(
                         c=crel, v=vrel, on=on, ver=_q(VERSION)

@@ -242,3 +242,57 @@ def test_redis_stopped_and_restarted_empty_catches_up(
         rt.close()
         log.close()
         server.stop()
+
+
+def test_a_mirror_behind_a_rebuilt_postgres_view_is_copied_again(
+        spark: Any, pg_dsn: str, search_server: Any, redis_server: Any, tmp_path: Path) -> None:
+    """Regression: the PostgreSQL view rebuilt on its own (what its follower does when the view was
+    lost) while a mirror lagged. The rebuilt view's change table starts at the rebuild, so the
+    mirror's incremental sync missed every group changed or emptied in between (customer 6 stayed
+    in Redis) and stored PostgreSQL's positions as if caught up. Now the sync sees the rebuild and
+    the mirror follower copies the view again."""
+    from kappaflow.projections.mirror import sync
+    from kappaflow.projections.replay import rebuild
+    from kappaflow.projections.sinks._rows import SinkStateLostError
+
+    proj = _projection(("postgres", "redis"))
+    log_dir = tmp_path / "log"
+    log = EmbeddedLog(log_dir)
+    rt = _runtime(spark, log_dir, pg_dsn, search_server.url, redis_server.url, tmp_path)
+    try:
+        w = TableWriter(log, SCHEMA, partitions=2)
+        _orders(w, range(30), 1)
+        replay(proj, rt)
+        plan = prepare(as_spec(proj), rt)
+        view = plan.view
+        _mirrors_equal_pg(rt, view, w, ("redis",))
+        _churn(w, 2)
+        pg, redis_sink = rt.sinks["postgres"], rt.sinks["redis"]
+        rebuild(plan, rt, {"postgres": pg})
+        live = redis_sink.live(view)
+        assert live is not None
+        with pytest.raises(SinkStateLostError, match="rebuilt at watermark"):
+            sync(plan, rt, pg, redis_sink, live)
+        assert 6 in _rows(redis_sink, view)  # nothing was written by the refused sync
+
+        mirror = FollowerGroup(proj, rt, sinks=["redis"], trigger="0.1s", backoff_s=0.1).start()
+        try:
+            wait_for(lambda: mirror["redis"].rebuilds >= 1 and mirror["redis"].caught_up(), timeout=60,
+                     what="the Redis mirror to be copied again from the rebuilt view", interval=0.1)
+            _mirrors_equal_pg(rt, view, w, ("redis",))
+            assert 6 not in _rows(redis_sink, view)
+            # and from there on it follows incrementally again
+            _churn(w, 3)
+            pg_f = FollowerGroup(proj, rt, sinks=["postgres"], trigger="0.1s").start()
+            try:
+                assert pg_f.wait_for(lambda g: g.caught_up(), timeout=120)
+                assert mirror.wait_for(lambda g: g.caught_up(), timeout=60)
+                _mirrors_equal_pg(rt, view, w, ("redis",))
+                assert mirror["redis"].rebuilds == 1
+            finally:
+                pg_f.stop()
+        finally:
+            mirror.stop()
+    finally:
+        rt.close()
+        log.close()
