@@ -536,6 +536,13 @@ class PostgresSink(Sink):
         self._staging[key] = name
         return name
 
+    def _forget_staging(self) -> None:
+        """After a failed write: a staging table created in the rolled-back transaction is gone
+        (with pg_temp itself, the first time), so the next write must create it again instead of
+        failing on it for the life of the connection (a transient lock timeout would otherwise
+        turn into a permanent "does not exist")."""
+        self._staging.clear()
+
     def _copy(self, rel: Any, columns: Sequence[str], table: pa.Table) -> None:
         from psycopg import sql
 
@@ -605,9 +612,10 @@ class PostgresSink(Sink):
                     res.skipped = batch.num_rows - res.upserted - res.deleted
                 if positions:
                     self._store_positions(target, positions)
-        except SinkError:
-            raise
-        except Exception as exc:
+        except BaseException as exc:
+            self._forget_staging()
+            if isinstance(exc, SinkError) or not isinstance(exc, Exception):
+                raise
             raise _sink_error(f"writing {batch.num_rows} rows to {self.relation(target)}", exc) from None
         return res
 
@@ -962,9 +970,10 @@ class PostgresSink(Sink):
                     )
                 if positions:
                     self._store_positions(target, positions)
-        except SinkError:
-            raise
-        except Exception as exc:
+        except BaseException as exc:
+            self._forget_staging()
+            if isinstance(exc, SinkError) or not isinstance(exc, Exception):
+                raise
             raise _sink_error(f"applying {changes.num_rows} keyed changes to {self.relation(target)}", exc) from None
         return res
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any
 
 import psycopg
 import pytest
@@ -116,3 +117,64 @@ def test_type_mapping_and_csv_rendering() -> None:
         {"b": pa.array([b"\x00\x01", None]), "l": pa.array([["a", 'q"', None], None]), "s": pa.array(["", None])}
     )
     assert csv_bytes(t) == b'"\\x0001","{""a"",""q\\"""",NULL}",""\n,,\n'
+
+
+def _lock_timeout_once(pg_dsn: str, sink: PostgresSink, table: str, write: Any) -> None:
+    """`write()` fails on a lock timeout (transient) while another session holds `table`."""
+    sink.conn.execute("SET lock_timeout = '200ms'")
+    with psycopg.connect(pg_dsn) as other:
+        other.execute(f"LOCK TABLE {table} IN ACCESS EXCLUSIVE MODE")
+        with pytest.raises(SinkError, match="lock timeout") as err:
+            write()
+        assert err.value.transient
+
+
+def test_a_transient_failure_in_a_connections_first_write_does_not_break_the_next(pg_dsn: str) -> None:
+    """Regression: the first write on a connection creates its staging table; when that
+    transaction failed (here a lock timeout) the table was rolled back but stayed cached, so
+    every later write failed with 'schema "pg_temp" does not exist' (terminal: a follower gave up)."""
+    view = contract_view("stg_retry")
+    with PostgresSink(pg_dsn) as sink:
+        t = sink.ensure(view)
+        _lock_timeout_once(pg_dsn, sink, 'public."stg_retry"',
+                           lambda: sink.write(t, batch_from_rows(view, [contract_row(1, 1)]), {("t", 0): 1}))
+        sink.write(t, batch_from_rows(view, [contract_row(1, 1), contract_row(2, 1)]), {("t", 0): 2})
+        assert sink.count(t) == 2 and sink.read_positions(t) == {("t", 0): 2}
+
+
+def test_a_transient_failure_in_a_connections_first_grouped_apply_does_not_break_the_next(
+        rt: Any, embedded_log: Any, pg_dsn: str) -> None:
+    """The same for ``apply_grouped`` (its keyed-state staging table)."""
+    import pyarrow as pa
+
+    from kappaflow.projections.engine import prepare
+    from kappaflow.projections.replay import as_spec, replay
+    from kappaflow.projections.simulate import TableWriter
+    from kappaflow.projections.sinks.base import DELETED, VERSION
+    from tests.projections import defs
+    from tests.projections.pj_helpers import orders_schema, totals_reference, view_rows
+    from tests.projections.test_replay import order
+
+    w = TableWriter(embedded_log, orders_schema("stgg"), partitions=2)
+    for i in range(1, 7):
+        w.insert(order(i, 1 + i % 3, 100 * i, "new", i))
+    w.flush()
+    totals = defs.totals("stgg", name="stgg_totals")
+    replay(totals, rt)
+    with PostgresSink(pg_dsn) as sink:
+        t = sink.live(prepare(as_spec(totals), rt).view)
+        assert t is not None
+        state = f'"kappaflow"."{sink.state_table(t)}"'
+        with psycopg.connect(pg_dsn) as c:
+            cur = c.execute(f"SELECT * FROM {state} ORDER BY 1, 2 LIMIT 1")
+            names = [d.name for d in cur.description or ()]
+            row = dict(zip(names, cur.fetchone() or (), strict=True))
+        row.update({VERSION: row[VERSION] + 1000, "amount": row["amount"] + 1, DELETED: False})
+        changes = pa.Table.from_pylist([row])
+        # the view (not the state) is locked: the staging table is created before the failure
+        _lock_timeout_once(pg_dsn, sink, f'public."{totals.name}"', lambda: sink.apply_grouped(t, changes, 10**6, None))
+        sink.apply_grouped(t, changes, 10**6, None)
+    # the change applied: the order of that state row is one unit more
+    (k,) = [k for k, r in w.rows.items() if r["created_at"] == row["created_at"]]
+    w.rows[k]["amount"] += 1
+    assert view_rows(pg_dsn, totals.name, "customer_id, n, total, last, statuses") == totals_reference(w.rows)
