@@ -278,6 +278,7 @@ class Follower:
             if self._stopping.wait(delay):
                 return False
             try:
+                self._reopen()
                 if lost or self._view_lost():
                     self._rebuild()
                 self._start_query(fresh=True)
@@ -287,6 +288,26 @@ class Follower:
             except BaseException as again:  # still down: back off further
                 exc = again
         return False
+
+    def _reopen(self) -> None:
+        """Fresh store connections for the batches (and a mirror's PostgreSQL reads): the old one
+        may be what failed (server restarted, connection killed) and a sink does not reconnect
+        by itself, so restarting on it would fail until the follower gives up."""
+        rt, spec = self.rt, self.spec
+        sink = rt.sink_for(spec.name, self.sink_name).config().open()
+        try:
+            pg = rt.sink_for(spec.name, "postgres").config().open() if self._pg is not None else None
+        except BaseException:
+            sink.close()
+            raise
+        olds = [self.sink, self._pg]
+        self.sink, self._pg = sink, pg
+        for s in olds:
+            try:
+                if s is not None:
+                    s.close()
+            except Exception:
+                pass
 
     def _view_lost(self) -> bool:
         return bool(self.sink.live(self.plan.view) is None)

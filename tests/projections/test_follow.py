@@ -122,6 +122,31 @@ def test_a_grouped_batch_touching_one_group_leaves_the_others(rt: Any, embedded_
         f.stop()
 
 
+def test_a_follower_reconnects_after_its_postgresql_connection_is_killed(
+        rt: Any, embedded_log: Any, pg_dsn: str) -> None:
+    """Regression: the follower restarted its query on the same (dead) connection after a
+    PostgreSQL restart or a killed backend ("the connection is closed" on every attempt) until
+    it gave up; it now opens fresh connections before each restart."""
+    w = TableWriter(embedded_log, orders_schema("frc"), partitions=2)
+    for i in range(1, 5):
+        w.insert(order(i, 1, 100 * i, "new", i))
+    w.flush()
+    latest = defs.latest("frc", name="frc_latest")
+    replay(latest, rt)
+    f = Follower(latest, rt, trigger="0.2s", backoff_s=0.2, max_backoff_s=0.5, max_restarts=8).start()
+    try:
+        assert f.wait_for(lambda s: f.caught_up(), 120), "the follower did not catch up"
+        with psycopg.connect(pg_dsn, autocommit=True) as c:
+            c.execute("SELECT pg_terminate_backend(%s)", (f.sink.conn.info.backend_pid,))
+        w.insert(order(9, 1, 900, "new", 9))
+        w.flush()
+        assert f.wait_for(lambda s: f.caught_up(), 120), f"no catch-up after the connection was killed: {f.error!r}"
+        assert f.restarts >= 1 and f.failed is None
+        assert [r[0] for r in view_rows(pg_dsn, latest.name, "id")] == [1, 2, 3, 4, 9]
+    finally:
+        f.stop()
+
+
 def test_a_second_follower_of_the_same_projection_is_refused(rt: Any, embedded_log: Any) -> None:
     from kappaflow.projections.engine import ProjectionBusy
 
