@@ -115,9 +115,13 @@ def lock_sinks(spec: ProjectionSpec, sinks: dict[str, Sink], wait_lock_s: float 
         for name, sink in sinks.items():
             while not sink.try_lock(spec.name):
                 if time.monotonic() >= deadline:
+                    lease = getattr(getattr(sink, "options", None), "lock_ttl_s", None)
+                    hint = (f"; if its holder died (kill -9), its lease runs out within {lease:g} s: "
+                            "retry then, or pass --wait" if lease else "")
                     raise ProjectionBusy(
                         f"projection {spec.name!r} is being followed or replayed in the {name} sink by another "
                         "process; stop it first (a replay swaps the view under the follower's feet otherwise)"
+                        + hint
                     )
                 time.sleep(0.2)
             taken.append(sink)

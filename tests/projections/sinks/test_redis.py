@@ -324,6 +324,28 @@ def test_projection_lock_is_exclusive_and_expires_after_its_holder_dies(redis_se
         b.close()
 
 
+def test_a_replay_refused_by_a_held_lease_says_when_it_runs_out(redis_server: Any) -> None:
+    from kappaflow.projections.api import Projection
+    from kappaflow.projections.engine import ProjectionBusy
+    from kappaflow.projections.replay import as_spec, lock_sinks
+
+    class P(Projection):
+        name = f"p_{uuid.uuid4().hex[:6]}"
+        sources = [TOPIC]
+        key = ["id"]
+        sinks = ("redis",)
+
+    holder = RedisSink(redis_server.url, options={"lock_ttl_s": 7})
+    other = RedisSink(redis_server.url, options={"lock_ttl_s": 7})
+    try:
+        assert holder.try_lock(P.name)
+        with pytest.raises(ProjectionBusy, match=r"redis sink .* lease runs out within 7 s: retry then, or pass"):
+            lock_sinks(as_spec(P), {"redis": other})
+    finally:
+        holder.close()
+        other.close()
+
+
 class TestRedisSinkContract(SinkContract):
     @pytest.fixture(params=["json", "hash"])
     def sink(self, redis_server: Any, request: pytest.FixtureRequest) -> Any:
