@@ -82,3 +82,39 @@ def wait_for(check: Callable[[], bool], *, timeout: float, what: str, interval: 
             return
         time.sleep(interval)
     raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+def live_positions(sink: Sink, view: ViewSpec) -> dict[tuple[str, int], int]:
+    """The positions stored with the view's live target ({} when there is none)."""
+    live = sink.live(view)
+    return sink.read_positions(live) if live is not None else {}
+
+
+def redis_outage_and_empty_restart(group: Any, rt: Any, view: ViewSpec, server: Any, end: Callable[[], Any],
+                                   write: Callable[[], None]) -> Any:
+    """Stop the private Redis `server` under a following `group`, `write()` more changes: PostgreSQL and
+    search reach the log end `end()` without waiting for Redis; restart Redis empty (no persistence): its
+    follower rebuilds, restarts and catches up. Returns the Redis follower."""
+    from kappaflow.errors import KappaflowError
+
+    server.stop()
+    write()
+    stop_end = end()
+    for k in ("postgres", "search"):
+        f = group[k]
+        assert f.wait_for(lambda _s, f=f: f.caught_up(), timeout=90), f"{k} blocked by the Redis outage"
+        assert live_positions(rt.sinks[k], view) == stop_end
+    assert group["redis"].failed is None
+
+    server.start()  # same port, no persistence: the view is gone
+    redis_f = group["redis"]
+
+    def redis_caught_up() -> bool:
+        try:
+            return bool(redis_f.caught_up())
+        except KappaflowError:
+            return False
+
+    wait_for(lambda: redis_f.restarts >= 1 and redis_caught_up(), timeout=120,
+             what="the Redis follower to rebuild, restart and catch up", interval=0.2)
+    return redis_f

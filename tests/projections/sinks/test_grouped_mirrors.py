@@ -17,9 +17,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from _sink_helpers import wait_for
+from _sink_helpers import live_positions as _positions
+from _sink_helpers import redis_outage_and_empty_restart, wait_for
 
-from kappaflow.errors import ConfigError, KappaflowError
+from kappaflow.errors import ConfigError
 from kappaflow.events import Column, FieldType, TableSchema
 from kappaflow.log.embedded import EmbeddedLog
 from kappaflow.projections.api import Count, Max, Projection, ProjectionSpec, Sum
@@ -62,11 +63,6 @@ def _rows(sink: Sink, view: Any) -> dict[int, dict[str, Any]]:
     live = sink.live(view)
     assert live is not None, sink.kind
     return {r["customer_id"]: {k: r[k] for k in (*view.column_names, "_kf_version")} for r in sink.scan(live)}
-
-
-def _positions(sink: Sink, view: Any) -> dict[tuple[str, int], int]:
-    live = sink.live(view)
-    return sink.read_positions(live) if live is not None else {}
 
 
 def _expected(w: TableWriter) -> dict[int, dict[str, Any]]:
@@ -212,26 +208,8 @@ def test_redis_stopped_and_restarted_empty_catches_up(
         group = FollowerGroup(proj, rt, trigger="0.2s", backoff_s=0.2, max_backoff_s=1.0, max_restarts=10_000).start()
         assert group.wait_for(lambda g: g.caught_up(), timeout=90)
 
-        server.stop()
-        _churn(w, 2)
-        end = flatten(rt.end_offsets([TOPIC]))
-        for k in ("postgres", "search"):
-            f = group[k]
-            assert f.wait_for(lambda _s, f=f: f.caught_up(), timeout=90), f"{k} blocked by the Redis outage"
-            assert _positions(rt.sinks[k], view) == end
-        assert group["redis"].failed is None
-
-        server.start()  # same port, no persistence: the mirror is gone
-        redis_f = group["redis"]
-
-        def redis_caught_up() -> bool:
-            try:
-                return redis_f.caught_up()
-            except KappaflowError:
-                return False
-
-        wait_for(lambda: redis_f.restarts >= 1 and redis_caught_up(), timeout=120,
-                 what="the Redis mirror to rebuild, restart and catch up", interval=0.2)
+        redis_outage_and_empty_restart(group, rt, view, server, lambda: flatten(rt.end_offsets([TOPIC])),
+                                       lambda: _churn(w, 2))
         _mirrors_equal_pg(rt, view, w)
         _churn(w, 3)
         assert group.wait_for(lambda g: g.caught_up(), timeout=120)

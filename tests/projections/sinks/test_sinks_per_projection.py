@@ -17,7 +17,8 @@ from typing import Any
 
 import pytest
 import typer
-from _sink_helpers import wait_for
+from _sink_helpers import live_positions as _positions
+from _sink_helpers import redis_outage_and_empty_restart, wait_for
 from typer.testing import CliRunner
 
 from kappaflow.errors import ConfigError, KappaflowError
@@ -69,11 +70,6 @@ def _rows(sink: Sink, view: Any) -> dict[int, dict[str, Any]]:
     live = sink.live(view)
     assert live is not None, sink.kind
     return {r["id"]: {k: v for k, v in r.items() if k != "_kf_version"} for r in sink.scan(live)}
-
-
-def _positions(sink: Sink, view: Any) -> dict[tuple[str, int], int]:
-    live = sink.live(view)
-    return sink.read_positions(live) if live is not None else {}
 
 
 def _runtime(spark: Any, log_dir: Path, pg_dsn: str, search_url: str, redis_url: str, tmp_path: Path,
@@ -156,27 +152,17 @@ def test_redis_down_restarted_empty_and_flushed_while_following(
         group = FollowerGroup(proj, rt, trigger="0.2s", backoff_s=0.2, max_backoff_s=1.0, max_restarts=10_000).start()
         assert group.wait_for(lambda g: g.caught_up(), timeout=90)
 
-        server.stop()
-        _history(w, range(30, 90), 2)
+        # PostgreSQL and search advance while Redis is down; Redis rebuilds after its empty restart
+        redis_f = redis_outage_and_empty_restart(group, rt, view, server, lambda: flatten(rt.end_offsets([TOPIC])),
+                                                 lambda: _history(w, range(30, 90), 2))
         end = flatten(rt.end_offsets([TOPIC]))
-        # PostgreSQL and search advance while Redis is down
-        for k in ("postgres", "search"):
-            f = group[k]
-            assert f.wait_for(lambda _s, f=f: f.caught_up(), timeout=90), f"{k} blocked by the Redis outage"
-            assert _positions(rt.sinks[k], view) == end
-        assert group["redis"].failed is None
-
-        server.start()  # same port, no persistence: the view is gone
-        redis_f = group["redis"]
 
         def redis_caught_up() -> bool:
             try:
-                return redis_f.caught_up()
+                return bool(redis_f.caught_up())
             except KappaflowError:
                 return False
 
-        wait_for(lambda: redis_f.restarts >= 1 and redis_caught_up(), timeout=120,
-                 what="the Redis follower to rebuild, restart and catch up", interval=0.2)
         assert redis_f.rebuilds >= 1 and redis_f.restarts >= 1
         _same_views(rt, view)
         assert _positions(rt.sinks["redis"], view) == end
