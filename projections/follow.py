@@ -53,7 +53,7 @@ from typing import Any
 from pyspark.sql import DataFrame
 from pyspark.sql import functions as F
 
-from kappaflow.errors import ConfigError, KappaflowError
+from kappaflow.errors import ConfigError, KappaflowError, Retry, SinkError
 from kappaflow.projections.api import CustomFold, Projection, ProjectionSpec
 from kappaflow.projections.engine import BatchResult, ProjectionBusy, apply_batch, nest, prepare
 from kappaflow.projections.mirror import is_mirror, sync
@@ -219,8 +219,36 @@ class Follower:
             .start()
         )
 
+    def _check_lock(self) -> None:
+        """Refuse to write without the projection's lock (its session died with a PostgreSQL restart,
+        or its lease was lost): the batch fails, and recovery re-takes the lock or gives up."""
+        if not self._lock_sink.holds_lock(self.spec.name):
+            raise SinkError(f"follower {self.name}: the projection lock in the {self.sink_name} sink was lost",
+                            retry=Retry.TRANSIENT)
+
+    def _relock(self) -> None:
+        """Take the lock again on a fresh connection/client if it was lost; ProjectionBusy (the
+        follower gives up) when another process took it meanwhile."""
+        spec = self.spec
+        if self._lock_sink.holds_lock(spec.name):
+            return
+        fresh = self.rt.sink_for(spec.name, self.sink_name).config().open()
+        if not fresh.try_lock(spec.name):
+            fresh.close()
+            raise ProjectionBusy(
+                f"projection {spec.name!r}: the {self.sink_name} sink lost the follower's lock (store restarted or "
+                "lease expired) and another process holds it now"
+            )
+        old, self._lock_sink = self._lock_sink, fresh
+        try:
+            old.close()
+        except Exception:
+            pass
+        log.warning("follower %s: took the projection lock again", self.name)
+
     def _batch(self, df: DataFrame, batch_id: int) -> None:
         try:
+            self._check_lock()
             spec = self.spec
             before = self.sink.read_positions(self.target)
             raws = (
@@ -279,6 +307,7 @@ class Follower:
                 return False
             try:
                 self._reopen()
+                self._relock()
                 if lost or self._view_lost():
                     self._rebuild()
                 self._start_query(fresh=True)
@@ -401,6 +430,7 @@ class _MirrorLoop:
         f = self.follower
         while not self._stop.is_set():
             try:
+                f._check_lock()
                 res = sync(f.plan, f.rt, f._pg, f.sink, f.target)
             except BaseException as exc:
                 f.error = self._exc = exc

@@ -291,6 +291,11 @@ class Sink(abc.ABC):
         """Release the lock taken with ``try_lock`` (no error if not held)."""
 
     @abc.abstractmethod
+    def holds_lock(self, projection: str) -> bool:
+        """Whether THIS sink still holds `projection`'s lock (False once its session died or its lease
+        was lost): a follower checks it before each batch, so it never writes without the lock."""
+
+    @abc.abstractmethod
     def is_locked(self, projection: str) -> bool:
         """Whether anyone holds `projection`'s lock, read without taking it (``kappaflow status``
         reports a projection as following when its lock is held)."""

@@ -1140,6 +1140,17 @@ class PostgresSink(Sink):
             "SELECT pg_advisory_unlock(hashtextextended(%s, 7270604))", ("kappaflow.projection:" + projection,)
         )
 
+    def holds_lock(self, projection: str) -> bool:
+        try:
+            row = self.conn.execute(
+                "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND granted AND pid = pg_backend_pid() "
+                "AND ((classid::bigint << 32) | objid::bigint) = hashtextextended(%s, 7270604)",
+                ("kappaflow.projection:" + projection,),
+            ).fetchone()
+        except Exception:  # the session is gone, and its lock with it
+            return False
+        return bool(row and row[0])
+
     def is_locked(self, projection: str) -> bool:
         row = self.conn.execute(
             "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND granted AND "

@@ -361,6 +361,10 @@ class RedisSink(Sink):
         if lease is not None:
             lease.release()
 
+    def holds_lock(self, projection: str) -> bool:
+        lease = self._leases.get(projection)
+        return lease is not None and not lease.lost
+
     def is_locked(self, projection: str) -> bool:
         return bool(self._retrying("read lock", lambda: self.client.exists(self._lock_key(projection))))
 

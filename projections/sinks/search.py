@@ -737,6 +737,10 @@ class SearchSink(Sink):
         if lease is not None:
             lease.release()
 
+    def holds_lock(self, projection: str) -> bool:
+        lease = self._leases.get(projection)
+        return lease is not None and not lease.lost
+
     def is_locked(self, projection: str) -> bool:
         self._ensure_positions_index()
         index, doc_id = self.options.positions_index, f"~lock:{projection}"

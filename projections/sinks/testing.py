@@ -281,10 +281,12 @@ class SinkContract:
             assert not other.is_locked(name)
             assert sink.try_lock(name)
             assert other.is_locked(name) and sink.is_locked(name), "is_locked does not see a held lock"
+            assert sink.holds_lock(name) and not other.holds_lock(name), "holds_lock: only the holder holds it"
             assert not other.try_lock(name), "a second holder took a held lock"
             assert other.try_lock(name + "_b"), "the lock of another projection is independent"
             other.unlock(name + "_b")
             sink.unlock(name)
+            assert not sink.holds_lock(name), "holds_lock after unlock"
             assert not other.is_locked(name), "is_locked still sees a released lock"
             assert other.try_lock(name), "unlock did not release the lock"
             assert not sink.try_lock(name)

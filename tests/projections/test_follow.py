@@ -147,6 +147,45 @@ def test_a_follower_reconnects_after_its_postgresql_connection_is_killed(
         f.stop()
 
 
+def test_a_follower_that_lost_its_lock_takes_it_again_before_writing(
+        rt: Any, embedded_log: Any, pg_dsn: str) -> None:
+    """All of the follower's PostgreSQL sessions killed (as by a server restart): the advisory lock
+    went with its session, so no batch may be written until the follower holds the lock again."""
+    from kappaflow.projections.engine import ProjectionBusy
+
+    w = TableWriter(embedded_log, orders_schema("flk"), partitions=2)
+    for i in range(1, 5):
+        w.insert(order(i, 1, 100 * i, "new", i))
+    w.flush()
+    latest = defs.latest("flk", name="flk_latest")
+    replay(latest, rt)
+    f = Follower(latest, rt, trigger="0.2s", backoff_s=0.2, max_backoff_s=0.5, max_restarts=8).start()
+    try:
+        assert f.wait_for(lambda s: f.caught_up(), 120), "the follower did not catch up"
+        lock_pid = f._lock_sink.conn.info.backend_pid
+        with psycopg.connect(pg_dsn, autocommit=True) as c:
+            c.execute("SELECT pg_terminate_backend(pid) FROM unnest(%s::int[]) AS pid",
+                      ([lock_pid, f.sink.conn.info.backend_pid],))
+        assert not f._lock_sink.holds_lock(latest.name)
+        w.insert(order(9, 1, 900, "new", 9))
+        w.flush()
+
+        def relocked_and_caught_up() -> bool:
+            try:
+                return f._lock_sink.holds_lock(latest.name) and f.caught_up()
+            except Exception:  # the old lock connection is dead until the follower replaces it
+                return False
+
+        wait(relocked_and_caught_up, 120, f"the follower to take its lock again and catch up ({f.error!r})")
+        assert f.restarts >= 1 and f.failed is None
+        assert f._lock_sink.conn.info.backend_pid != lock_pid
+        with pytest.raises(ProjectionBusy):  # the lock is really held again
+            replay(latest, rt)
+        assert [r[0] for r in view_rows(pg_dsn, latest.name, "id")] == [1, 2, 3, 4, 9]
+    finally:
+        f.stop()
+
+
 def test_a_second_follower_of_the_same_projection_is_refused(rt: Any, embedded_log: Any) -> None:
     from kappaflow.projections.engine import ProjectionBusy
 
