@@ -26,6 +26,12 @@ from examples.bank.account import InsufficientFunds
 from examples.bank.bank import Bank
 from examples.bank.events import registry
 from examples.bank.invariant import check_balances_view, check_invariants
+from examples.bank.projections import (
+    ACCOUNT_TOPIC,
+    SOURCE,
+    AccountActivity,
+    Balances,
+)
 from kappaflow.config import LedgerSourceConfig
 from kappaflow.connectors.base import StopSignal
 from kappaflow.connectors.ledger import LedgerConnector
@@ -35,17 +41,6 @@ from kappaflow.log.base import Log
 from kappaflow.projections.api import Source
 
 pytestmark = pytest.mark.integration
-
-if "events" not in getattr(Source, "__dataclass_fields__", {}):  # pragma: no cover - until integrated
-    pytest.skip("the Projection API has no event topics yet (Source(..., events=True)); see the ledger source "
-                "report for the projections change", allow_module_level=True)
-
-from examples.bank.projections import (  # noqa: E402 - needs event topics
-    ACCOUNT_TOPIC,
-    SOURCE,
-    AccountActivity,
-    Balances,
-)
 
 ACCOUNTS = ["alice", "bob", "carol", "dave", "erin"]
 
