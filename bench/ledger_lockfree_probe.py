@@ -62,7 +62,7 @@ END $$;
 """
 
 
-def writer(dsn: str, seed: int, accounts: int, seconds: float, go: Any, out: Any) -> None:
+def writer(dsn: str, seed: int, accounts: int, seconds: float, ready: Any, go: Any, out: Any) -> None:
     import orjson
     import psycopg
 
@@ -72,6 +72,7 @@ def writer(dsn: str, seed: int, accounts: int, seconds: float, go: Any, out: Any
     append = "SELECT p_transfer(%s, %s, %s, %s, %s, %s)"
     done = conflicts = 0
     with psycopg.connect(dsn, autocommit=True) as conn:
+        ready.put(seed)
         go.wait()
         cpu0 = time.process_time()
         stop = time.perf_counter() + seconds
@@ -126,12 +127,13 @@ def main() -> None:
             durable = {k: str(conn.execute(f"SHOW {k}").fetchone()[0])  # type: ignore[index]
                        for k in ("fsync", "synchronous_commit")}
         ctx = mp.get_context("spawn")
-        out, go = ctx.Queue(), ctx.Event()
-        procs = [ctx.Process(target=writer, args=(dsn, s, args.accounts, args.seconds, go, out))
+        out, ready, go = ctx.Queue(), ctx.Queue(), ctx.Event()
+        procs = [ctx.Process(target=writer, args=(dsn, s, args.accounts, args.seconds, ready, go, out))
                  for s in range(args.writers)]
         for p in procs:
             p.start()
-        time.sleep(2)  # connections open; then all writers start at once
+        for _ in procs:  # every writer has its connection open: start them at the same instant
+            ready.get(timeout=120)
         go.set()
         results = [out.get(timeout=args.seconds + 120) for _ in procs]
         for p in procs:
