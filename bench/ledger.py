@@ -5,8 +5,13 @@
 Without --dsn a private PostgreSQL is started from the machine's binaries, DURABLE by default
 (fsync on, synchronous_commit on: every acknowledged append survives a power cut); --fast
 turns both off (the test-suite setting) to show the cost of durability.
-Also measures a ceiling: the same writers doing nothing but a minimal durable transaction (one
-INSERT of two rows), i.e. what no ledger on this machine and server can beat.
+Baselines measured in the same run, on the same server:
+- ``floor_transfers_per_s``: the same transfer workload stripped to the bone
+  (``bench/ledger_lockfree_probe.py``: one read and one minimal durable append function per
+  transfer, no hash chain, no ordering, no typed events) -- what no ledger with the guarantees can
+  beat here; ``transfers_vs_floor`` is the ledger's share of it;
+- ``ceiling_min_durable_txn_per_s``: the writers doing nothing but a minimal durable transaction.
+
 Prints one JSON object on the last line.
 """
 
@@ -26,6 +31,7 @@ from typing import Any
 import orjson
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # examples/
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # ledger_lockfree_probe
 
 
 def pct(values: list[float], p: float) -> float:
@@ -257,6 +263,10 @@ def main() -> None:
         raw = transfers(dsn, args.writers, args.accounts, args.seconds / 2, raw=True)
         print(f"raw two-stream appends: {raw['transfers_per_s']:,.0f}/s with {args.writers} writers",
               file=sys.stderr)
+        import ledger_lockfree_probe
+
+        floor = ledger_lockfree_probe.run(dsn, args.writers, args.accounts, args.seconds)
+        print(f"floor (stripped transfer workload): {floor['lockfree_transfers_per_s']:,}/s", file=sys.stderr)
         ceil = transfers(dsn, args.writers, args.accounts, args.seconds / 2, ceiling=True)
         print(f"ceiling (a minimal durable 2-row INSERT transaction): {ceil['transfers_per_s']:,.0f}/s with "
               f"{args.writers} writers", file=sys.stderr)
@@ -270,6 +280,9 @@ def main() -> None:
         result = {
             "batched_append_events_per_s": round(rate),
             "transfers_per_s": round(tr["transfers_per_s"]),
+            "floor_transfers_per_s": floor["lockfree_transfers_per_s"],
+            "transfers_vs_floor": round(tr["transfers_per_s"] / max(floor["lockfree_transfers_per_s"], 1), 3),
+            "floor_cpu_ms_client": floor["client_cpu_ms_per_transfer"],
             "append_latency_p50_ms": round(pct(tr["append_lat"], .5), 3),
             "append_latency_p99_ms": round(pct(tr["append_lat"], .99), 3),
             "transfer_command_latency_p50_ms": round(pct(tr["transfer_lat"], .5), 3),

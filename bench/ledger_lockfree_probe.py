@@ -1,8 +1,8 @@
-"""Design probe for issue 5 (not product code): what bank transfers cost WITHOUT the ledger-wide lock.
+"""The floor for bank transfers on this machine (not product code): the ledger's workload, stripped.
 
-The ledger assigns positions under one lock held until commit (positions in commit order) and
-therefore commits without waiting for the flush and runs a separate durability barrier. This probe
-measures the alternative design on the same machine and workload as ``bench/ledger.py``
+It sized a lock-free redesign of the ledger (built on branch ``lockfree``, not adopted: on this
+2-core machine it measured 0.8-0.9x the current design, see the README) and is the baseline
+``bench/ledger.py`` measures the ledger against in the same run: the same machine and workload
 (8 writer processes, 1,000 accounts, durable server: fsync on, synchronous_commit on):
 
 - positions from a sequence and each event's transaction id (``xid8``): a tailing reader would
@@ -13,9 +13,8 @@ measures the alternative design on the same machine and workload as ``bench/ledg
   events and the idempotency row, and commits durably (PostgreSQL's group commit shares fsyncs);
 - the same client loop as the bank: read the source account's unseen events, check funds, append.
 
-Not modelled: the hash chain (it would be sealed behind the tail by a separate sealer), typed
-events and the pool. So the figure is an upper bound for the redesign, to compare with
-``transfers_per_s`` of ``bench/ledger.py`` run just before or after.
+Not modelled: the hash chain and its sealer, gap-safe ordering, typed events, metadata, stream
+types, contiguous position blocks. So it is a floor no ledger with those guarantees can beat here.
 
     .venv/bin/python bench/ledger_lockfree_probe.py [--writers 8] [--accounts 1000] [--seconds 8]
 
@@ -101,6 +100,36 @@ def writer(dsn: str, seed: int, accounts: int, seconds: float, ready: Any, go: A
         out.put((done, conflicts, time.process_time() - cpu0))
 
 
+def run(dsn: str, writers: int, accounts: int, seconds: float) -> dict[str, Any]:
+    """The probe's workload on `dsn` (its own ``p_*`` tables): the floor for bench/ledger.py."""
+    import psycopg
+
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute(DDL)
+        conn.execute("INSERT INTO p_streams SELECT 'acc-' || g, 0 FROM generate_series(0, %s) g", (accounts - 1,))
+        durable = {k: str(conn.execute(f"SHOW {k}").fetchone()[0])  # type: ignore[index]
+                   for k in ("fsync", "synchronous_commit")}
+    ctx = mp.get_context("spawn")
+    out, ready, go = ctx.Queue(), ctx.Queue(), ctx.Event()
+    procs = [ctx.Process(target=writer, args=(dsn, s, accounts, seconds, ready, go, out)) for s in range(writers)]
+    for p in procs:
+        p.start()
+    for _ in procs:  # every writer has its connection open: start them at the same instant
+        ready.get(timeout=120)
+    go.set()
+    results = [out.get(timeout=seconds + 120) for _ in procs]
+    for p in procs:
+        p.join(timeout=30)
+    done = sum(r[0] for r in results)
+    return {
+        "lockfree_transfers_per_s": round(done / seconds),
+        "conflicts_retried": sum(r[1] for r in results),
+        "client_cpu_ms_per_transfer": round(1000 * sum(r[2] for r in results) / max(done, 1), 3),
+        "writers": writers, "accounts": accounts, "durable": durable,
+        "load_avg_1m": round(os.getloadavg()[0], 2), "cpus": os.cpu_count(),
+    }
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dsn", help="an existing database (default: a private durable PostgreSQL)")
@@ -118,34 +147,7 @@ def main() -> None:
         server = PrivatePostgres(wal_level="replica", durable=True, settings={"max_connections": "100"}).start()
         dsn = server.create_database("ledger_probe")
     try:
-        import psycopg
-
-        with psycopg.connect(dsn, autocommit=True) as conn:
-            conn.execute(DDL)
-            conn.execute("INSERT INTO p_streams SELECT 'acc-' || g, 0 FROM generate_series(0, %s) g",
-                         (args.accounts - 1,))
-            durable = {k: str(conn.execute(f"SHOW {k}").fetchone()[0])  # type: ignore[index]
-                       for k in ("fsync", "synchronous_commit")}
-        ctx = mp.get_context("spawn")
-        out, ready, go = ctx.Queue(), ctx.Queue(), ctx.Event()
-        procs = [ctx.Process(target=writer, args=(dsn, s, args.accounts, args.seconds, ready, go, out))
-                 for s in range(args.writers)]
-        for p in procs:
-            p.start()
-        for _ in procs:  # every writer has its connection open: start them at the same instant
-            ready.get(timeout=120)
-        go.set()
-        results = [out.get(timeout=args.seconds + 120) for _ in procs]
-        for p in procs:
-            p.join(timeout=30)
-        done = sum(r[0] for r in results)
-        print(json.dumps({
-            "lockfree_transfers_per_s": round(done / args.seconds),
-            "conflicts_retried": sum(r[1] for r in results),
-            "client_cpu_ms_per_transfer": round(1000 * sum(r[2] for r in results) / max(done, 1), 3),
-            "writers": args.writers, "accounts": args.accounts, "durable": durable,
-            "load_avg_1m": round(os.getloadavg()[0], 2), "cpus": os.cpu_count(),
-        }))
+        print(json.dumps(run(dsn, args.writers, args.accounts, args.seconds)))
     finally:
         if server is not None:
             server.stop()
