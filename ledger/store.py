@@ -182,6 +182,11 @@ class Ledger:
         self._read_stream_sql: Any = sql.SQL(
             "select {cols} from {events} where stream_id = %s and stream_version >= %s "
             "order by stream_version limit %s").format(cols=cols, events=t.events)
+        # Only what folding an aggregate needs (see `load_events`).
+        self._load_sql: Any = sql.SQL(
+            "select stream_version, event_type, schema_version, payload::text, position from {events} "
+            "where stream_id = %s and stream_version >= %s order by stream_version").format(
+            events=t.events).as_bytes(None)
         self._read_all_sql: Any = sql.SQL(
             "select {cols} from {events} where position >= %s order by position limit %s"
         ).format(cols=cols, events=t.events)
@@ -338,6 +343,20 @@ class Ledger:
             _check_int(limit, "limit", minimum=1)
         rows = self._fetch(self._read_stream_sql, (stream_id, from_version, limit), one=False)
         return self._records(rows, decode)
+
+    def load_events(self, stream_id: str, *, from_version: int = 1) -> list[tuple[int, Any]]:
+        """``(stream_version, event)`` pairs of one stream from `from_version`: the read a command
+        handler makes to catch its aggregate up before deciding (then appends with the last
+        version as expected version). Reads fewer columns than `read_stream` and builds no
+        `RecordedEvent`s; events are typed through the registry (dicts without one)."""
+        check_identifier(stream_id, field="stream_id")
+        _check_int(from_version, "from_version", minimum=1)
+        rows = self._fetch(self._load_sql, (stream_id, from_version), one=False)
+        registry, loads = self.registry, orjson.loads
+        if registry is None:
+            return [(r[0], loads(r[3])) for r in rows]
+        decode = registry.decode
+        return [(r[0], decode(r[1], r[2], loads(r[3]), position=r[4])) for r in rows]
 
     def read_all(self, *, from_position: int = 1, limit: int = 1000,
                  stream_types: Sequence[str] | None = None, decode: bool = True) -> list[RecordedEvent]:

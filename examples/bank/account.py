@@ -47,6 +47,13 @@ class Account:
             self.version = r.stream_version
         return self
 
+    def fold_versions(self, events: Iterable[tuple[int, object]]) -> Account:
+        """Fold ``(stream_version, event)`` pairs (`Ledger.load_events`)."""
+        for version, event in events:
+            self.apply(event)
+            self.version = version
+        return self
+
     def require_open(self) -> None:
         if not self.opened:
             raise AccountNotOpen(self.id)

@@ -15,6 +15,7 @@ from kappaflow.ledger import (
     EventRegistry,
     ExpectedVersion,
     IdempotencyKeyReusedError,
+    InvalidAppendError,
     Ledger,
     NewEvent,
     StreamAppend,
@@ -236,3 +237,27 @@ def test_log_mapping_topic_key_value(ledger: Ledger) -> None:
            "event_type": "Opened", "schema_version": 1, "payload": '{"owner": "ann"}', "metadata": "{}",
            "recorded_at": rec.recorded_at, "hash": base64.b64encode(rec.hash).decode()}
     assert event_value(row) == value
+
+
+def test_load_events_gives_typed_version_pairs_for_folding(ledger_dsn: str) -> None:
+    """The lean catch-up read a command handler makes: (stream_version, event), upcast, from a version."""
+    with Ledger(ledger_dsn, registry=make_registry()) as led:
+        led.append("account-1", [NewEvent("AccountOpened", {"name": "ann"}, schema_version=1),
+                                 Deposited(amount=5), Deposited(amount=7, note="x")])
+        led.append("account-2", [Deposited(amount=1)])
+        assert led.load_events("account-1") == [(1, Opened(owner="ann", currency="EUR")), (2, Deposited(amount=5)),
+                                                (3, Deposited(amount=7, note="x"))]
+        assert led.load_events("account-1", from_version=3) == [(3, Deposited(amount=7, note="x"))]
+        assert led.load_events("account-1", from_version=4) == []
+        assert led.load_events("account-9") == []
+        with pytest.raises(InvalidAppendError, match="from_version"):
+            led.load_events("account-1", from_version=0)
+    with Ledger(ledger_dsn) as led:  # no registry: the stored JSON, not upcast
+        assert led.load_events("account-1", from_version=1)[0] == (1, {"name": "ann"})
+    partial = EventRegistry()
+    partial.register(Opened, name="AccountOpened", version=3)
+    with Ledger(ledger_dsn, registry=partial) as led:  # a reader lacking an upcaster or a type says so
+        with pytest.raises(UpcastError, match="position 1: no upcaster from schema version 1 to 2"):
+            led.load_events("account-1")
+        with pytest.raises(UnknownEventTypeError, match="'Deposited' at position 4"):
+            led.load_events("account-2")
