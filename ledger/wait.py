@@ -24,7 +24,7 @@ from typing import Protocol, runtime_checkable
 import psycopg
 from psycopg import sql
 
-from kappaflow.errors import ConfigError
+from kappaflow.errors import ConfigError, UnknownTopicError
 from kappaflow.ledger.errors import LedgerUnavailableError, ProjectionTimeoutError
 from kappaflow.ledger.logmap import ledger_topic
 from kappaflow.ledger.store import Ledger
@@ -130,7 +130,10 @@ class LogProjectionPositions:
         return where
 
     def processed(self, projection: str, position: int) -> int | None:
-        topic, partition = self.locate(position)
+        try:
+            topic, partition = self.locate(position)
+        except UnknownTopicError:
+            return None  # the first event of its stream type has not reached the log yet
         conn = self._positions.connection()
         try:
             row = conn.execute(self._query, (projection, self.target, topic, partition)).fetchone()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+from typing import Any
 
 import psycopg
 import pytest
@@ -10,12 +11,15 @@ import pytest
 from kappaflow.errors import ConfigError
 from kappaflow.ledger import (
     Ledger,
+    LedgerRelay,
+    LogProjectionPositions,
     NewEvent,
     PostgresProjectionPositions,
     ProjectionPositions,
     ProjectionTimeoutError,
     wait_for_projection,
 )
+from kappaflow.ledger.relay import record_position
 
 pytestmark = pytest.mark.integration
 
@@ -81,3 +85,29 @@ def test_any_protocol_object_and_bad_arguments(ledger_dsn: str) -> None:
         wait_for_projection(InMemory(), "p", -1)
     with pytest.raises(ConfigError, match="projection_positions does not exist"):
         wait_for_projection(ledger_dsn, "p", 1, timeout=1)
+
+
+def test_wait_through_the_log_before_the_events_topic_exists(ledger_dsn: str, embedded_log: Any) -> None:
+    """The first event of a stream type has not reached the log (its topic does not exist yet):
+    the wait waits (and times out naming the position) instead of failing; once the event is in
+    the log and the projection's offset passes it, it returns."""
+    from kappaflow.migrations import upgrade
+
+    upgrade(ledger_dsn, "projections@head")
+    with Ledger(ledger_dsn) as ledger, psycopg.connect(ledger_dsn, autocommit=True) as conn:
+        r = ledger.append("acct-1", [NewEvent("Opened", {})])
+        positions = LogProjectionPositions(ledger_dsn, embedded_log, ledger, "bank")
+        with pytest.raises(ProjectionTimeoutError) as err:
+            wait_for_projection(positions, "balances", r.position, timeout=0.2)
+        assert (err.value.position, err.value.reached) == (1, None)
+
+        relay = LedgerRelay(ledger, embedded_log, "bank", partitions=2)
+        while relay.run_once():
+            pass
+        topic, part = positions.locate(r.position)
+        offsets = [rec.offset for rec in embedded_log.iter_partition(topic, part) if record_position(rec) == 1]
+        assert len(offsets) == 1
+        conn.execute("insert into kappaflow.projection_positions (projection, target, topic, partition, next_offset) "
+                     "values ('balances', 'live', %s, %s, %s)", (topic, part, offsets[0] + 1))
+        assert wait_for_projection(positions, "balances", r.position, timeout=5) == 1
+        positions.close()
