@@ -6,7 +6,6 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from examples.bank.events import AccountOpened, Deposited, TransferReceived, TransferSent, Withdrawn
-from kappaflow.ledger import RecordedEvent
 
 
 class BankError(Exception):
@@ -41,13 +40,7 @@ class Account:
             case Withdrawn(amount=a) | TransferSent(amount=a):
                 self.balance -= a
 
-    def fold(self, records: Iterable[RecordedEvent]) -> Account:
-        for r in records:
-            self.apply(r.event)
-            self.version = r.stream_version
-        return self
-
-    def fold_versions(self, events: Iterable[tuple[int, object]]) -> Account:
+    def fold(self, events: Iterable[tuple[int, object]]) -> Account:
         """Fold ``(stream_version, event)`` pairs (`Ledger.load_events`)."""
         for version, event in events:
             self.apply(event)

@@ -40,7 +40,7 @@ class Bank:
             acc = self._accounts[account_id] = Account(account_id)
             refresh = True
         if refresh:
-            acc.fold_versions(self.ledger.load_events(stream_id(account_id), from_version=acc.version + 1))
+            acc.fold(self.ledger.load_events(stream_id(account_id), from_version=acc.version + 1))
         return acc
 
     def open_account(self, account_id: str, owner: str) -> AppendResult:
