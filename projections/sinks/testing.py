@@ -248,7 +248,12 @@ class SinkContract:
                 shadow = sink.begin_shadow(view)
                 sink.load(shadow, [batch_from_rows(view, [contract_row(i, 10 + gen) for i in range(50 + gen)])])
                 sink.swap(shadow)
-                time.sleep(0.05)
+                # let the reader look at the new generation a few times before the next swap
+                seen_before = len(seen)
+                deadline = time.monotonic() + 10
+                while len(seen) < seen_before + 3 and not errors and th.is_alive():
+                    assert time.monotonic() < deadline, "the reader took no samples after a swap within 10s"
+                    time.sleep(0.001)
         finally:
             stop.set()
             th.join(30)
