@@ -48,6 +48,7 @@ from kappaflow.connectors.base import (
     tail_positions,
 )
 from kappaflow.connectors.mysql.offset import MySQLOffset, SnapshotProgress
+from kappaflow.connectors.mysql.preflight import check_tables
 from kappaflow.connectors.mysql.schema_tracking import SchemaTracker, TableState, schema_topic
 from kappaflow.connectors.mysql.server import (
     ConnectArgs,
@@ -73,6 +74,7 @@ from kappaflow.connectors.mysql.streaming import (
 from kappaflow.connectors.mysql.types import snapshot_select_expr
 from kappaflow.connectors.mysql.writer import ChangeBatcher, key_of, make_source, now_ms
 from kappaflow.connectors.offsets import OffsetStore
+from kappaflow.connectors.preflight import require_capturable
 from kappaflow.connectors.writer import FaultHook
 from kappaflow.errors import ConfigError, Retry, SourceError
 from kappaflow.events import BinlogPosition, ChangeEvent, EventCodec, Op, Snapshot
@@ -574,6 +576,9 @@ class MySQLConnector(Connector):
         try:
             server = check_server(conn, self.args.where())
             tables = self._resolve_tables(conn, strict=stored is None)
+            if stored is None:  # every table's key, all at once, before the snapshot reads any of them
+                require_capturable(self.name, check_tables(conn, tables, self.key_columns, source=self.name,
+                                                           duplicates=False))
             files = binlog_files(conn)
         finally:
             conn.close()

@@ -72,7 +72,7 @@ class PgCapture:
         self.table_config = list(tables)
         self.key_columns = dict(key_columns)
         self.tables: dict[str, TableInfo] = {
-            t.qualified: t for t in slots.resolve_tables(self.conn, tables, key_columns)
+            t.qualified: t for t in slots.resolve_tables(self.conn, tables, key_columns, source=source)
         }
         self.codecs: dict[str, TableCodec] = {}
         # "schema.table" -> mapper: those tables' rows become the mapper's records (mapping.py)
@@ -162,7 +162,7 @@ class PgCapture:
         info = self.tables.get(qualified)
         if info is None and not self.table_config:
             keys = self.key_columns.get(qualified)
-            info = slots.load_table(self.conn, schema, name, keys)
+            info = slots.load_table(self.conn, schema, name, keys, source=self.source)
             self.tables[qualified] = info
             topic = self.topic_of(info)
             existing = self._existing.get(topic)

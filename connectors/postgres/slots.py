@@ -27,6 +27,7 @@ __all__ = [
     "TypeCatalog",
     "check_server",
     "connect",
+    "describe_table",
     "drop_slot",
     "emit_heartbeat",
     "ensure_publication",
@@ -141,9 +142,21 @@ def split_table_name(name: str) -> tuple[str, str]:
     return schema, table
 
 
-def load_table(conn: psycopg.Connection, schema: str, table: str,
-               key_columns: Sequence[str] | None = None) -> TableInfo:
-    """Columns, key and replica identity of one table; SourceError when missing or keyless."""
+@dataclass(frozen=True, slots=True)
+class TableCatalog:
+    """What the catalog says about one table, before any key rule is applied."""
+
+    schema: str
+    name: str
+    oid: int
+    columns: tuple[ColumnInfo, ...]
+    pk: tuple[str, ...]
+    replica_identity: str  # 'd', 'n', 'f', 'i'
+    estimated_rows: int
+
+
+def describe_table(conn: psycopg.Connection, schema: str, table: str) -> TableCatalog:
+    """Columns, primary key and replica identity of one table; SourceError naming the known tables if missing."""
     row = conn.execute(
         "SELECT c.oid, c.relreplident, c.reltuples::bigint FROM pg_class c "
         "JOIN pg_namespace n ON n.oid = c.relnamespace "
@@ -176,31 +189,33 @@ def load_table(conn: psycopg.Connection, schema: str, table: str,
             (oid,),
         ).fetchall()
     )
+    return TableCatalog(schema, table, oid, cols, pk, ident, max(reltuples, 0))
+
+
+def load_table(conn: psycopg.Connection, schema: str, table: str,
+               key_columns: Sequence[str] | None = None, *, source: str | None = None) -> TableInfo:
+    """Columns, key and replica identity of one table; SourceError when it cannot be captured.
+
+    The key rules (``preflight.key_check``) are the ones `source add` and `doctor` apply, so every
+    problem of a table, and every fix, is said at once.
+    """
+    from kappaflow.connectors.postgres.preflight import key_check
+
+    cat = describe_table(conn, schema, table)
     qualified = f"{schema}.{table}"
-    from_config = False
     if key_columns:
-        names = {c.name for c in cols}
+        names = {c.name for c in cat.columns}
         missing = [k for k in key_columns if k not in names]
         if missing:
             raise ConfigError(f"key_columns[{qualified!r}]: no column(s) {missing} in {qualified} "
                               f"(columns: {', '.join(sorted(names))})")
-        key, from_config = tuple(key_columns), True
-    elif pk:
-        key = pk
-    else:
-        raise SourceError(
-            f"table {qualified} has no primary key: kappaflow keys every record by it. Add a primary key, "
-            f'or name key columns in the source config: key_columns = {{ "{qualified}" = ["col", ...] }}',
-            retry=Retry.TERMINAL,
-        )
-    if from_config and ident in ("d", "n") and not pk:
-        raise SourceError(
-            f"table {qualified} has no primary key and REPLICA IDENTITY {'DEFAULT' if ident == 'd' else 'NOTHING'}: "
-            "PostgreSQL would refuse UPDATE/DELETE once it is published and the WAL carries no old key. Run "
-            f"ALTER TABLE {qualified} REPLICA IDENTITY FULL (or USING INDEX a unique index on the key columns)",
-            retry=Retry.TERMINAL,
-        )
-    return TableInfo(schema, table, oid, cols, key, from_config, ident, max(reltuples, 0))
+    check = key_check(conn, cat.oid, schema, table, cat.columns, cat.pk, cat.replica_identity, key_columns, source)
+    if check.problem:
+        raise SourceError(f"table {qualified} cannot be captured: {check.detail}. Fix: {check.fix}",
+                          retry=Retry.TERMINAL)
+    key = tuple(key_columns) if key_columns else cat.pk
+    return TableInfo(schema, table, cat.oid, cat.columns, key, bool(key_columns), cat.replica_identity,
+                     cat.estimated_rows)
 
 
 def publication_tables(conn: psycopg.Connection, publication: str) -> list[tuple[str, str]]:
@@ -218,7 +233,7 @@ def all_user_tables(conn: psycopg.Connection) -> list[tuple[str, str]]:
 
 
 def resolve_tables(conn: psycopg.Connection, tables: Sequence[str],
-                   key_columns: Mapping[str, Sequence[str]]) -> list[TableInfo]:
+                   key_columns: Mapping[str, Sequence[str]], *, source: str | None = None) -> list[TableInfo]:
     """The configured tables (or every user table when empty), validated and with their keys."""
     names = [split_table_name(t) for t in tables] if tables else all_user_tables(conn)
     keys = {split_table_name(k): list(v) for k, v in key_columns.items()}
@@ -226,7 +241,21 @@ def resolve_tables(conn: psycopg.Connection, tables: Sequence[str],
     for schema, table in keys:
         if (schema, table) not in known:
             raise ConfigError(f"key_columns: table {schema}.{table} is not among the captured tables")
-    return [load_table(conn, s, t, keys.get((s, t))) for s, t in names]
+    infos: list[TableInfo] = []
+    problems: list[str] = []
+    for s, t in names:
+        try:
+            infos.append(load_table(conn, s, t, keys.get((s, t)), source=source))
+        except SourceError as exc:  # say every table that cannot be captured, not just the first
+            if exc.retry is not Retry.TERMINAL:
+                raise
+            problems.append(str(exc))
+    if len(problems) == 1:
+        raise SourceError(problems[0], retry=Retry.TERMINAL)
+    if problems:
+        raise SourceError(f"{len(problems)} tables cannot be captured:\n  " + "\n  ".join(problems),
+                          retry=Retry.TERMINAL)
+    return infos
 
 
 # -- types ---------------------------------------------------------------------------------

@@ -87,16 +87,35 @@ def test_missing_table_and_missing_key(mariadb_server: Any, mariadb_db: str, emb
     db = mariadb_db
     with pytest.raises(ConfigError, match=rf"table {db}.nope does not exist"):
         mh.connector(mariadb_server, db, embedded_log, [f"{db}.nope"]).run(until_caught_up=True)
-    mariadb_server.execute("CREATE TABLE k (a INT, b INT)", "INSERT INTO k VALUES (1, 2)", db=db)
-    with pytest.raises(SourceError, match="has no primary key"):
+    mariadb_server.execute("CREATE TABLE k (a INT NOT NULL, b INT)", "INSERT INTO k VALUES (1, 2)", db=db)
+    with pytest.raises(SourceError, match=rf"{db}.k: no primary key.*--key-columns {db}.k="):
         mh.connector(mariadb_server, db, embedded_log, [f"{db}.k"]).run(until_caught_up=True)
-    with pytest.raises(SourceError, match=r"key_columns\[.*\]: column\(s\) \['zz'\] not in the table"):
+    with pytest.raises(SourceError, match=r"key_columns names column\(s\) \['zz'\] the table does not have"):
         mh.connector(mariadb_server, db, embedded_log, [f"{db}.k"], key_columns={f"{db}.k": ["zz"]},
                      name="src2").run(until_caught_up=True)
     # with key_columns a keyless table is captured
     s = mh.connector(mariadb_server, db, embedded_log, [f"{db}.k"], key_columns={f"{db}.k": ["a"]},
                      name="src3").run(until_caught_up=True)
     assert s.snapshot_rows == 1
+
+
+def test_keyless_tables_are_refused_before_the_snapshot(mariadb_server: Any, mariadb_db: str, embedded_log: Any,
+                                                        mh: Any) -> None:
+    """Issue 13 items 8/21: capture used to snapshot the keyed tables and stop at the first keyless one;
+    now every keyless table and nullable key column is named before any row is read."""
+    db = mariadb_db
+    mariadb_server.execute("CREATE TABLE a (id INT PRIMARY KEY)", "INSERT INTO a VALUES (1), (2)",
+                           "CREATE TABLE b (x INT)", "CREATE TABLE c (y INT NOT NULL, UNIQUE KEY c_y (y))",
+                           "CREATE TABLE d (z INT)", db=db)
+    conn = mh.connector(mariadb_server, db, embedded_log, [f"{db}.a", f"{db}.b", f"{db}.c", f"{db}.d"],
+                        key_columns={f"{db}.d": ["z"]})
+    with pytest.raises(SourceError, match="3 table\\(s\\) cannot be captured") as err:
+        conn.run(until_caught_up=True)
+    msg = str(err.value)
+    assert f"{db}.b: no primary key" in msg and f"--key-columns {db}.c=y" in msg and "index c_y" in msg, msg
+    assert f"{db}.d: key column(s) z may be NULL" in msg and "MODIFY `z` int(11) NOT NULL" in msg, msg
+    assert not err.value.transient
+    assert f"src.{db}.a" not in embedded_log.list_topics()  # nothing was snapshotted
 
 
 def test_built_from_the_config_models(embedded_log: Any, monkeypatch: pytest.MonkeyPatch) -> None:

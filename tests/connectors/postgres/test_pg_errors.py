@@ -79,10 +79,16 @@ def test_unknown_table_names_it_and_lists_the_known_ones(pg_dsn: str, sql: Any, 
 
 
 def test_table_without_primary_key(pg_dsn: str, sql: Any, source_name: str, embedded_log: Log) -> None:
-    sql("CREATE TABLE events (tenant int, seq int, payload text)")
+    """Issue 13 item 8: a keyless table is refused once, with both fixes (key columns and replica identity)."""
+    sql("CREATE TABLE events (tenant int NOT NULL, seq int NOT NULL, payload text)")
     sql("INSERT INTO events VALUES (1, 1, 'a'), (1, 2, 'b')")
-    with pytest.raises(SourceError, match=r"public.events has no primary key.*key_columns"):
+    with pytest.raises(SourceError) as ei:
         capture(config(pg_dsn, source_name, ["public.events"]), embedded_log)
+    msg = str(ei.value)
+    assert "public.events" in msg and "no primary key" in msg, msg
+    assert f"kappaflow source add {source_name} ... --key-columns public.events=" in msg, msg
+    assert "key_columns = { \"public.events\"" in msg, msg
+    assert "ALTER TABLE public.events REPLICA IDENTITY FULL" in msg, msg
     keyed = config(pg_dsn, source_name, ["public.events"], key_columns={"public.events": ["tenant", "seq"]})
     with pytest.raises(SourceError, match="REPLICA IDENTITY FULL"):
         capture(keyed, embedded_log)
@@ -96,6 +102,31 @@ def test_table_without_primary_key(pg_dsn: str, sql: Any, source_name: str, embe
     capture(keyed, embedded_log)
     got = compacted(embedded_log, f"{source_name}.public.events")
     assert got == {b'{"tenant":1,"seq":2}': {"tenant": 1, "seq": 2, "payload": "c"}}
+
+
+def test_keyless_tables_are_all_named_in_one_error(pg_dsn: str, sql: Any, source_name: str,
+                                                   embedded_log: Log) -> None:
+    sql("CREATE TABLE a (x int)")
+    sql("CREATE TABLE b (y int NOT NULL)")
+    sql("CREATE UNIQUE INDEX b_y ON b (y)")
+    with pytest.raises(SourceError, match="2 tables cannot be captured") as ei:
+        capture(config(pg_dsn, source_name, ["public.a", "public.b"]), embedded_log)
+    msg = str(ei.value)
+    assert "table public.a cannot be captured" in msg and "table public.b cannot be captured" in msg, msg
+    assert "--key-columns public.b=y" in msg and "index b_y" in msg, msg  # a ready-made key is suggested
+
+
+def test_nullable_key_columns_are_refused_before_the_snapshot(pg_dsn: str, sql: Any, source_name: str,
+                                                             embedded_log: Log) -> None:
+    """Issue 13 item 21: a NULL key used to pass capture and fail only in the replay."""
+    sql("CREATE TABLE n (a int, b text)")
+    sql("ALTER TABLE n REPLICA IDENTITY FULL")
+    sql("INSERT INTO n VALUES (1, 'x')")
+    with pytest.raises(SourceError, match=r"key column\(s\) a may be NULL.*ALTER TABLE public.n ALTER COLUMN a "
+                       r"SET NOT NULL") as ei:
+        capture(config(pg_dsn, source_name, ["public.n"], key_columns={"public.n": ["a"]}), embedded_log)
+    assert ei.value.retry is Retry.TERMINAL
+    assert f"{source_name}.public.n" not in embedded_log.list_topics()
 
 
 def test_slot_dropped_underneath(pg_dsn: str, sql: Any, source_name: str, embedded_log: Log) -> None:
