@@ -350,7 +350,7 @@ class Settings(_Model):
 
     def save(self, path: Path | str | None = None) -> Path:
         """Write the settings back (secrets are never written)."""
-        import tomli_w
+        import tomlkit
 
         file = Path(path) if path else self.base_dir / CONFIG_FILE
         data = self.model_dump(mode="json", exclude_none=True, exclude_defaults=True)
@@ -362,7 +362,7 @@ class Settings(_Model):
             data["sources"][sname]["name"] = sname
         if self.profile:
             data["profile"] = self.profile
-        file.write_text(tomli_w.dumps(data))
+        file.write_text(tomlkit.dumps(data))
         return file
 
     def source(self, name: str) -> PostgresSourceConfig | MySQLSourceConfig | DebeziumSourceConfig | LedgerSourceConfig:

@@ -5,12 +5,29 @@ from __future__ import annotations
 from typing import NoReturn
 
 import typer
-from rich.console import Console
+from rich.console import Console, ConsoleDimensions
 
 from kappaflow.config import Settings, redact
 
-console = Console()
-err_console = Console(stderr=True)
+
+class _Console(Console):
+    """Not on a terminal (piped, redirected, in a log file) lines are never cut or wrapped at 80 columns:
+    a table cell's fix or a JSON record must reach the reader whole. COLUMNS still wins when set."""
+
+    @property
+    def size(self) -> ConsoleDimensions:
+        size = super().size
+        if not self.is_terminal and self._width is None:
+            return ConsoleDimensions(1_000_000, size.height)
+        return size
+
+    @size.setter
+    def size(self, new_size: tuple[int, int]) -> None:
+        Console.size.fset(self, new_size)  # type: ignore[attr-defined]
+
+
+console = _Console()
+err_console = _Console(stderr=True)
 
 
 def settings(ctx: typer.Context) -> Settings:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Annotated
+import json
+from pathlib import Path
+from typing import Annotated, Any
 
 import typer
 from pydantic import ValidationError
@@ -10,6 +12,7 @@ from rich.table import Table
 
 from kappaflow.cli.common import console, fail, settings
 from kappaflow.config import (
+    CONFIG_FILE,
     DebeziumSourceConfig,
     LedgerSourceConfig,
     MySQLSourceConfig,
@@ -17,7 +20,8 @@ from kappaflow.config import (
     SnapshotMode,
     format_validation_error,
 )
-from kappaflow.errors import ConfigError
+from kappaflow.config_file import remove_source, write_source
+from kappaflow.errors import ConfigError, KappaflowError
 
 app = typer.Typer(help="Register and inspect capture sources.", no_args_is_help=True)
 
@@ -34,6 +38,33 @@ def _key_columns(specs: list[str]) -> dict[str, list[str]]:
             raise ConfigError(f"--key-columns {spec!r}: expected TABLE=COL[,COL...], e.g. public.events=id,seq")
         out[table.strip()] = _csv(cols)
     return out
+
+
+def _config_path(ctx: typer.Context) -> Path:
+    """The file `--config` names, else ./kappaflow.toml (where Settings.load read it from)."""
+    given = (ctx.find_root().obj or {}).get("config")
+    return Path(given) if given else Path.cwd() / CONFIG_FILE
+
+
+def _check_tables(src: Any) -> None:
+    """Refuse a source whose tables capture would refuse (keys, replica identity, NULL or duplicate keys)."""
+    from kappaflow.connectors.preflight import check_source_tables
+
+    try:
+        checks = check_source_tables(src)
+    except KappaflowError as exc:
+        fail(f"source {src.name!r} not saved: cannot check its tables: {exc}\nFix the connection (or the password "
+             "variable), or save it unchecked with --no-check (`kappaflow doctor` checks the tables later)")
+    if checks is None:
+        return
+    bad = [c for c in checks if c.problem]
+    for c in checks:
+        if not c.problem:
+            console.print(f"  {c.table}: {c.detail}", markup=False, highlight=False)
+    if bad:
+        lines = [f"source {src.name!r} not saved: {len(bad)} table(s) cannot be captured:"]
+        lines += [f"  {c.table}: {c.detail}.\n    Fix: {c.fix}" for c in bad]
+        fail("\n".join(lines))
 
 
 @app.command("add")
@@ -57,8 +88,13 @@ def add(
     ] = None,
     snapshot_mode: Annotated[SnapshotMode, typer.Option("--snapshot-mode")] = SnapshotMode.INITIAL,
     replace: Annotated[bool, typer.Option("--replace", help="Overwrite an existing source of that name")] = False,
+    check: Annotated[bool, typer.Option(
+        "--check/--no-check", help="Connect and check every table's key before saving (default: check)")] = True,
 ) -> None:
-    """Add a source to kappaflow.toml (passwords stay in the environment)."""
+    """Add a source to kappaflow.toml (passwords stay in the environment); its tables are checked first.
+
+    Only the source's own table is written: the file's comments, order and other values stay as they are.
+    """
     chosen = [k for k, v in (("--postgres", postgres), ("--mysql", mysql), ("--debezium", debezium),
                              ("--ledger", ledger)) if v]
     if len(chosen) != 1:
@@ -87,8 +123,10 @@ def add(
         src = model.model_validate(data)
     except ValidationError as exc:
         raise ConfigError(format_validation_error(exc, f"source {name!r}")) from None
-    s.sources[name] = src
-    path = s.save()
+    if check:
+        _check_tables(src)
+    path = _config_path(ctx)
+    write_source(path, name, src)
     console.print(f"source [bold]{name}[/] ({src.kind}) saved to {path}")
 
 
@@ -106,26 +144,47 @@ def list_(ctx: typer.Context) -> None:
 
 
 @app.command("remove")
-def remove(ctx: typer.Context, name: str) -> None:
-    """Remove a source from kappaflow.toml (its topics and offsets stay in the log)."""
+def remove(
+    ctx: typer.Context,
+    name: str,
+    keep_slot: Annotated[bool, typer.Option(
+        "--keep-slot", help="Keep the replication slot and publication on the server (they retain WAL)")] = False,
+) -> None:
+    """Remove a source from kappaflow.toml and drop its replication slot and publication (log topics stay)."""
+    from kappaflow.connectors.release import release_source
+
     s = settings(ctx)
-    s.source(name)
-    del s.sources[name]
-    s.save()
-    console.print(f"source [bold]{name}[/] removed (log topics kept)")
+    src = s.source(name)
+    path = _config_path(ctx)
+    try:
+        lines = release_source(src, [o for n, o in s.sources.items() if n != name], keep_slot=keep_slot)
+    except KappaflowError as exc:
+        fail(f"source {name!r} not removed: {exc}\n(--keep-slot removes it from the configuration and leaves the "
+             "slot, which retains WAL until dropped)", transient=exc.transient)
+    if not remove_source(path, name):
+        fail(f"source {name!r} is not in {path}: it comes from the environment (KAPPAFLOW_SOURCES__"
+             f"{name.upper()}__...); unset those variables")
+    for line in lines:
+        console.print(f"  {line}", markup=False, highlight=False)
+    console.print(f"source [bold]{name}[/] removed from {path} (log topics and stored offsets kept)")
 
 
 @app.command("status")
-def status(ctx: typer.Context, name: str) -> None:
+def status(
+    ctx: typer.Context,
+    name: str,
+    as_json: Annotated[bool, typer.Option("--json", help="One JSON object (machine-readable)")] = False,
+) -> None:
     """Source lag (slot / binlog), confirmed position, events captured, topic end offsets."""
-    import json
-
     from kappaflow.cli.capture import source_status
 
     s = settings(ctx)
     src = s.source(name)
     with s.open_log(read_only=True) as log:
         info = source_status(src, log)
+    if as_json:
+        typer.echo(json.dumps(info, default=str))
+        return
     table = Table("field", "value")
     for key, value in info.items():
         table.add_row(str(key), value if isinstance(value, str) else json.dumps(value, default=str))
