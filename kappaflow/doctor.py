@@ -10,10 +10,12 @@ import socket
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from enum import Enum
+from typing import Any
 from urllib.parse import urlsplit
 
 from kappaflow.config import (
     DebeziumSourceConfig,
+    LedgerSourceConfig,
     MySQLSourceConfig,
     PostgresSourceConfig,
     Settings,
@@ -70,18 +72,71 @@ def check_log(settings: Settings) -> Iterator[Finding]:
             yield _fail(area, "reachable", str(exc), "start the broker or correct log.url / KAPPAFLOW_LOG__URL")
             return
         yield _ok(area, "reachable", f"{settings.log.url}: {len(topics)} topics")
-        prefixes = tuple(f"{name}." for name in settings.sources)
         for topic, cfg in sorted(topics.items()):
-            kappaflow_topic = topic.startswith(prefixes) or topic.lstrip("_").startswith("kappaflow_offsets")
-            if kappaflow_topic and not cfg.compacted and not topic.endswith(".__dlq"):
+            want_compacted = _wants_compaction(settings, topic)
+            if want_compacted is None or want_compacted == cfg.compacted:
+                continue
+            if want_compacted:
                 yield _fail(area, f"topic {topic}", "cleanup.policy=delete: old changes of a key are never "
                             "removed and deleted keys stay forever",
                             f"kafka-configs.sh --alter --entity-type topics --entity-name {topic} "
                             "--add-config cleanup.policy=compact")
+            else:
+                yield _fail(area, f"topic {topic}", "cleanup.policy=compact on an append-only topic: compaction "
+                            "keeps only the last record of each key (a ledger stream's last event)",
+                            f"kafka-configs.sh --alter --entity-type topics --entity-name {topic} "
+                            "--add-config cleanup.policy=delete")
     except KappaflowError as exc:
         yield _fail(area, "topics", str(exc), "check the broker's logs and ACLs (DescribeConfigs)")
     finally:
         log.close()
+
+
+# Topics a source kind writes append-only (cleanup.policy=delete) by design; its other topics are
+# compacted. Debezium: dead letters and verbatim-routed metadata; ledger: one topic per stream type.
+_APPEND_ONLY_TOPICS: dict[str, Callable[[str, str], bool]] = {
+    "debezium": lambda src, topic: topic in {f"{src}.__dead_letter", f"{src}.__transactions",
+                                             f"{src}.__debezium_schema"},
+    "ledger": lambda src, topic: topic != f"{src}.__schema",
+}
+
+
+def _wants_compaction(settings: Settings, topic: str) -> bool | None:
+    """True/False: the cleanup policy a topic kappaflow writes must have; None: not kappaflow's topic."""
+    if topic.lstrip("_").startswith("kappaflow_offsets"):
+        return True
+    src = settings.sources.get(topic.partition(".")[0])
+    if src is None or "." not in topic:
+        return None
+    append_only = _APPEND_ONLY_TOPICS.get(src.kind)
+    return not (append_only is not None and append_only(src.name, topic))
+
+
+def _size(n: int) -> str:
+    size = float(n)
+    for unit in ("bytes", "kB", "MB", "GB"):
+        if size < 1024 or unit == "GB":
+            return f"{n:,} bytes" if unit == "bytes" else f"{size:,.1f} {unit}"
+        size /= 1024
+    return f"{n:,} bytes"
+
+
+def check_tables(src: Any, area: str, *, missing_fix: str | None = None) -> Iterator[Finding]:
+    """One finding per captured table: its key, or what capture would refuse and the fix."""
+    from kappaflow.connectors.preflight import check_source_tables
+
+    try:
+        checks = check_source_tables(src)
+    except KappaflowError as exc:
+        yield _fail(area, "tables", str(exc).splitlines()[0], "check the connection and the user's SELECT rights")
+        return
+    for c in checks or ():
+        if not c.problem:
+            yield _ok(area, f"table {c.table}", c.detail)
+        else:
+            missing = "does not exist" in c.detail or "unknown table" in c.detail
+            fix = missing_fix if missing_fix and missing else c.fix
+            yield _fail(area, f"table {c.table}", c.detail, fix)
 
 
 def check_postgres_source(src: PostgresSourceConfig) -> Iterator[Finding]:
@@ -115,7 +170,8 @@ def check_postgres_source(src: PostgresSourceConfig) -> Iterator[Finding]:
             yield _warn(area, "slots", f"all {slots[0]} replication slots are in use",
                         "raise max_replication_slots or drop unused slots")
         slot = conn.execute(
-            "select active, wal_status, pg_wal_lsn_diff(pg_current_wal_lsn(), confirmed_flush_lsn) "
+            "select active, wal_status, pg_wal_lsn_diff(pg_current_wal_lsn(), confirmed_flush_lsn), "
+            "pg_wal_lsn_diff(pg_current_wal_lsn(), restart_lsn) "
             "from pg_replication_slots where slot_name = %s", (src.slot_name,)).fetchone()
         if slot is None:
             yield _ok(area, "slot", f"{src.slot_name} not created yet (capture creates it)")
@@ -123,10 +179,15 @@ def check_postgres_source(src: PostgresSourceConfig) -> Iterator[Finding]:
             yield _fail(area, "slot", f"{src.slot_name} was invalidated (WAL removed)",
                         f"drop it (select pg_drop_replication_slot('{src.slot_name}')) and capture "
                         "again with snapshot_mode=always")
+        elif slot[0]:
+            yield _ok(area, "slot", f"{src.slot_name} active, {int(slot[2] or 0):,} bytes behind")
         else:
-            lag = int(slot[2] or 0)
-            status = "active" if slot[0] else "inactive"
-            yield _ok(area, "slot", f"{src.slot_name} {status}, {lag} bytes behind")
+            retained = int(slot[3] or 0)
+            yield _warn(area, "slot", f"{src.slot_name} inactive (capture not running), retains "
+                        f"{_size(retained)} of WAL until capture resumes",
+                        f"run `kappaflow capture {src.name}`, or `kappaflow source remove {src.name}` "
+                        "to drop the slot")
+    yield from check_tables(src, area)
 
 
 def check_mysql_source(src: MySQLSourceConfig) -> Iterator[Finding]:
@@ -146,8 +207,14 @@ def check_mysql_source(src: MySQLSourceConfig) -> Iterator[Finding]:
             cur.execute("select version(), @@log_bin, @@binlog_format, @@binlog_row_image")
             version, log_bin, fmt, image = cur.fetchone()
             yield _ok(area, "connect", f"server {version}")
+            # Capture needs column names in row events; servers before MySQL 8.0.14 / MariaDB 10.5 lack it.
+            cur.execute("show global variables like 'binlog_row_metadata'")
+            row = cur.fetchone()
+            metadata = row[1] if row else "(not supported by this server version)"
             expected = {"log_bin": (log_bin, 1, "--log-bin"), "binlog_format": (fmt, "ROW", "--binlog-format=ROW"),
-                        "binlog_row_image": (image, "FULL", "--binlog-row-image=FULL")}
+                        "binlog_row_image": (image, "FULL", "--binlog-row-image=FULL"),
+                        "binlog_row_metadata": (metadata, "FULL", "--binlog-row-metadata=FULL (MySQL >= 8.0.14, "
+                                                "MariaDB >= 10.5)")}
             for name, (value, want, flag) in expected.items():
                 if str(value).upper() == str(want):
                     yield _ok(area, name, str(value))
@@ -164,6 +231,7 @@ def check_mysql_source(src: MySQLSourceConfig) -> Iterator[Finding]:
                             "GRANT REPLICATION SLAVE, REPLICATION CLIENT, SELECT ON *.* TO <user>")
     finally:
         conn.close()
+    yield from check_tables(src, area)
 
 
 def _tcp(host: str, port: int) -> str | None:
@@ -240,16 +308,75 @@ def check_spark(settings: Settings) -> Iterator[Finding]:
     yield _ok("spark", "master", f"{master} (not checked)")
 
 
+def check_ledger_source(src: LedgerSourceConfig) -> Iterator[Finding]:
+    """The ledger is captured like a PostgreSQL source whose only table is ``<schema>.events``."""
+    pg = src.postgres_config()
+    for f in check_postgres_source(pg):
+        if f.check == f"table {src.events_table}" and f.status is Status.FAIL and "unknown table" in f.detail:
+            f = Finding(f.area, f.check, f.status, f.detail, "install the ledger there: kappaflow ledger install "
+                        f"(its schema is {src.schema_name!r}; --ledger-schema when adding the source)")
+        yield f
+
+
+def _server(dsn: str) -> tuple[str, int]:
+    parts = urlsplit(dsn)
+    return (parts.hostname or "localhost", parts.port or 5432)
+
+
+def check_postgres_slots(settings: Settings) -> Iterator[Finding]:
+    """Inactive replication slots retaining WAL, on every PostgreSQL server a source reads (any slot, anyone's).
+
+    An inactive slot keeps every WAL segment from its restart point on: the disk fills until the
+    slot is dropped or ``max_slot_wal_keep_size`` invalidates it. The configured sources' own slots
+    are reported with their source (a WARN: capture is not running); any other inactive slot is a FAIL.
+    """
+    import psycopg
+
+    servers: dict[tuple[str, int], list[PostgresSourceConfig | LedgerSourceConfig]] = {}
+    for src in settings.sources.values():
+        if isinstance(src, PostgresSourceConfig | LedgerSourceConfig):
+            servers.setdefault(_server(src.dsn), []).append(src)
+    for (host, port), srcs in sorted(servers.items()):
+        area = f"postgres {host}:{port}"
+        ours = {s.slot_name for s in srcs}
+        try:
+            with psycopg.connect(srcs[0].connect_dsn(), connect_timeout=5, autocommit=True) as conn:
+                rows = conn.execute(
+                    "select slot_name, slot_type, coalesce(database, ''), "
+                    "pg_wal_lsn_diff(pg_current_wal_lsn(), restart_lsn)::bigint "
+                    "from pg_replication_slots where not active and restart_lsn is not null "
+                    "order by 4 desc, 1").fetchall()
+        except (psycopg.Error, KappaflowError):
+            continue  # the source's own connect finding says why
+        for name, kind, database, retained in rows:
+            if name in ours or not retained:
+                continue
+            where = f"{kind} slot, database {database}" if database else f"{kind} slot"
+            owner = " (left by a removed kappaflow source?)" if name.startswith("kappaflow_") else ""
+            yield _fail(area, f"slot {name}", f"inactive ({where}){owner}, retains {_size(int(retained))} of WAL, "
+                        "kept until the slot is dropped", f"if nothing will resume it: SELECT "
+                        f"pg_drop_replication_slot('{name}') (in database {database or 'any'})")
+
+
+# Source kind -> its checks (connection, server settings, slot, tables).
+SOURCE_CHECKS: dict[str, Callable[[Any], Iterator[Finding]]] = {
+    "postgres": check_postgres_source,
+    "mysql": check_mysql_source,
+    "debezium": check_debezium_source,
+    "ledger": check_ledger_source,
+}
+
+
+def _unknown_kind(src: Any) -> Iterator[Finding]:
+    yield _fail(f"source {src.name}", "kind", f"no checks for kind {src.kind!r}", "report this: doctor lacks them")
+
+
 def run_checks(settings: Settings) -> list[Finding]:
     checks: list[Callable[[], Iterator[Finding]]] = [lambda: check_log(settings)]
     for src in settings.sources.values():
-        if isinstance(src, PostgresSourceConfig):
-            checks.append(lambda src=src: check_postgres_source(src))  # type: ignore[misc]
-        elif isinstance(src, MySQLSourceConfig):
-            checks.append(lambda src=src: check_mysql_source(src))  # type: ignore[misc]
-        else:
-            checks.append(lambda src=src: check_debezium_source(src))  # type: ignore[misc]
-    checks += [lambda: check_views(settings), lambda: check_spark(settings)]
+        source_check = SOURCE_CHECKS.get(src.kind, _unknown_kind)
+        checks.append(lambda src=src, source_check=source_check: source_check(src))  # type: ignore[misc]
+    checks += [lambda: check_postgres_slots(settings), lambda: check_views(settings), lambda: check_spark(settings)]
     findings: list[Finding] = []
     for check in checks:
         findings.extend(check())
