@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Annotated
+import json
+from typing import Annotated, Any
 
 import typer
 from rich.table import Table
@@ -32,16 +33,32 @@ def tail(
     partition: Annotated[int | None, typer.Option("--partition", "-p")] = None,
     start: Annotated[int, typer.Option("--from", help="First offset")] = 0,
     limit: Annotated[int, typer.Option("--limit", "-n")] = 20,
+    as_json: Annotated[bool, typer.Option(
+        "--json", help="One JSON object per record: topic, partition, offset, key, value (parsed when JSON)")] = False,
 ) -> None:
-    """Print records of a topic (key and value as text)."""
+    """Print records of a topic, one per line (key and value as text; never wrapped, so lines can be piped)."""
     s = settings(ctx)
     with s.open_log(read_only=True) as log:
         parts = [partition] if partition is not None else range(log.partitions(topic))
         for p in parts:
             for rec in log.read(topic, p, start, limit):
+                if as_json:
+                    typer.echo(json.dumps({"topic": topic, "partition": p, "offset": rec.offset,
+                                           "key": _decoded(rec.key), "value": _decoded(rec.value)}))
+                    continue
                 key = rec.key.decode(errors="replace") if rec.key is not None else "null"
                 value = rec.value.decode(errors="replace") if rec.value is not None else "null (tombstone)"
-                console.print(f"{topic}[{p}]@{rec.offset} {key} {value}", markup=False, highlight=False)
+                typer.echo(f"{topic}[{p}]@{rec.offset} {key} {value}")
+
+
+def _decoded(raw: bytes | None) -> Any:
+    """JSON bytes as the JSON value they hold, other bytes as text, None (a tombstone's value) as null."""
+    if raw is None:
+        return None
+    try:
+        return json.loads(raw)
+    except ValueError:
+        return raw.decode(errors="replace")
 
 
 @app.command("compact")
