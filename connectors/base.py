@@ -228,3 +228,11 @@ class Connector(abc.ABC):
     @abc.abstractmethod
     def status(self) -> dict[str, Any]:
         """Source-side and log-side state for ``kappaflow source status``."""
+
+    def live_summary(self) -> CaptureSummary | None:
+        """The running capture's counters and position, read from another thread (progress lines).
+
+        Plain attribute reads: a figure may be one batch old, never torn. None before the run starts.
+        """
+        summary: CaptureSummary | None = getattr(self, "summary", None)
+        return summary

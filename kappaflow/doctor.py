@@ -13,6 +13,8 @@ from enum import Enum
 from typing import Any
 from urllib.parse import urlsplit
 
+from rich.filesize import decimal
+
 from kappaflow.config import (
     DebeziumSourceConfig,
     LedgerSourceConfig,
@@ -112,14 +114,6 @@ def _wants_compaction(settings: Settings, topic: str) -> bool | None:
     return not (append_only is not None and append_only(src.name, topic))
 
 
-def _size(n: int) -> str:
-    size = float(n)
-    for unit in ("bytes", "kB", "MB", "GB"):
-        if size < 1024 or unit == "GB":
-            return f"{n:,} bytes" if unit == "bytes" else f"{size:,.1f} {unit}"
-        size /= 1024
-    return f"{n:,} bytes"
-
 
 def check_tables(src: Any, area: str, *, missing_fix: str | None = None) -> Iterator[Finding]:
     """One finding per captured table: its key, or what capture would refuse and the fix."""
@@ -184,7 +178,7 @@ def check_postgres_source(src: PostgresSourceConfig) -> Iterator[Finding]:
         else:
             retained = int(slot[3] or 0)
             yield _warn(area, "slot", f"{src.slot_name} inactive (capture not running), retains "
-                        f"{_size(retained)} of WAL until capture resumes",
+                        f"{decimal(retained)} of WAL until capture resumes",
                         f"run `kappaflow capture {src.name}`, or `kappaflow source remove {src.name}` "
                         "to drop the slot")
     yield from check_tables(src, area)
@@ -353,7 +347,7 @@ def check_postgres_slots(settings: Settings) -> Iterator[Finding]:
                 continue
             where = f"{kind} slot, database {database}" if database else f"{kind} slot"
             owner = " (left by a removed kappaflow source?)" if name.startswith("kappaflow_") else ""
-            yield _fail(area, f"slot {name}", f"inactive ({where}){owner}, retains {_size(int(retained))} of WAL, "
+            yield _fail(area, f"slot {name}", f"inactive ({where}){owner}, retains {decimal(int(retained))} of WAL, "
                         "kept until the slot is dropped", f"if nothing will resume it: SELECT "
                         f"pg_drop_replication_slot('{name}') (in database {database or 'any'})")
 

@@ -35,6 +35,7 @@ streaming position at or after ``H``, so positions grow along the log.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -537,6 +538,16 @@ class MySQLConnector(Connector):
                    snapshot_mode=getattr(cfg.snapshot_mode, "value", cfg.snapshot_mode),
                    snapshot_chunk_rows=cfg.snapshot_chunk_rows, heartbeat_interval_s=cfg.heartbeat_interval_s,
                    decimal_mode=cfg.decimal_mode, **options)
+
+    def live_summary(self) -> CaptureSummary | None:
+        """This run's summary with the writer's running counts and the binlog position (progress lines)."""
+        engine = getattr(self, "engine", None)
+        s = self.summary
+        if engine is None or s.phase == "stopped":
+            return s
+        o = engine.offset
+        return dataclasses.replace(s, events=engine.writer.events, records=engine.writer.records,
+                                   position=f"{o.file}:{o.pos}")
 
     # -- setup -------------------------------------------------------------------------
     def _resolve_tables(self, conn: Any, strict: bool = True) -> list[tuple[str, str]]:

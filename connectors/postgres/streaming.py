@@ -158,6 +158,7 @@ class PgStreamingSource(StreamingSource):
                 self.acked = durable
                 self.repl.send_status(durable)
                 next_status = now + self.status_interval_s
+                summary.position = summary.acknowledged = lsn_str(durable)  # live, for progress lines
             elif now >= next_status or self.reply_now:
                 self.repl.send_status(self.acked)
                 next_status = now + self.status_interval_s

@@ -16,6 +16,7 @@ the command with one clear line.
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import time
 from collections.abc import Callable, Iterator
@@ -109,12 +110,16 @@ def _stop_on_signals(stop: StopSignal, on_signal: Callable[[str], None] | None =
 
 def capture_command(name: str, until_caught_up: bool = False, config_path: Path | None = None, *,
                     profile: str | None = None, progress: bool | None = None,
-                    max_retries: int | None = None, echo: Callable[[str], None] | None = None) -> CaptureSummary:
+                    max_retries: int | None = None, echo: Callable[[str], None] | None = None,
+                    log_every_s: float = 0.0) -> CaptureSummary:
     """Run the capture of source ``name`` from ``kappaflow.toml`` until stopped (or caught up).
 
     Returns the summary of the last run. Raises KappaflowError for terminal failures
     (and for transient ones once ``max_retries`` is exhausted; None retries forever).
+    ``log_every_s`` > 0: a timestamped progress line to ``echo`` at that interval
+    (``kappaflow.cli.progress_log``).
     """
+    from kappaflow.cli.progress_log import ProgressLog
     settings = Settings.load(config_path, profile=profile)
     source = settings.sources.get(name)
     if source is None:
@@ -124,11 +129,15 @@ def capture_command(name: str, until_caught_up: bool = False, config_path: Path 
     stop = StopSignal()
     attempt = 0
     delay = 1.0
-    with _stop_on_signals(stop, lambda sig: say(f"{sig}: finishing the current batch, then stopping")):
+    current: list[Connector] = []
+    reporter = ProgressLog(source, lambda: current[-1] if current else None, say, interval_s=log_every_s) \
+        if log_every_s > 0 else contextlib.nullcontext()
+    with _stop_on_signals(stop, lambda sig: say(f"{sig}: finishing the current batch, then stopping")), reporter:
         while True:
             log = open_log_for(settings)
             try:
                 connector = make_connector(source, log, partitions=settings.log.partitions, progress=progress)
+                current.append(connector)
                 summary = connector.run(stop, until_caught_up=until_caught_up)
                 return summary
             except KappaflowError as exc:
@@ -150,25 +159,36 @@ def capture(
         "--until-caught-up", help="Exit once the log holds everything committed when the capture started.")] = False,
     progress: Annotated[bool | None, typer.Option(
         "--progress/--no-progress", help="Snapshot progress bar (default: when stderr is a terminal).")] = None,
+    log_every: Annotated[float, typer.Option(
+        "--log-every", help="Seconds between progress lines (changes/s, position, lag) when stderr is not a "
+        "terminal; 0: none.")] = 10.0,
 ) -> None:
-    """Capture a source into the log: consistent snapshot, then streaming; Ctrl-C and kill -9 safe."""
+    """Capture a source into the log: consistent snapshot, then streaming; Ctrl-C and kill -9 safe.
+
+    Every line it logs on stderr starts with the UTC time; without a terminal a progress line
+    follows every --log-every seconds.
+    """
     from kappaflow.cli.common import console, err_console
+    from kappaflow.cli.progress_log import stamp
 
     obj = ctx.find_root().obj or {}
     started = time.monotonic()
+    terminal = err_console.is_terminal
     summary = capture_command(name, until_caught_up, obj.get("config"), profile=obj.get("profile"),
-                              progress=progress, echo=lambda m: err_console.print(m, markup=False))
+                              progress=progress, echo=lambda m: err_console.print(stamp(m), markup=False,
+                                                                                  highlight=False),
+                              log_every_s=0.0 if terminal else log_every)
     took = time.monotonic() - started
-    console.print(
-        f"[bold]{summary.source}[/]: {summary.events:,} events ({summary.snapshot_rows:,} snapshot rows), "
-        f"{summary.records:,} records, {summary.duplicates_skipped:,} duplicates skipped; "
-        f"position {summary.position}, acknowledged {summary.acknowledged or '-'}; "
-        f"{summary.stopped_reason} after {took:.1f}s"
-    )
+    line = (f"{summary.source}: {summary.events:,} events ({summary.snapshot_rows:,} snapshot rows), "
+            f"{summary.records:,} records, {summary.duplicates_skipped:,} duplicates skipped; "
+            f"position {summary.position}, acknowledged {summary.acknowledged or '-'}; "
+            f"{summary.stopped_reason} after {took:.1f}s")
+    console.print(line if console.is_terminal else stamp(line), markup=False, highlight=False)
 
 
 def main(argv: list[str] | None = None) -> None:
-    """``python -m kappaflow.cli.capture NAME [--config PATH] [--until-caught-up]`` (same as ``kappaflow capture``)."""
+    """``python -m kappaflow.cli.capture NAME [--config PATH] [--until-caught-up] [--log-every S]``
+    (same as ``kappaflow capture``)."""
     from kappaflow.cli.common import fail
 
     standalone = typer.Typer(add_completion=False, pretty_exceptions_enable=False)
@@ -181,10 +201,11 @@ def main(argv: list[str] | None = None) -> None:
         profile: Annotated[str | None, typer.Option("--profile")] = None,
         until_caught_up: Annotated[bool, typer.Option("--until-caught-up")] = False,
         progress: Annotated[bool | None, typer.Option("--progress/--no-progress")] = None,
+        log_every: Annotated[float, typer.Option("--log-every")] = 10.0,
     ) -> None:
         ctx.obj = {"config": config, "profile": profile}
         try:
-            capture(ctx, name, until_caught_up, progress)
+            capture(ctx, name, until_caught_up, progress, log_every)
         except KappaflowError as exc:
             fail(str(exc), transient=exc.transient)
 
