@@ -94,8 +94,11 @@ def test_postgres_capture_logs_progress_with_slot_lag(tmp_path: Path, pg_dsn: st
     finally:
         conn.close()
         with psycopg.connect(pg_dsn, autocommit=True) as c:
-            c.execute("SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots "
-                      "WHERE slot_name = %s", (f"kappaflow_{name}",))
+            slot = f"kappaflow_{name}"
+            wait_for(lambda: not c.execute("SELECT 1 FROM pg_replication_slots WHERE slot_name = %s AND active",
+                                           (slot,)).fetchone(), 60, "the stopped capture to release its slot")
+            c.execute("SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots WHERE slot_name = %s",
+                      (slot,))
     last = LINE.match(found[-1])
     assert last is not None and re.fullmatch(r"[0-9A-F]+/[0-9A-F]+", last["pos"]), found
     assert re.fullmatch(r"[\d,.]+ (bytes|kB|MB)", last["lag"]), found

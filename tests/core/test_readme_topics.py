@@ -10,6 +10,7 @@ import psycopg
 import pytest
 
 from kappaflow.config import PostgresSourceConfig
+from tests._kill import wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -45,5 +46,7 @@ def test_postgres_topic_is_source_schema_table(pg_dsn: str, embedded_log: Any) -
         assert f"{name}.public.orders" in embedded_log.list_topics()
     finally:
         with psycopg.connect(pg_dsn, autocommit=True) as conn:
+            wait_for(lambda: not conn.execute("SELECT 1 FROM pg_replication_slots WHERE slot_name = %s AND active",
+                                              (src.slot_name,)).fetchone(), 60, "the capture to release its slot")
             conn.execute("SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots WHERE slot_name = %s",
                          (src.slot_name,))
