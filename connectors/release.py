@@ -9,10 +9,13 @@ Debezium source's slot belongs to the Kafka Connect connector, not to kappaflow.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
-__all__ = ["RELEASERS", "release_source"]
+__all__ = ["RELEASERS", "RELEASE_WAIT_S", "release_source"]
+
+RELEASE_WAIT_S = 5.0  # how long an active slot may take to become free before remove refuses
 
 
 def _release_postgres(src: Any, others: Iterable[Any], keep: bool) -> list[str]:
@@ -25,6 +28,12 @@ def _release_postgres(src: Any, others: Iterable[Any], keep: bool) -> list[str]:
     conn = slots.connect(src.connect_dsn(), what=f"dropping the replication slot of source {src.name!r}")
     out: list[str] = []
     try:
+        # A capture that just stopped leaves its slot active for a moment while its walsender exits;
+        # a running one holds it for good, and drop_slot then says to stop it first.
+        deadline = time.monotonic() + RELEASE_WAIT_S
+        while time.monotonic() < deadline and conn.execute(
+                "SELECT 1 FROM pg_replication_slots WHERE slot_name = %s AND active", (slot,)).fetchone():
+            time.sleep(0.1)
         out.append(f"replication slot {slot!r} " + ("dropped" if slots.drop_slot(conn, slot) else "did not exist"))
         shared = [o.name for o in others if getattr(o, "publication_name", None) == pub]
         if src.publication is not None:

@@ -125,6 +125,14 @@ def _slot_and_publication(dsn: str, name: str) -> tuple[bool, bool]:
     return bool(slot), bool(pub)
 
 
+def _wait_released(dsn: str, slot: str) -> None:
+    """The walsender leaves a slot a moment after its connection closes (bounded wait)."""
+    deadline = time.monotonic() + 60
+    while _sql(dsn, f"SELECT 1 FROM pg_replication_slots WHERE slot_name = '{slot}' AND active"):
+        assert time.monotonic() < deadline, f"slot {slot} stayed active 60 s after its holder disconnected"
+        time.sleep(0.1)
+
+
 def test_remove_drops_the_slot_and_publication_capture_made(runner: CliRunner, tmp_path: Path, pg_dsn: str,
                                                             name: str) -> None:
     """Issue 13 item 4: `source remove` used to leave both behind, and the inactive slot retained WAL."""
@@ -163,6 +171,7 @@ def test_remove_refuses_while_the_slot_is_in_use(runner: CliRunner, tmp_path: Pa
     _sql(pg_dsn, "CREATE TABLE t (id int PRIMARY KEY)")
     assert runner.invoke(app, ["source", "add", name, "--postgres", pg_dsn, "--tables", "public.t"]).exit_code == 0
     assert runner.invoke(app, ["capture", name, "--until-caught-up", "--no-progress"]).exit_code == 0
+    _wait_released(pg_dsn, f"kappaflow_{name}")
     repl = ReplicationConnection(pg_dsn, application_name="holder")
     try:
         repl.start(f"kappaflow_{name}", 0, [f"kappaflow_{name}"])
@@ -172,9 +181,6 @@ def test_remove_refuses_while_the_slot_is_in_use(runner: CliRunner, tmp_path: Pa
         assert name in _saved(tmp_path)
     finally:
         repl.close()
-    deadline = time.monotonic() + 60  # the walsender leaves the slot a moment after the connection closes
-    while _sql(pg_dsn, f"SELECT 1 FROM pg_replication_slots WHERE slot_name = 'kappaflow_{name}' AND active"):
-        assert time.monotonic() < deadline, "the slot stayed active 60 s after its holder disconnected"
-        time.sleep(0.1)
+    _wait_released(pg_dsn, f"kappaflow_{name}")
     assert runner.invoke(app, ["source", "remove", name]).exit_code == 0
     assert _slot_and_publication(pg_dsn, name) == (False, False)
