@@ -301,6 +301,15 @@ class SparkConfig(_Model):
     app_name: str = "kappaflow"
     conf: dict[str, str] = Field(default_factory=dict)
     checkpoint_dir: str = ".kappaflow/checkpoints"
+    # Spark's own logging (driver JVM log4j, py4j): off by default, kappaflow reports failures itself.
+    log_level: str = "off"
+
+    @field_validator("log_level")
+    @classmethod
+    def _log_level(cls, v: str) -> str:
+        from kappaflow.logs import check_spark_level
+
+        return check_spark_level(v)
 
 
 class Settings(_Model):

@@ -71,7 +71,7 @@ def _with_retry(what: str, fn: Callable[[], Any], attempts: int = 5) -> Any:
         except KappaflowError as exc:
             if not exc.transient or i == attempts - 1:
                 raise
-            log.warning("%s failed (transient, attempt %d/%d): %s", what, i + 1, attempts, exc)
+            log.warning("%s failed: %s; retrying in %.1fs (attempt %d/%d)", what, exc, delay, i + 1, attempts)
             time.sleep(delay)
             delay = min(delay * 2, 5.0)
     raise AssertionError("unreachable")

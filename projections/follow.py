@@ -54,6 +54,7 @@ from pyspark.sql import DataFrame
 from pyspark.sql import functions as F
 
 from kappaflow.errors import ConfigError, KappaflowError, Retry, SinkError
+from kappaflow.logs import describe
 from kappaflow.projections.api import CustomFold, Projection, ProjectionSpec
 from kappaflow.projections.engine import BatchResult, ProjectionBusy, apply_batch, nest, prepare
 from kappaflow.projections.mirror import is_mirror, sync
@@ -223,8 +224,8 @@ class Follower:
         """Refuse to write without the projection's lock (its session died with a PostgreSQL restart,
         or its lease was lost): the batch fails, and recovery re-takes the lock or gives up."""
         if not self._lock_sink.holds_lock(self.spec.name):
-            raise SinkError(f"follower {self.name}: the projection lock in the {self.sink_name} sink was lost",
-                            retry=Retry.TRANSIENT)
+            raise SinkError(f"the projection lock in the {self.sink_name} sink was lost (the store restarted, the "
+                            "connection broke or the lease expired)", retry=Retry.TRANSIENT)
 
     def _relock(self) -> None:
         """Take the lock again on a fresh connection/client if it was lost; ProjectionBusy (the
@@ -244,7 +245,7 @@ class Follower:
             old.close()
         except Exception:
             pass
-        log.warning("follower %s: took the projection lock again", self.name)
+        log.info("follower %s: took the projection lock again", self.name)
 
     def _batch(self, df: DataFrame, batch_id: int) -> None:
         try:
@@ -288,7 +289,12 @@ class Follower:
                 return
 
     def _recover(self, exc: BaseException) -> bool:
-        """Restart (or rebuild, then restart) after `exc`; False when the follower gives up."""
+        """Restart (or rebuild, then restart) after `exc`; False when the follower gives up.
+
+        Each failure is ONE log line: what failed, the cause (``kappaflow.logs.describe``: no
+        Spark/py4j wrappers, no traceback) and what happens next; the traceback is logged at
+        debug level only."""
+        what = "batch failed"
         while not self._stopping.is_set():
             lost = isinstance(exc, SinkStateLostError)
             if isinstance(exc, KappaflowError) and not exc.transient and not lost:
@@ -299,10 +305,11 @@ class Follower:
             delay = min(self.backoff_s * 2 ** (self._failures - 1), self.max_backoff_s)
             log.warning(
                 "follower %s: %s: %s; %s in %.1fs (attempt %d/%d)",
-                self.name, "the sink lost the view" if lost else "batch failed", exc,
-                "rebuilding" if lost else "restarting from the sink's positions", delay, self._failures,
-                self.max_restarts,
+                self.name, "the sink lost the view" if lost else what, describe(exc),
+                "rebuilding it from the log" if lost else "restarting from the sink's positions", delay,
+                self._failures, self.max_restarts,
             )
+            log.debug("follower %s: traceback of the failure", self.name, exc_info=exc)
             if self._stopping.wait(delay):
                 return False
             try:
@@ -312,10 +319,10 @@ class Follower:
                     self._rebuild()
                 self._start_query(fresh=True)
                 self.restarts += 1
-                log.warning("follower %s: restarted", self.name)
+                log.info("follower %s: restarted (attempt %d)", self.name, self._failures)
                 return True
             except BaseException as again:  # still down: back off further
-                exc = again
+                exc, what = again, "restart failed"
         return False
 
     def _reopen(self) -> None:
@@ -358,7 +365,8 @@ class Follower:
         self.rebuilds += 1
 
     def _give_up(self, exc: BaseException, why: str) -> bool:
-        log.error("follower %s stopped (%s): %s", self.name, why, exc)
+        log.error("follower %s stopped (%s): %s", self.name, why, describe(exc))
+        log.debug("follower %s: traceback of the failure", self.name, exc_info=exc)
         self.failed = exc
         return False
 
@@ -402,6 +410,29 @@ class Follower:
         """Running (not between a failure and its restart, not given up)."""
         return self.failed is None and self.query is not None and bool(self.query.isActive)
 
+    @property
+    def running(self) -> bool:
+        """Healthy and into its first trigger: processing a batch, or it looked at the log and is
+        waiting for more. (``start()`` returns as soon as Spark accepted the query; the first
+        trigger can take many seconds more under load.)"""
+        if not self.healthy:
+            return False
+        if self.stats.batches:
+            return True
+        try:
+            message = str((self.query.status or {}).get("message", ""))
+        except Exception:  # the query is stopping
+            return False
+        return message.startswith(("Waiting for", "Processing new data"))
+
+    def lag(self) -> tuple[int, int]:
+        """(stored position, log end), each summed over the projection's topic partitions;
+        their difference is the number of records the view has not consumed yet."""
+        ends = self.rt.end_offsets(self.spec.topics)
+        pos = self._lock_sink.read_positions(self.target)  # not the batch connection (may be mid-transaction)
+        at = sum(min(pos.get((t, p), 0), e) for t, parts in ends.items() for p, e in parts.items())
+        return at, sum(e for parts in ends.values() for e in parts.values())
+
     def caught_up(self) -> bool:
         """True when the stored positions reach the log's current end."""
         ends = self.rt.end_offsets(self.spec.topics)
@@ -438,11 +469,18 @@ class _MirrorLoop:
             if res is not None:
                 f._count(res)
             f._failures = 0
+            self._synced = True
             self._stop.wait(self.interval)
+
+    _synced = False
 
     @property
     def isActive(self) -> bool:
         return self._thread.is_alive()
+
+    @property
+    def status(self) -> dict[str, Any]:
+        return {"message": "Waiting for next trigger" if self._synced else "Initializing"}
 
     def exception(self) -> BaseException | None:
         return self._exc

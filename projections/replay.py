@@ -239,17 +239,19 @@ def replay(
     plan: Plan | None = None,
     wait_lock_s: float = 0.0,
     sinks: Sequence[str] | None = None,
+    locked: bool = False,
 ) -> ReplayResult:
-    """Rebuild `projection`'s view in its sinks (or the `sinks` named) from the log (see the module docstring)."""
+    """Rebuild `projection`'s view in its sinks (or the `sinks` named) from the log (see the module docstring).
+
+    `locked`: the caller holds the locks of ``replay_sinks(spec, rt, sinks)`` already (and releases
+    them); the CLI takes them before starting Spark, so a followed projection is refused at once."""
     t0 = time.monotonic()
     spec = as_spec(projection)
-    selected = rt.sinks_for(spec, sinks)
-    if sinks and isinstance(spec.fold, GroupFold) and "postgres" in selected:
-        # The search/Redis views mirror the PostgreSQL view: a new PostgreSQL view is copied to them.
-        selected = rt.sinks_for(spec, [*selected, *spec.sinks])
-    plan = plan or prepare(spec, rt)
-    lock_sinks(spec, selected, wait_lock_s)
+    selected = replay_sinks(spec, rt, sinks)
+    if not locked:
+        lock_sinks(spec, selected, wait_lock_s)
     try:
+        plan = plan or prepare(spec, rt)
         per_sink, events, build_s, positions, rounds = rebuild(
             plan, rt, selected, catch_up_rounds=catch_up_rounds, progress=progress
         )
@@ -268,7 +270,17 @@ def replay(
             sinks=per_sink,
         )
     finally:
-        unlock_sinks(spec, list(selected.values()))
+        if not locked:
+            unlock_sinks(spec, list(selected.values()))
+
+
+def replay_sinks(spec: ProjectionSpec, rt: Runtime, sinks: Sequence[str] | None = None) -> dict[str, Sink]:
+    """The sinks a replay of `spec` writes (and locks): `sinks` (default: all of its own), plus the
+    mirrors of a grouped projection when its PostgreSQL view is rebuilt (they copy that view)."""
+    selected = rt.sinks_for(spec, sinks)
+    if sinks and isinstance(spec.fold, GroupFold) and "postgres" in selected:
+        selected = rt.sinks_for(spec, [*selected, *spec.sinks])
+    return selected
 
 
 def _record(rt: Runtime, plan: Plan, *, new_generation: bool, replayed: bool) -> int:
@@ -297,4 +309,7 @@ def replay_class(path: str, rt: Runtime, **kwargs: Any) -> ReplayResult:
     return replay(load_projection(path), rt, **kwargs)
 
 
-__all__ = ["ReplayResult", "SinkReplay", "as_spec", "lock_sinks", "rebuild", "replay", "replay_class", "unlock_sinks"]
+__all__ = [
+    "ReplayResult", "SinkReplay", "as_spec", "lock_sinks", "rebuild", "replay", "replay_class", "replay_sinks",
+    "unlock_sinks",
+]

@@ -52,11 +52,15 @@ def open_sinks(views: Any) -> dict[str, Sink]:
 
 
 def spark_session(master: str = "local[*]", app_name: str = "kappaflow", conf: dict[str, str] | None = None,
-                  ship_modules: tuple[str, ...] = ()) -> SparkSession:
+                  ship_modules: tuple[str, ...] = (), log_level: str = "off") -> SparkSession:
     """A SparkSession for kappaflow jobs (workers run this interpreter; UTC; few shuffle partitions).
 
     `ship_modules` names extra top-level modules executors need on a cluster (e.g. `examples`).
+    `log_level`: Spark's own logging (driver JVM log4j, py4j), off by default: kappaflow says
+    what failed in one line of its own (``kappaflow.logs``).
     """
+    from kappaflow.logs import quiet_spark_python, spark_log_conf
+
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
     os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
     builder = SparkSession.builder.master(master).appName(app_name)
@@ -68,10 +72,13 @@ def spark_session(master: str = "local[*]", app_name: str = "kappaflow", conf: d
         "spark.sql.execution.arrow.maxRecordsPerBatch": "20000",
         "spark.driver.memory": "2g",
     }
-    for k, v in {**defaults, **(conf or {})}.items():
+    merged = {**defaults, **(conf or {})}
+    merged.update(spark_log_conf(log_level, merged))
+    for k, v in merged.items():
         builder = builder.config(k, v)
+    quiet_spark_python(log_level)
     spark = builder.getOrCreate()
-    spark.sparkContext.setLogLevel("ERROR")
+    spark.sparkContext.setLogLevel(log_level.upper())
     if not master.startswith("local"):
         # Executors on a cluster get kappaflow's code the way --py-files would ship it.
         from kappaflow.spark import code_archive
@@ -79,6 +86,12 @@ def spark_session(master: str = "local[*]", app_name: str = "kappaflow", conf: d
         spark.sparkContext.addPyFile(str(code_archive(ship_modules)))
     register(spark)
     return spark
+
+
+def session_from_settings(settings: Any) -> SparkSession:
+    """The SparkSession ``[spark]`` describes (master, app name, conf, log level)."""
+    sp = settings.spark
+    return spark_session(sp.master, sp.app_name, sp.conf, log_level=sp.log_level)
 
 
 @dataclass
@@ -106,6 +119,12 @@ class Runtime:
         pg = self.sinks.get("postgres")
         if self.dsn is None and pg is not None and getattr(pg, "dsn", None):
             self.dsn = getattr(pg, "dsn", None)
+
+    def attach_spark(self, spark: SparkSession) -> None:
+        """Use `spark` from now on: a runtime built ``with_spark=False`` gets its session late,
+        e.g. after the CLI has checked the projection's locks (Spark takes seconds to start)."""
+        self.spark = spark
+        register(spark)
 
     def sink_for(self, projection: str, kind: str) -> Sink:
         """The configured sink of `kind`, or a ConfigError naming the projection and the missing key."""
@@ -146,7 +165,7 @@ class Runtime:
         sinks = open_sinks(settings.views)
         dsn = settings.views.postgres_connect_dsn() if settings.views.postgres_dsn else None
         if spark is None and with_spark:
-            spark = spark_session(settings.spark.master, settings.spark.app_name, settings.spark.conf)
+            spark = session_from_settings(settings)
         primary = sinks.get("postgres") or next(iter(sinks.values()))
         return cls(spark=spark, log_url=log_url, sink=primary, log_options=options,  # type: ignore[arg-type]
                    checkpoint_dir=settings.resolve(settings.spark.checkpoint_dir), dsn=dsn, sinks=sinks)
@@ -204,4 +223,4 @@ class Runtime:
                 s.close()
 
 
-__all__ = ["SINK_SETTINGS", "Runtime", "open_sinks", "spark_session"]
+__all__ = ["SINK_SETTINGS", "Runtime", "open_sinks", "session_from_settings", "spark_session"]

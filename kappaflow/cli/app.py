@@ -68,8 +68,11 @@ def _root(
     profile: Annotated[
         str | None, typer.Option("--profile", help="Use the profile.NAME overlay of the config file.")
     ] = None,
+    debug: Annotated[
+        bool, typer.Option("--debug", help="Log full tracebacks of failures (one line each otherwise).")
+    ] = False,
 ) -> None:
-    ctx.obj = {"config": config, "profile": profile}
+    ctx.obj = {"config": config, "profile": profile, "debug": debug}
     # Projections and examples are imported by `module:Class`; the project folder must be importable.
     if str(Path.cwd()) not in sys.path:
         sys.path.insert(0, str(Path.cwd()))

@@ -35,7 +35,24 @@ def _cwd_importable() -> None:
 def _runtime(ctx: typer.Context, *, spark: bool = True) -> Any:
     from kappaflow.projections.runtime import Runtime
 
-    return Runtime.from_settings(settings(ctx), with_spark=spark)
+    s = settings(ctx)
+    _setup_logging(ctx, s)
+    return Runtime.from_settings(s, with_spark=spark)
+
+
+def _setup_logging(ctx: typer.Context, s: Any) -> None:
+    """Timestamped kappaflow lines on stderr; Spark's own logging at ``[spark] log_level`` (off)."""
+    from kappaflow import logs
+
+    obj = ctx.find_root().obj or {}
+    logs.setup(debug=bool(obj.get("debug")), spark_level=s.spark.log_level)
+
+
+def _start_spark(ctx: typer.Context, rt: Any) -> None:
+    """Start Spark for a runtime built without it (after the checks that need no Spark)."""
+    from kappaflow.projections.runtime import session_from_settings
+
+    rt.attach_spark(session_from_settings(settings(ctx)))
 
 
 SinkOption = Annotated[
@@ -63,30 +80,38 @@ def replay(
     sink: SinkOption = None,
 ) -> None:
     """Rebuild a view from the log into a shadow in each of its sinks, catch up, swap it in atomically."""
+    from kappaflow.projections.replay import lock_sinks, replay_sinks, unlock_sinks
     from kappaflow.projections.replay import replay as run_replay
 
     spec = _load(projection)
-    rt = _runtime(ctx)
+    rt = _runtime(ctx, spark=False)
     try:
-        progress = Progress(
-            TextColumn(f"replay [bold]{spec.name}[/]"),
-            BarColumn(),
-            TextColumn("{task.completed:,.0f}/{task.total:,.0f} events"),
-            TextColumn("{task.fields[rate]}"),
-            TimeElapsedColumn(),
-            TimeRemainingColumn(),
-            console=err_console,
-            transient=True,
-        )
-        started = time.monotonic()
-        with progress:
-            task = progress.add_task("replay", total=1, rate="")
+        # The locks first: a followed projection is refused at once, not after Spark's start-up.
+        selected = replay_sinks(spec, rt, sink)
+        lock_sinks(spec, selected, wait)
+        try:
+            _start_spark(ctx, rt)
+            progress = Progress(
+                TextColumn(f"replay [bold]{spec.name}[/]"),
+                BarColumn(),
+                TextColumn("{task.completed:,.0f}/{task.total:,.0f} events"),
+                TextColumn("{task.fields[rate]}"),
+                TimeElapsedColumn(),
+                TimeRemainingColumn(),
+                console=err_console,
+                transient=True,
+            )
+            started = time.monotonic()
+            with progress:
+                task = progress.add_task("replay", total=1, rate="")
 
-            def report(done: int, total: int) -> None:
-                secs = max(time.monotonic() - started, 1e-6)
-                progress.update(task, completed=done, total=max(total, 1), rate=f"{done / secs:,.0f} events/s")
+                def report(done: int, total: int) -> None:
+                    secs = max(time.monotonic() - started, 1e-6)
+                    progress.update(task, completed=done, total=max(total, 1), rate=f"{done / secs:,.0f} events/s")
 
-            res = run_replay(spec, rt, progress=report, wait_lock_s=wait, sinks=sink)
+                res = run_replay(spec, rt, progress=report, sinks=sink, locked=True)
+        finally:
+            unlock_sinks(spec, list(selected.values()))
         per_sink = ", ".join(
             f"{k} {r.rows:,} rows" + (f" ({r.dead_letters} dead letters)" if r.dead_letters else "")
             for k, r in res.sinks.items()
@@ -110,42 +135,56 @@ def follow(
     checkpoint: Annotated[str | None, typer.Option("--checkpoint", help="Spark checkpoint directory.")] = None,
     sink: SinkOption = None,
 ) -> None:
-    """Keep a view current in each of its sinks (one streaming query per sink); Ctrl-C stops cleanly."""
-    from kappaflow.projections.follow import FollowerGroup
+    """Keep a view current in each of its sinks (one streaming query per sink); Ctrl-C stops cleanly.
 
+    Logs (stderr, timestamped) when each follower runs and when it has caught up with the log."""
+    import logging
+
+    from kappaflow.cli.follow_progress import FollowProgress
+    from kappaflow.projections.follow import FollowerGroup, parse_trigger
+
+    log = logging.getLogger("kappaflow.follow")
     spec = _load(projection)
-    rt = _runtime(ctx)
-
-    def on_batch(stats: Any, res: Any) -> None:
-        if res.events or res.dead_letters:
-            err_console.print(
-                f"batch {stats.batches}: {res.events:,} events, {res.upserted:,} upserts, {res.deleted:,} deletes"
-                + (f", {res.dead_letters} dead letters" if res.dead_letters else ""),
-                highlight=False,
-            )
-
+    parse_trigger(trigger)  # a bad --trigger is refused before Spark starts
+    rt = _runtime(ctx, spark=False)
     try:
+        selected = rt.sinks_for(spec, sink)
+        _refuse_if_locked(spec, selected)
+        names = ", ".join(selected)
+        log.info("follow %s -> view %s in %s (trigger %s): starting Spark; Ctrl-C stops", spec.name, spec.view,
+                 names, trigger)
+        _start_spark(ctx, rt)
         group = FollowerGroup(
-            spec, rt, sinks=sink, trigger=trigger, max_records_per_batch=max_records, on_batch=on_batch,
-            checkpoint=checkpoint,
-        ).start()
-        names = ", ".join(group.followers)
-        console.print(
-            f"following {spec.name} -> view [bold]{spec.view}[/] in {names} (trigger {trigger}); Ctrl-C stops"
+            spec, rt, sinks=sink, trigger=trigger, max_records_per_batch=max_records, checkpoint=checkpoint,
         )
+        progress = FollowProgress(group)
+        group.start()
+        progress.start()
         try:
             group.run_forever()
         finally:
-            for name, f in group.followers.items():
-                console.print(
-                    f"{name}: {f.stats.batches} batches, {f.stats.events:,} events"
-                    + (f", {f.restarts} restarts" if f.restarts else "")
-                    + (f", {f.rebuilds} rebuilds" if f.rebuilds else "")
-                    + (f", gave up: {f.failed}" if f.failed else ""),
-                    highlight=False,
+            progress.stop()
+            for f in group.followers.values():
+                log.info(
+                    "follower %s stopped: %s batches, %s events%s%s%s", f.name, f.stats.batches,
+                    f"{f.stats.events:,}", f", {f.restarts} restarts" if f.restarts else "",
+                    f", {f.rebuilds} rebuilds" if f.rebuilds else "", ", gave up" if f.failed else "",
                 )
     finally:
         rt.close()
+
+
+def _refuse_if_locked(spec: Any, sinks: dict[str, Any]) -> None:
+    """ProjectionBusy when another process follows or replays `spec` in one of `sinks` (checked
+    without taking the lock, before Spark starts; the follower takes it for real when it starts)."""
+    from kappaflow.projections.engine import ProjectionBusy
+
+    for name, s in sinks.items():
+        if s.is_locked(spec.name):
+            raise ProjectionBusy(
+                f"projection {spec.name!r} is already followed or being replayed in the {name} sink by another "
+                "process"
+            )
 
 
 def verify(

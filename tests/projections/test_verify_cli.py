@@ -90,3 +90,49 @@ def test_cli_query_status_list_and_verify_exit_code(
         conn.execute("UPDATE public.\"cli_orders\" SET status = 'tampered' WHERE id = %s", (some,))
     out = runner.invoke(app, ["verify", "tests.projections.defs:CliOrders"])
     assert out.exit_code == 1 and "tampered" in out.output, out.output
+
+
+def _kappaflow(tmp_path: Path, log_path: str, dsn: str) -> tuple[Any, list[str]]:
+    """The real `kappaflow` command on a config for this test, and the root options that select it."""
+    from kappaflow.cli.app import app
+    from kappaflow.config import LogConfig, Settings, ViewsConfig
+
+    cfg = tmp_path / "kappaflow.toml"
+    Settings(log=LogConfig(url=log_path), views=ViewsConfig(postgres_dsn=dsn), base_dir=tmp_path).save(cfg)
+    return app, ["--config", str(cfg)]
+
+
+def test_replay_and_follow_of_a_locked_projection_are_refused_before_spark_starts(
+    rt: Any, embedded_log: Any, pg_dsn: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Regression (issue 13 item 10): `replay` of a followed projection started Spark (~10 s) before
+    it found the lock taken. The lock is checked first now; Spark is never started."""
+    from kappaflow.projections.sinks.postgres import PostgresSink
+
+    w = TableWriter(embedded_log, orders_schema("rl"), partitions=2)
+    random_history(w, seed=4, n=30)
+    proj = defs.latest("rl", name="rl_orders")
+    replay(proj, rt)
+    monkeypatch.setattr(defs, "RlOrders", proj, raising=False)
+    started: list[str] = []
+
+    def spark_session(*args: Any, **kwargs: Any) -> Any:
+        started.append("spark")
+        return rt.spark
+
+    monkeypatch.setattr("kappaflow.projections.runtime.spark_session", spark_session)
+    app, root = _kappaflow(tmp_path, str(embedded_log.path), pg_dsn)
+    runner = CliRunner()
+    follower = PostgresSink(pg_dsn)  # another process following it: holds the projection's lock
+    assert follower.try_lock(proj.name)
+    try:
+        out = runner.invoke(app, [*root, "replay", "tests.projections.defs:RlOrders"])
+        assert out.exit_code == 2 and "being followed or replayed" in " ".join(out.output.split()), out.output
+        out = runner.invoke(app, [*root, "follow", "tests.projections.defs:RlOrders"])
+        assert out.exit_code == 2 and "already followed" in " ".join(out.output.split()), out.output
+        assert started == [], "Spark was started before the lock was checked"
+    finally:
+        follower.close()
+    out = runner.invoke(app, [*root, "replay", "tests.projections.defs:RlOrders"])
+    assert out.exit_code == 0, out.output
+    assert started == ["spark"] and "replayed rl_orders" in out.output
