@@ -192,32 +192,51 @@ def verify(
     projection: Annotated[str, typer.Argument(help="module:Class of the projection")],
     limit: Annotated[int, typer.Option("--limit", help="Show at most this many drifted rows.")] = 20,
     sink: SinkOption = None,
+    wait: Annotated[
+        float,
+        typer.Option("--wait", help="Seconds to wait (at most) for the view to reach the log end first."),
+    ] = 0.0,
 ) -> None:
-    """Replay into a scratch target and compare with the live view (per sink); exit code 1 on drift."""
+    """Replay into a scratch target and compare with the live view (per sink).
+
+    Exit code 1 on drift; 3 when the view is behind the log end (the rows it holds were compared
+    up to its own positions; --wait SECONDS lets its follower catch up first)."""
     from kappaflow.projections.verify import verify as run_verify
 
     spec = _load(projection)
     rt = _runtime(ctx)
-    drifted = False
+    code = 0
     try:
         for name in rt.sinks_for(spec, sink):
-            res = run_verify(spec, rt, limit=limit, sink=name)
-            if res.ok:
-                console.print(f"[green]ok[/]: view {res.view} in {name} matches a fresh replay ({res.rows:,} rows)")
-                continue
-            drifted = True
-            table = Table(title=f"drift in {res.view} ({name}): {res.drift_count} keys")
-            table.add_column("key")
-            table.add_column("kind")
-            table.add_column("view")
-            table.add_column("replay")
-            for d in res.drift:
-                table.add_row(json.dumps(list(d.key), default=str), d.kind, _short(d.live), _short(d.expected))
-            console.print(table)
+            res = run_verify(spec, rt, limit=limit, sink=name, wait_s=wait)
+            where = f"view {res.view} in {name}"
+            span = (f"{res.rows_compared:,} rows compared at position {res.position:,} "
+                    f"of log end {res.log_end_total:,} ({len(res.log_end)} partitions)")
+            if res.drift_count:
+                code = 1
+                table = Table(title=f"drift in {res.view} ({name}): {res.drift_count} keys")
+                table.add_column("key")
+                table.add_column("kind")
+                table.add_column("view")
+                table.add_column("replay")
+                for d in res.drift:
+                    table.add_row(json.dumps(list(d.key), default=str), d.kind, _short(d.live), _short(d.expected))
+                console.print(table)
+                console.print(f"[red]drift[/]: {where} differs from a fresh replay: {span}", highlight=False)
+            elif res.lag:
+                code = code or 3
+                console.print(
+                    f"[yellow]behind[/]: {where} is {res.lag:,} records behind the log end: {span}; the rows it holds "
+                    "match a fresh replay up to its positions"
+                    + ("" if wait else "; pass --wait SECONDS to let its follower catch up first"),
+                    highlight=False,
+                )
+            else:
+                console.print(f"[green]ok[/]: {where} matches a fresh replay: {span}", highlight=False)
     finally:
         rt.close()
-    if drifted:
-        raise typer.Exit(1)
+    if code:
+        raise typer.Exit(code)
 
 
 def _short(row: dict[str, Any] | None) -> str:

@@ -102,6 +102,64 @@ def _kappaflow(tmp_path: Path, log_path: str, dsn: str) -> tuple[Any, list[str]]
     return app, ["--config", str(cfg)]
 
 
+def test_verify_reports_a_view_behind_the_log_and_how_far_it_compared(
+    rt: Any, embedded_log: Any, pg_dsn: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Regression (issue 13 item 2): a view ~720k records behind was reported "ok ... matches a fresh
+    replay (0 rows)": verify compared the log only up to the view's own positions and said nothing
+    about the rest. It now reports how far it compared, how many rows, and 'behind' (exit 3)."""
+    from kappaflow.projections.engine import prepare
+    from kappaflow.projections.follow import Follower
+    from kappaflow.projections.replay import as_spec
+    from tests.projections.test_follow import more_changes
+
+    w = TableWriter(embedded_log, orders_schema("vb"), partitions=2)
+    random_history(w, seed=6, n=80)
+    proj = defs.totals("vb", name="vb_totals")
+    replay(proj, rt)
+
+    def end() -> int:
+        return sum(embedded_log.end_offsets(w.topic).values())
+
+    res = verify(proj, rt)
+    assert res.ok and res.lag == 0 and res.position == res.log_end_total == end()
+    assert res.rows_compared == res.rows > 0
+    at = end()
+    more_changes(w, __import__("random").Random(5), 40, 900)  # nobody follows: the view falls behind
+    res = verify(proj, rt)
+    assert res.matches and not res.ok
+    assert res.lag == end() - at > 0 and res.position == at and res.log_end_total == end()
+
+    monkeypatch.setattr(defs, "VbTotals", proj, raising=False)
+    monkeypatch.setattr("kappaflow.projections.runtime.spark_session", lambda *a, **k: rt.spark)
+    app, root = _kappaflow(tmp_path, str(embedded_log.path), pg_dsn)
+    runner = CliRunner()
+    out = runner.invoke(app, [*root, "verify", "tests.projections.defs:VbTotals"])
+    assert out.exit_code == 3, out.output
+    text = " ".join(out.output.split())
+    assert f"behind: view vb_totals in postgres is {end() - at:,} records behind the log end" in text, text
+    assert f"{res.rows_compared:,} rows compared at position {at:,} of log end {end():,} (2 partitions)" in text
+    assert "--wait" in text
+
+    # The issue's case: a view created by a follower that has not committed a batch yet (no rows,
+    # no positions) compared equal to an empty replay.
+    empty = defs.latest("vb", name="vb_empty")
+    rt.sink.ensure(prepare(as_spec(empty), rt).view)
+    res = verify(empty, rt)
+    assert not res.ok and res.rows == res.rows_compared == 0 and res.position == 0 and res.lag == end()
+
+    # --wait: a follower brings the view to the log end first, then it is ok
+    f = Follower(proj, rt, trigger="0.2s").start()
+    try:
+        out = runner.invoke(app, [*root, "verify", "tests.projections.defs:VbTotals", "--wait", "180"])
+    finally:
+        f.stop()
+    assert out.exit_code == 0, out.output
+    text = " ".join(out.output.split())
+    assert "ok: view vb_totals in postgres matches a fresh replay: " in text, text
+    assert f"rows compared at position {end():,} of log end {end():,}" in text
+
+
 def test_replay_and_follow_of_a_locked_projection_are_refused_before_spark_starts(
     rt: Any, embedded_log: Any, pg_dsn: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
