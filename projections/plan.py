@@ -68,6 +68,7 @@ from kappaflow.projections.api import (
 )
 from kappaflow.projections.schemas import (
     converted_row,
+    declared_struct,
     envelope_struct,
     key_struct,
     pos_order,
@@ -200,10 +201,8 @@ class Plan:
     @classmethod
     def _build_custom(cls, spark: SparkSession, spec: ProjectionSpec, schemas: dict[str, TableSchema]) -> Plan:
         where = f"projection {spec.name!r}"
-        try:
-            struct = spark.createDataFrame([], spec.schema).schema
-        except Exception as exc:
-            raise _analysis_error(f"{where}: 'schema'", exc) from None
+        assert spec.schema is not None
+        struct = declared_struct(spark, spec.schema, f"{where}: 'schema'")
         names = [f.name for f in struct.fields]
         missing = [k for k in spec.key if k not in names]
         if missing:
@@ -233,10 +232,7 @@ class Plan:
         """A declared ``schema`` on a declarative projection must match what it computes."""
         if not self.spec.schema:
             return
-        try:
-            declared = spark.createDataFrame([], self.spec.schema).schema
-        except Exception as exc:
-            raise _analysis_error(f"projection {self.spec.name!r}: 'schema'", exc) from None
+        declared = declared_struct(spark, self.spec.schema, f"projection {self.spec.name!r}: 'schema'")
         got = {c.name: c.type for c in self.view.columns}
         want = {f.name: f.dataType for f in declared.fields}
         problems = [

@@ -12,6 +12,14 @@ FLOAT32 -> float, FLOAT64 -> double, DECIMAL(p,s) -> decimal(p or 38, s), VARIAB
 TIME and INTERVAL -> bigint micros, BYTES/BITS -> binary, UUID/JSON/ENUM/SET/STRING ->
 string (JSON as its text), ARRAY -> array of the element type. Conversions never depend on
 the Spark session time zone.
+
+A view column keeps its source column's type, whatever the fold: a source ``timestamp``
+(naive) stays ``timestamp`` (PostgreSQL ``timestamp without time zone``), a ``timestamptz``
+stays ``timestamptz``. So in a projection's declared ``schema`` (Spark DDL, required for
+custom folds) ``timestamp`` means timestamp WITHOUT time zone, as in SQL and PostgreSQL
+(Spark's ``timestamp_ntz``; ``declared_struct``), and ``timestamp_ltz`` means with time zone.
+(Spark alone would read ``timestamp`` as ``timestamp_ltz``: a custom fold of a ``timestamp``
+column became ``timestamptz`` while a grouped ``Max`` of the same column stayed ``timestamp``.)
 """
 
 from __future__ import annotations
@@ -194,6 +202,27 @@ def pos_order(pos: SparkColumn) -> SparkColumn:
     )
 
 
+def declared_struct(spark: Any, ddl: str, where: str) -> StructType:
+    """A projection's declared ``schema`` (Spark DDL) as a StructType, ``timestamp`` read as
+    timestamp without time zone (see the module docstring); ConfigError naming `where` otherwise.
+
+    Parsed in a session of its own (same SparkContext) whose ``spark.sql.timestampType`` is
+    TIMESTAMP_NTZ, so the shared session's settings are untouched."""
+    session = getattr(spark, "_kf_ddl_session", None)
+    if session is None:
+        session = spark.newSession()
+        session.conf.set("spark.sql.timestampType", "TIMESTAMP_NTZ")
+        spark._kf_ddl_session = session
+    try:
+        return session.createDataFrame([], ddl).schema
+    except Exception as exc:
+        text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        hint = ""
+        if "TIMESTAMPTZ" in text.upper():
+            hint = " (write timestamp_ltz for a timestamp with time zone, timestamp for one without)"
+        raise ConfigError(f"{where}: {text[:500]}{hint}") from None
+
+
 # --- schema topics --------------------------------------------------------------------------------
 def schema_topic(topic: str) -> str:
     """``<source>.__schema`` for a topic named ``<source>.<schema>.<table>``."""
@@ -250,6 +279,7 @@ __all__ = [
     "POS_TYPE",
     "convert",
     "converted_row",
+    "declared_struct",
     "envelope_struct",
     "key_struct",
     "load_table_schemas",

@@ -83,7 +83,7 @@ class AccountActivity(Projection):
     key = ["position"]
     schema = ("position bigint, stream_id string, account string, stream_version bigint, event_type string, "
               "amount bigint, delta bigint, counterparty string, transfer_id string, owner string, "
-              "recorded_at timestamp")
+              "recorded_at timestamp_ltz")  # the ledger's recorded_at is a timestamptz
     sinks: ClassVar[Sequence[str]] = ("postgres", "search")
     sink_options: ClassVar[Mapping[str, Mapping[str, Any]]] = {"search": {"fields": ACTIVITY_SEARCH_FIELDS}}
 
