@@ -13,7 +13,10 @@ whole ``replay()`` call: plan, shadow table, build, swap):
   into an empty table (the floor a view write cannot beat);
 - ``follow_latency_p50_s`` / ``_p99_s``: ``UPDATE`` committed in the source table ->
   the PostgreSQL connector (a separate capture process) -> log -> follower (trigger 0.5 s)
-  -> row visible in the view; 200 samples, one update every 0.1 s.
+  -> row visible in the view; 200 samples, one update every 0.1 s;
+- ``cli_replay_wall_s``: what a user waits for: ``kappaflow replay`` of each projection as a
+  command of its own over the same log (Python start, Spark start-up, planning, build, swap),
+  run after the in-process Spark stopped (``--skip-cli`` skips it).
 The last line of output is one JSON object.
 """
 
@@ -324,6 +327,31 @@ def percentile(xs: list[float], q: float) -> float:
     return s[k]
 
 
+def cli_replay_wall(work: Path, log_path: Path, dsn: str, master: str) -> dict[str, float]:
+    """Wall seconds of ``kappaflow replay`` per projection, each a fresh process (what a user waits for)."""
+    (work / "kappaflow.toml").write_text(
+        f'[log]\nurl = "{log_path}"\n[views]\npostgres_dsn = "{dsn}"\n'
+        f'[spark]\nmaster = "{master}"\ncheckpoint_dir = "{work / "cli-ckpt"}"\n'
+    )
+    (work / "bench_cli_projections.py").write_text(
+        "from replay import projections\nLatest, Grouped, Custom = projections('bench')\n"
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "bench")])}
+    out: dict[str, float] = {}
+    for kind in ("Latest", "Grouped", "Custom"):
+        t = time.perf_counter()
+        proc = subprocess.run(
+            [sys.executable, "-m", "kappaflow.cli", "replay", f"bench_cli_projections:{kind}"],
+            cwd=work, env=env, capture_output=True, text=True, check=False,
+        )
+        secs = time.perf_counter() - t
+        if proc.returncode != 0:
+            raise RuntimeError(f"kappaflow replay {kind} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+        out[kind.lower()] = round(secs, 1)
+        log(f"kappaflow replay bench_cli_projections:{kind}: {secs:.1f}s wall ({proc.stdout.strip()})")
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--events", type=int, default=1_000_000)
@@ -336,6 +364,7 @@ def main() -> None:
     )
     ap.add_argument("--master", default="local[*]")
     ap.add_argument("--skip-follow", action="store_true")
+    ap.add_argument("--skip-cli", action="store_true", help="skip timing `kappaflow replay` as a command")
     args = ap.parse_args()
 
     from kappaflow.projections.replay import replay
@@ -398,6 +427,8 @@ def main() -> None:
             result["follow_latency_p50_s"] = round(percentile(lat, 0.5), 3)
             result["follow_latency_p99_s"] = round(percentile(lat, 0.99), 3)
         spark.stop()
+        if not args.skip_cli:
+            result["cli_replay_wall_s"] = cli_replay_wall(work, log_path, dsn, args.master)
         print(json.dumps(result))
     finally:
         if server is not None:

@@ -53,7 +53,7 @@ Retraction: grouped aggregates are computed over the CURRENT row of every source
 nothing), so an update that moves a row between groups moves its contribution and a
 delete removes it, with or without before-images in the log. See ``plan.py``.
 
-Room to grow (DESIGN.md "Coming next"): a fold kind is a ``FoldSpec`` subclass compiled
+Room to grow: a fold kind is a ``FoldSpec`` subclass compiled
 by a strategy in ``plan.py``. Event-time windows will add a ``window`` attribute
 (``Tumbling``/``Sliding``/``Session`` over an event-time column, with a watermark and a
 late-data policy) that turns into extra group columns of a ``GroupFold``; joins will add

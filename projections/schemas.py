@@ -1,6 +1,6 @@
 """Source table schemas, and how their JSON values become Spark values (in the JVM).
 
-Change events carry values in Debezium's JSON encodings (EVENTS_API.md): DATE as days,
+Change events carry values in Debezium's JSON encodings (``kappaflow.events.values``): DATE as days,
 TIMESTAMP as micros, TIMESTAMPTZ as ISO text, DECIMAL as text, BYTES as base64... A
 projection parses the envelope with ``from_json`` and an explicit schema derived from the
 topic's ``TableSchema`` (found on ``<source>.__schema``), then converts each column with

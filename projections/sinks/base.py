@@ -1,6 +1,6 @@
 """The sink contract: where a projection's view lives (PostgreSQL table, search index, Redis keys).
 
-Every sink keeps the same guarantees (DESIGN.md, "Log to view"):
+Every sink keeps the same guarantees:
 
 1. **Versioned writes.** A batch is an Arrow table with the view's columns plus
    ``_kf_version`` (int64: the log position that produced the row) and ``_kf_deleted``

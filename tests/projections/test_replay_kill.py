@@ -1,4 +1,4 @@
-"""Replay survives kill -9 at any moment (DESIGN.md, "No downtime on rebuild").
+"""Replay survives kill -9 at any moment (no downtime on rebuild: the old view serves until the swap).
 
 A projection writing to PostgreSQL, search and Redis starts with live views built the way a
 follower builds them (``ensure`` + apply). A replay process (``replay_runner.py``) is killed with
