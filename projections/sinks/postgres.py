@@ -1152,8 +1152,11 @@ class PostgresSink(Sink):
         return bool(row and row[0])
 
     def is_locked(self, projection: str) -> bool:
+        # Advisory locks belong to a database: a projection of the same name in another database of
+        # the server is another projection.
         row = self.conn.execute(
             "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND granted AND "
+            "database = (SELECT oid FROM pg_database WHERE datname = current_database()) AND "
             "((classid::bigint << 32) | objid::bigint) = hashtextextended(%s, 7270604)",
             ("kappaflow.projection:" + projection,),
         ).fetchone()

@@ -194,3 +194,21 @@ def test_replay_and_follow_of_a_locked_projection_are_refused_before_spark_start
     out = runner.invoke(app, [*root, "replay", "tests.projections.defs:RlOrders"])
     assert out.exit_code == 0, out.output
     assert started == ["spark"] and "replayed rl_orders" in out.output
+
+
+def test_a_projection_locked_in_another_database_is_not_locked_here(pg_server: Any, pg_dsn: str) -> None:
+    """Regression: ``is_locked`` (what status and follow check) counted an advisory lock of a
+    projection of the same name in another database of the server (a local replay made a
+    follower on another database refuse to start)."""
+    from kappaflow.projections.sinks.postgres import PostgresSink
+
+    other = pg_server.create_database("t_other_" + __import__("uuid").uuid4().hex[:8])
+    here, there = PostgresSink(pg_dsn), PostgresSink(other)
+    try:
+        assert there.try_lock("same_name")
+        assert there.is_locked("same_name") and not here.is_locked("same_name")
+        assert here.try_lock("same_name") and here.is_locked("same_name")
+    finally:
+        here.close()
+        there.close()
+        pg_server.drop_database(other.rsplit("/", 1)[1])
