@@ -48,6 +48,18 @@ def _children(pid: int) -> list[int]:
         return []
 
 
+def _stop_fast(pg: Any) -> None:
+    """Stop the server the way a restart does (``pg_ctl stop -m fast``: clients disconnected at
+    once); the default smart shutdown would wait for the follower's sessions to end."""
+    from kappaflow.testing.servers._process import as_user
+    from kappaflow.testing.servers.postgres import find_pg_bin
+
+    subprocess.run(as_user(pg.os_user, [str(find_pg_bin() / "pg_ctl"), "-D", str(pg.datadir), "stop", "-m", "fast",
+                                        "-w", "-t", "60"]), check=True, capture_output=True)
+    pg.proc.wait(30)
+    pg.proc = None
+
+
 def _alive(pid: int) -> bool:
     try:
         return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
@@ -105,7 +117,7 @@ def test_follower_output_through_a_postgresql_restart_and_a_kill_9(
         wait_for(lambda: printed(rf"follower {name} caught up: position {end():,} = log end \(lag 0\)"), 240,
                  "the follower to say it caught up")
         # --- a PostgreSQL outage: stopped while changes arrive, started again ---------------------------
-        pg.stop()
+        _stop_fast(pg)
         more_changes(w, random.Random(3), 40, 3000)
         wait_for(lambda: printed(rf"WARNING follower {name}: restart failed: .*; restarting from the sink's "
                                  r"positions in [\d.]+s \(attempt \d+/\d+\)"), 180,
