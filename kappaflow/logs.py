@@ -18,15 +18,17 @@ killed with -9 left a dying JVM's error as its last line, which reads like the c
 from __future__ import annotations
 
 import logging
+import os
 import re
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 SPARK_LOG_LEVELS = ("off", "fatal", "error", "warn", "info", "debug", "trace", "all")
 """log4j levels accepted by ``[spark] log_level``."""
 
-DATE_FORMAT = "%Y-%m-%d %H:%M:%S"
+DATE_FORMAT = "%Y-%m-%dT%H:%M:%SZ"  # UTC, as capture's lines (kappaflow.cli.progress_log.stamp)
 LINE_FORMAT = "%(asctime)s %(levelname)s %(message)s"
 
 _PY_LEVEL = {"off": logging.CRITICAL + 10, "fatal": logging.CRITICAL, "error": logging.ERROR,
@@ -47,7 +49,7 @@ appender.stderr.target = SYSTEM_ERR
 appender.stderr.filter.threshold.type = ThresholdFilter
 appender.stderr.filter.threshold.level = ${sys:kappaflow.spark.log.level:-off}
 appender.stderr.layout.type = PatternLayout
-appender.stderr.layout.pattern = %d{yyyy-MM-dd HH:mm:ss} %p spark %c{1}: %m%n%ex
+appender.stderr.layout.pattern = %d{yyyy-MM-dd'T'HH:mm:ss'Z'}{UTC} %p spark %c{1}: %m%n%ex
 """
 
 
@@ -69,7 +71,7 @@ def log4j_config_file() -> Path:
             return path
     except OSError:
         pass
-    tmp = path.with_name(f"{path.name}.{id(path)}.tmp")
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")  # concurrent writers: same content, atomic rename
     tmp.write_text(_LOG4J2)
     tmp.replace(path)
     return path
@@ -100,6 +102,8 @@ def quiet_spark_python(level: str = "off") -> None:
 class _Formatter(logging.Formatter):
     """Timestamped lines; a record's traceback is printed only when the logger is at debug level
     (a failure is one line otherwise: the message already names the cause)."""
+
+    converter = time.gmtime  # type: ignore[assignment]  # typeshed: gmtime(secs=None) is the same
 
     def __init__(self, debug: bool) -> None:
         super().__init__(LINE_FORMAT, DATE_FORMAT)

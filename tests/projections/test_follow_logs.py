@@ -32,7 +32,7 @@ from tests.projections.test_replay import random_history
 
 pytestmark = pytest.mark.integration
 ROOT = Path(__file__).resolve().parents[2]
-KAPPAFLOW_LINE = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d (DEBUG|INFO|WARNING|ERROR|CRITICAL) \S")
+KAPPAFLOW_LINE = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ (DEBUG|INFO|WARNING|ERROR|CRITICAL) \S")
 # Printed by the java launcher itself (Spark starts its JVM with an incubator module), not by a logger.
 JVM_START_LINE = "WARNING: Using incubator modules: jdk.incubator.vector"
 
