@@ -9,6 +9,8 @@
                            idempotency_key="transfer-77")
         ledger.read_stream("account-1"); ledger.read_all(from_position=r.position)
         ledger.verify()                            # hash chain, dense positions, stream versions
+        seen = ledger.read_query(Query.where(tags=["course:7"]))     # events matching tags/types
+        ledger.append("enrolment-9", [...], condition=seen.condition) # fails if a match came since
     wait_for_projection(positions, "balances", r.position, timeout=5)   # read-your-writes
 
 Into the log: the ledger source (``kappaflow.connectors.ledger``, source kind ``ledger``)
@@ -21,6 +23,8 @@ Modules: `store` (Ledger, the gap-safe ordering argument), `events` (typing, upc
 """
 
 from kappaflow.ledger.errors import (
+    AppendConditionFailedError,
+    AppendConflictError,
     CorruptLedgerError,
     EventTooLargeError,
     IdempotencyKeyReusedError,
@@ -45,6 +49,7 @@ from kappaflow.ledger.events import (
     stream_category,
 )
 from kappaflow.ledger.hashing import VerifyReport, verify
+from kappaflow.ledger.query import AppendCondition, Query, QueryItem, QueryResult, Tagged
 from kappaflow.ledger.relay import LedgerRelay
 from kappaflow.ledger.schema import DEFAULT_SCHEMA, install
 from kappaflow.ledger.store import AppendResult, Head, Ledger, LedgerStats, StreamAppend
@@ -59,6 +64,9 @@ from kappaflow.ledger.wait import (
 __all__ = [
     "DEFAULT_MAX_EVENT_BYTES",
     "DEFAULT_SCHEMA",
+    "AppendCondition",
+    "AppendConditionFailedError",
+    "AppendConflictError",
     "AppendResult",
     "CorruptLedgerError",
     "EventRegistry",
@@ -79,9 +87,13 @@ __all__ = [
     "PostgresProjectionPositions",
     "ProjectionPositions",
     "ProjectionTimeoutError",
+    "Query",
+    "QueryItem",
+    "QueryResult",
     "RecordedEvent",
     "StreamAppend",
     "StreamTypeMismatchError",
+    "Tagged",
     "TailReader",
     "UnknownEventTypeError",
     "UpcastError",

@@ -42,7 +42,16 @@ class EventTooLargeError(InvalidAppendError):
         self.limit = limit
 
 
-class WrongExpectedVersionError(LedgerError):
+class AppendConflictError(LedgerError):
+    """An optimistic-concurrency conflict: what the decision was based on has changed.
+
+    A normal outcome under contention, not a failure: the server reports it as a result (it logs
+    no ERROR) and the append wrote nothing. Repeating the same append fails again (TERMINAL):
+    re-read, re-decide, append again.
+    """
+
+
+class WrongExpectedVersionError(AppendConflictError):
     """Optimistic concurrency conflict: the stream was not at the expected version.
 
     Repeating the same append fails again (TERMINAL): re-read the stream, re-decide, append
@@ -57,6 +66,22 @@ class WrongExpectedVersionError(LedgerError):
         self.stream_id = stream_id
         self.expected = expected
         self.actual = actual
+
+
+class AppendConditionFailedError(AppendConflictError):
+    """An event matching the append condition's query was appended after its position."""
+
+    def __init__(self, condition: Any, item: int, position: int, event_type: str) -> None:
+        query_item = condition.query.items[item] if 0 <= item < len(condition.query.items) else "?"
+        super().__init__(
+            f"append condition failed: the event at position {position} ({event_type}) matches query item "
+            f"{query_item} and was appended after position {condition.after}; read with the query again "
+            "and decide again"
+        )
+        self.condition = condition
+        self.item = item
+        self.position = position
+        self.event_type = event_type
 
 
 class StreamTypeMismatchError(InvalidAppendError):

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime as dt
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import IntEnum
 from typing import Any, TypeVar
@@ -26,6 +26,7 @@ from kappaflow.ledger.errors import (
     UnknownEventTypeError,
     UpcastError,
 )
+from kappaflow.ledger.query import Tagged
 
 T = TypeVar("T")
 Upcaster = Callable[[dict[str, Any]], dict[str, Any]]
@@ -95,6 +96,7 @@ class NewEvent:
     data: Mapping[str, Any]
     metadata: Mapping[str, Any] | None = None
     schema_version: int = 1
+    tags: Sequence[str] = ()  # "name:value" strings; see kappaflow.ledger.query
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,8 +113,9 @@ class RecordedEvent:
     metadata: dict[str, Any]
     recorded_at: dt.datetime
     idempotency_key: str | None
-    hash: bytes
+    hash: bytes | None  # None when the read did not ask for hashes (`hashes=True`)
     event: Any = field(default=None, compare=False)
+    tags: tuple[str, ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-safe dict (used by the CLI and the log mapping)."""
@@ -127,7 +130,8 @@ class RecordedEvent:
             "metadata": self.metadata,
             "recorded_at": self.recorded_at.isoformat(),
             "idempotency_key": self.idempotency_key,
-            "hash": self.hash.hex(),
+            "hash": None if self.hash is None else self.hash.hex(),
+            **({"tags": list(self.tags)} if self.tags else {}),
         }
 
 
@@ -139,6 +143,10 @@ class EncodedEvent:
     schema_version: int
     payload: str
     metadata: str
+    tags: tuple[str, ...] = ()
+
+
+TagSpec = Mapping[str, str] | Callable[[Any], Iterable[str]]
 
 
 @dataclass(slots=True)
@@ -147,6 +155,7 @@ class _Entry:
     cls: type
     version: int
     adapter: pydantic.TypeAdapter[Any]
+    tags: Callable[[Any], Iterable[str]] | None = None
     validate: Callable[[Any], Any] = field(init=False)
 
     def __post_init__(self) -> None:
@@ -169,8 +178,13 @@ class EventRegistry:
 
     # --- registration -------------------------------------------------------
     def register(self, cls: type[T] | None = None, *, name: str | None = None,
-                 version: int = 1) -> Any:
-        """Register a class (usable as ``@registry.register`` or ``@registry.register(name=..., version=2)``)."""
+                 version: int = 1, tags: TagSpec | None = None) -> Any:
+        """Register a class (usable as ``@registry.register`` or ``@registry.register(name=..., version=2)``).
+
+        `tags` tags every event of the class: ``{"student": "student_id"}`` gives ``student:<the
+        event's student_id>`` (a field that is None gives no tag), or a function of the event
+        returning tag strings (see `kappaflow.ledger.query`).
+        """
 
         def add(klass: type[T]) -> type[T]:
             type_name = check_identifier(name or klass.__name__, field="event type name")
@@ -180,7 +194,7 @@ class EventRegistry:
                 raise InvalidAppendError(
                     f"{type_name!r} is already registered for {self._by_name[type_name].cls.__qualname__}",
                     field="event type name")
-            entry = _Entry(type_name, klass, version, pydantic.TypeAdapter(klass))
+            entry = _Entry(type_name, klass, version, pydantic.TypeAdapter(klass), _tag_function(klass, tags))
             self._by_name[type_name] = entry
             self._by_class[klass] = entry
             return klass
@@ -206,6 +220,11 @@ class EventRegistry:
         return self._by_name[event_type].version
 
     # --- encode / decode ----------------------------------------------------
+    def tags_of(self, event: Any) -> Iterable[str]:
+        """The tags the registration declares for `event` (none for an unregistered class)."""
+        entry = self._by_class.get(type(event))
+        return () if entry is None or entry.tags is None else entry.tags(event)
+
     def to_data(self, event: Any, *, field: str) -> tuple[str, int, Any]:
         """(type name, schema version, JSON-ready data) for a registered object."""
         entry = self._by_class.get(type(event))
@@ -251,6 +270,32 @@ class EventRegistry:
         except pydantic.ValidationError as exc:
             raise UpcastError(f"stored data does not match {entry.cls.__qualname__} v{entry.version}: {exc}",
                               event_type=event_type, position=position) from None
+
+
+def _tag_function(cls: type, spec: TagSpec | None) -> Callable[[Any], Iterable[str]] | None:
+    if spec is None or callable(spec):
+        return spec
+    if not isinstance(spec, Mapping) or not spec:
+        raise InvalidAppendError(f"expected a mapping of tag name to field name, or a function, got {spec!r}",
+                                 field="tags")
+    from kappaflow.ledger.query import check_tag
+
+    pairs = []
+    for tag_name, attr in spec.items():
+        check_tag(f"{tag_name}:x", field=f"tags[{tag_name!r}]")
+        if not isinstance(attr, str) or not attr:
+            raise InvalidAppendError(f"expected a field name, got {attr!r}", field=f"tags[{tag_name!r}]")
+        pairs.append((tag_name, attr))
+
+    def tags(event: Any) -> list[str]:
+        out = []
+        for tag_name, attr in pairs:
+            value = getattr(event, attr)
+            if value is not None:
+                out.append(f"{tag_name}:{value}")
+        return out
+
+    return tags
 
 
 _JSON_OPTS = orjson.OPT_SORT_KEYS
@@ -311,8 +356,16 @@ def _locate_nul(value: Any, path: str) -> str | None:
 
 def encode_event(event: Any, *, field: str, registry: EventRegistry | None,
                  common_metadata: Mapping[str, Any] | None, max_bytes: int) -> EncodedEvent:
-    """Turn a typed event or a NewEvent into JSON text, checking type, shape and size."""
+    """Turn a typed event or a NewEvent into JSON text, checking type, shape, tags and size."""
     meta: Mapping[str, Any] | None = common_metadata
+    extra_tags: Sequence[str] = ()
+    if type(event) is Tagged:
+        extra_tags = event.tags
+        if isinstance(extra_tags, str) or not isinstance(extra_tags, Sequence):
+            raise InvalidAppendError(f"expected a list of tags, got {type(extra_tags).__name__}",
+                                     field=f"{field}.tags")
+        event = event.event
+    tags: Any = ()
     if isinstance(event, NewEvent):
         type_name = check_identifier(event.type, field=f"{field}.type")
         version = event.schema_version
@@ -333,8 +386,10 @@ def encode_event(event: Any, *, field: str, registry: EventRegistry | None,
                 raise InvalidAppendError(f"expected a mapping, got {type(event.metadata).__name__}",
                                          field=f"{field}.metadata")
             meta = {**(meta or {}), **event.metadata}
+        tags = event.tags
     elif registry is not None:
         type_name, version, data = registry.to_data(event, field=field)
+        tags = registry.tags_of(event)
     else:
         raise UnknownEventTypeError(
             f"{type(event).__qualname__} is not a NewEvent and the ledger has no EventRegistry",
@@ -344,4 +399,12 @@ def encode_event(event: Any, *, field: str, registry: EventRegistry | None,
     size = len(payload) + len(metadata)
     if size > max_bytes:
         raise EventTooLargeError(field=field, size=size, limit=max_bytes)
+    if tags or extra_tags:
+        from kappaflow.ledger.query import normalize_tags
+
+        if isinstance(tags, str | bytes):
+            raise InvalidAppendError(f"expected a list of tags, got a single {type(tags).__name__}",
+                                     field=f"{field}.tags")
+        return EncodedEvent(type_name, version, payload.decode(), metadata.decode(),
+                            normalize_tags([*tags, *extra_tags], field=f"{field}.tags"))
     return EncodedEvent(type_name, version, payload.decode(), metadata.decode())

@@ -1,10 +1,13 @@
 """The hash chain: its encoding, and verification that names the first bad position.
 
-Encoding (version 1, fixed by the migration ``ledger_0001``)::
+Encoding (fixed by the migrations ``ledger_0001`` and ``ledger_0002``)::
 
     lp(s)    = int4_be(len(utf8(s))) || utf8(s)          (NULL -> int4_be(-1))
     content  = sha256(lp(stream_id) || lp(stream_type) || lp(event_type) || int4_be(schema_version)
-                      || lp(payload::text) || lp(metadata::text) || lp(idempotency_key))
+                      || lp(payload::text) || lp(metadata::text) || lp(idempotency_key)
+                      || tags)
+    tags     = ''  for an event without tags (so untagged events hash as in ledger_0001), else
+               int4_be(count) || lp(tag_1) || ... || lp(tag_n)   (tags sorted, as stored)
     hash(p)  = sha256(hash(p-1) || int8_be(p) || int8_be(stream_version)
                       || int8_be(recorded_at in epoch microseconds) || content)
     hash(0)  = 32 zero bytes
@@ -33,15 +36,18 @@ GENESIS_HASH = bytes(32)
 
 _LP = "int4send(octet_length(convert_to({x}, 'UTF8'))) || convert_to({x}, 'UTF8')"
 _LPN = "CASE WHEN {x} IS NULL THEN int4send(-1) ELSE " + _LP + " END"
+_TAGS = ("CASE WHEN {t} IS NULL THEN ''::bytea ELSE int4send(cardinality({t})) || "
+         "(SELECT string_agg(int4send(octet_length(convert_to(x.tag, 'UTF8'))) || convert_to(x.tag, 'UTF8'), "
+         "''::bytea ORDER BY x.ord) FROM unnest({t}) WITH ORDINALITY AS x(tag, ord)) END")
 
 
 def content_sql(stream_id: str, stream_type: str, event_type: str, schema_version: str,
-                payload_text: str, metadata_text: str, key: str) -> str:
-    """The SQL expression for an event's content digest (same text as in the migration)."""
+                payload_text: str, metadata_text: str, key: str, tags: str) -> str:
+    """The SQL expression for an event's content digest (same text as in ledger_0002)."""
     return "sha256(" + " || ".join([
         _LP.format(x=stream_id), _LP.format(x=stream_type), _LP.format(x=event_type),
         f"int4send({schema_version})", _LP.format(x=payload_text), _LP.format(x=metadata_text),
-        _LPN.format(x=key),
+        _LPN.format(x=key), _TAGS.format(t=tags),
     ]) + ")"
 
 
@@ -49,7 +55,7 @@ _ROW_HASH_SQL = (
     "sha256(e.prev_hash || int8send(e.position) || int8send(e.stream_version) "
     "|| int8send((extract(epoch from e.recorded_at) * 1000000)::bigint) || "
     + content_sql("e.stream_id", "e.stream_type", "e.event_type", "e.schema_version", "e.payload::text",
-                  "e.metadata::text", "e.idempotency_key")
+                  "e.metadata::text", "e.idempotency_key", "e.tags")
     + ")"
 )
 
@@ -63,11 +69,13 @@ def _lp(s: str | None) -> bytes:
 
 def event_hash(prev_hash: bytes, position: int, stream_version: int, recorded_at_micros: int,
                stream_id: str, stream_type: str, event_type: str, schema_version: int,
-               payload_text: str, metadata_text: str, idempotency_key: str | None) -> bytes:
+               payload_text: str, metadata_text: str, idempotency_key: str | None,
+               tags: Sequence[str] | None = None) -> bytes:
     """The reference implementation of the encoding above (independent of the SQL)."""
+    tag_bytes = b"" if tags is None else struct.pack(">i", len(tags)) + b"".join(_lp(t) for t in tags)
     content = hashlib.sha256(
         _lp(stream_id) + _lp(stream_type) + _lp(event_type) + struct.pack(">i", schema_version)
-        + _lp(payload_text) + _lp(metadata_text) + _lp(idempotency_key)).digest()
+        + _lp(payload_text) + _lp(metadata_text) + _lp(idempotency_key) + tag_bytes).digest()
     return hashlib.sha256(prev_hash + struct.pack(">qqq", position, stream_version, recorded_at_micros)
                           + content).digest()
 

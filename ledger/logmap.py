@@ -6,7 +6,9 @@ of a generic change envelope, emits for each inserted row:
 - topic ``<source>.<stream_type>`` (one topic per stream type; characters outside
   ``[A-Za-z0-9._-]`` become ``_``),
 - key = the stream id as UTF-8 bytes (all events of a stream land in one partition, in order),
-- value = the domain event as JSON (`event_value`), headers carry the position and event type.
+- value = the domain event as JSON (`event_value`), headers carry the position and event type,
+  and one ``kf.ledger.tag`` header per tag of the event (``course:7``), so projections can route
+  or filter on tags without parsing the value (the value carries them too, as ``tags``).
 
 Duplicates after a connector restart carry the same ledger position (header
 ``kf.ledger.position``): a consumer drops positions <= the last one it processed.
@@ -24,10 +26,12 @@ import orjson
 
 from kappaflow.errors import ValidationError
 from kappaflow.ledger.events import RecordedEvent
+from kappaflow.ledger.query import parse_text_array
 from kappaflow.log.base import Record
 
 POSITION_HEADER = "kf.ledger.position"
 EVENT_TYPE_HEADER = "kf.ledger.event_type"
+TAG_HEADER = "kf.ledger.tag"
 _TOPIC_BAD = re.compile(r"[^A-Za-z0-9._-]")
 _EPOCH = dt.datetime(1970, 1, 1, tzinfo=dt.UTC)
 _MS = dt.timedelta(milliseconds=1)
@@ -58,11 +62,35 @@ def event_value(row: Mapping[str, Any]) -> dict[str, Any]:
             "recorded_at": recorded_at_text(row["recorded_at"]),
             "idempotency_key": row.get("idempotency_key"),
             "hash": _hex(row.get("hash")),
+            **_tags_entry(row.get("tags")),
         }
     except KeyError as exc:
         raise ValidationError(f"ledger event row: missing column {exc.args[0]!r}") from None
     except (TypeError, ValueError) as exc:  # orjson.JSONDecodeError is a ValueError
         raise ValidationError(f"ledger event row at position {row.get('position')!r}: {exc}") from None
+
+
+def _tags_entry(tags: Any) -> dict[str, list[str]]:
+    """``{"tags": [...]}`` for a tagged event, ``{}`` otherwise (untagged records keep their bytes)."""
+    if tags is None:
+        return {}
+    if isinstance(tags, bytes):
+        tags = tags.decode()
+    if isinstance(tags, str):
+        tags = parse_text_array(tags)
+    return {"tags": list(tags)} if tags else {}
+
+
+def _headers(position: int, event_type: str, tags: Any) -> tuple[tuple[str, bytes], ...]:
+    base = ((POSITION_HEADER, b"%d" % position), (EVENT_TYPE_HEADER, event_type.encode()))
+    if not tags:
+        return base
+    return base + tuple((TAG_HEADER, t.encode()) for t in tags)
+
+
+def record_tags(headers: Any) -> list[str]:
+    """The tags of a ledger record, from its ``kf.ledger.tag`` headers."""
+    return [v.decode() for k, v in headers if k == TAG_HEADER]
 
 
 def recorded_at_text(at: Any) -> str:
@@ -116,13 +144,14 @@ def text_row_record(source: str, row: Mapping[str, bytes | None]) -> tuple[str, 
             "recorded_at": at.isoformat(),
             "idempotency_key": None if key is None else key.decode(),
             "hash": h[2:].decode() if h is not None and h[:2] == b"\\x" else _hex(h),
+            **_tags_entry(r.get("tags")),
         }
     except KeyError as exc:
         raise ValidationError(f"ledger event row: missing column {exc.args[0]!r}") from None
     except (AttributeError, TypeError, ValueError) as exc:  # orjson.JSONDecodeError is a ValueError
         raise ValidationError(f"ledger event row at position {row.get('position')!r}: "
                               f"{type(exc).__name__}: {exc}") from None
-    headers = ((POSITION_HEADER, b"%d" % position), (EVENT_TYPE_HEADER, value["event_type"].encode()))
+    headers = _headers(position, value["event_type"], value.get("tags"))
     return ledger_topic(source, value["stream_type"]), Record(
         key=value["stream_id"].encode(), value=orjson.dumps(value), headers=headers,
         timestamp_ms=_epoch_ms(at)), position
@@ -132,14 +161,16 @@ def to_log_record(source: str, row: Mapping[str, Any] | RecordedEvent) -> tuple[
     """(topic, record) for one ledger event; the same bytes from a `RecordedEvent` (relay) and
     from an events-table row (connector)."""
     if isinstance(row, RecordedEvent):
+        if row.hash is None:
+            raise ValidationError(f"ledger event at position {row.position}: read without its hash; a log record "
+                                  "carries it (read with hashes=True)")
         value = row.to_dict()
         at = _utc(row.recorded_at)
         value["recorded_at"] = at.isoformat()
     else:
         value = event_value(row)
         at = _utc(value["recorded_at"])
-    headers = ((POSITION_HEADER, str(value["position"]).encode()),
-               (EVENT_TYPE_HEADER, str(value["event_type"]).encode()))
+    headers = _headers(int(value["position"]), str(value["event_type"]), value.get("tags"))
     return ledger_topic(source, value["stream_type"]), Record(
         key=str(value["stream_id"]).encode(), value=orjson.dumps(value), headers=headers,
         timestamp_ms=_epoch_ms(at))

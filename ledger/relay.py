@@ -70,7 +70,7 @@ class LedgerRelay:
         """Relay what is available now (waiting up to `timeout` s for something); returns the count."""
         if self._reader is None:
             self._reader = TailReader(self.ledger, next_position=self.resume_position(), batch=self.batch,
-                                      decode=False)
+                                      decode=False, hashes=True)
         events = self._reader.poll(timeout)
         self._publish(events)
         return len(events)

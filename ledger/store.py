@@ -63,6 +63,7 @@ from psycopg import sql
 
 from kappaflow.ledger.connection import ConnectionPool, configure_connection
 from kappaflow.ledger.errors import (
+    AppendConditionFailedError,
     IdempotencyKeyReusedError,
     ImmutableLedgerError,
     InvalidAppendError,
@@ -81,12 +82,14 @@ from kappaflow.ledger.events import (
     parse_expected_version,
     stream_category,
 )
+from kappaflow.ledger.query import AppendCondition, Query, QueryResult
 from kappaflow.ledger.schema import DEFAULT_SCHEMA, LedgerTables
 
 _DEADLOCK_RETRIES = 5
 
+# What a read returns, in this order (+ "hash" when asked for).
 EVENT_COLUMNS = ("position", "stream_id", "stream_type", "stream_version", "event_type", "schema_version",
-                 "payload", "metadata", "recorded_at", "idempotency_key", "hash")
+                 "payload", "metadata", "recorded_at", "idempotency_key", "tags")
 
 
 @dataclass(frozen=True, slots=True)
@@ -161,45 +164,50 @@ class Ledger:
             weakref.WeakKeyDictionary()
         t = self.tables
         self._append_sql: Any = sql.SQL(
-            "select first_position, last_position, stream_ids, versions, recorded_at, duplicate "
+            "select first_position, last_position, stream_ids, versions, recorded_at, duplicate, conflict "
             "from {fn}(%s::text[], %s::text[], %s::bigint[], %s::bigint[], %s::int[], %s::text[], "
-            "%s::int[], %s::text[], %s::text[], %s::text, %s::bytea, %s::boolean)"
+            "%s::int[], %s::text[], %s::text[], %s::text[], %s::text, %s::bytea, %s::jsonb, %s::bigint, "
+            "%s::boolean)"
         ).format(fn=t.append_fn)
         # Group commit: the append and its durability barrier in one round trip (a procedure
-        # that commits twice; see the migration).
+        # that commits twice; see the migrations).
         self._append_durable_sql: Any = sql.SQL(
             "call {fn}(%s::text[], %s::text[], %s::bigint[], %s::bigint[], %s::int[], %s::text[], "
-            "%s::int[], %s::text[], %s::text[], %s::text, %s::bytea, null, null, null, null, null, null)"
+            "%s::int[], %s::text[], %s::text[], %s::text[], %s::text, %s::bytea, %s::jsonb, %s::bigint, "
+            "null, null, null, null, null, null, null)"
         ).format(fn=t.table("append_durable"))
         self._barrier_sql: Any = sql.SQL(
             "insert into {} as b (pid, n) values (pg_backend_pid(), 1) "
             "on conflict (pid) do update set n = b.n + 1").format(t.table("durability_barrier"))
         # JSON columns as text: orjson parses them in `_records` (psycopg's jsonb loader is a Python
-        # call per value; the server renders jsonb as text either way).
-        cols = sql.SQL(", ").join(
-            sql.SQL("{}::text").format(sql.Identifier(c)) if c in ("payload", "metadata") else sql.Identifier(c)
-            for c in EVENT_COLUMNS)
-        self._read_stream_sql: Any = sql.SQL(
-            "select {cols} from {events} where stream_id = %s and stream_version >= %s "
-            "order by stream_version limit %s").format(cols=cols, events=t.events)
+        # call per value; the server renders jsonb as text either way). The hash only when asked.
+        def cols(hashes: bool) -> sql.Composable:
+            names = EVENT_COLUMNS + (("hash",) if hashes else ())
+            return sql.SQL(", ").join(
+                sql.SQL("e.{}::text").format(sql.Identifier(c)) if c in ("payload", "metadata")
+                else sql.SQL("e.{}").format(sql.Identifier(c)) for c in names)
+
+        self._cols = cols
+        self._reads: dict[tuple[str, bool], bytes] = {}
+        for h in (False, True):
+            # Rendered once: composing identifiers on every call costs more than the round trip.
+            self._reads["stream", h] = sql.SQL(
+                "select {cols} from {events} e where stream_id = %s and stream_version >= %s "
+                "order by stream_version limit %s").format(cols=cols(h), events=t.events).as_bytes(None)
+            self._reads["all", h] = sql.SQL(
+                "select {cols} from {events} e where position >= %s order by position limit %s"
+            ).format(cols=cols(h), events=t.events).as_bytes(None)
+            self._reads["types", h] = sql.SQL(
+                "select {cols} from {events} e where position >= %s and stream_type = any(%s::text[]) "
+                "order by position limit %s").format(cols=cols(h), events=t.events).as_bytes(None)
         # Only what folding an aggregate needs (see `load_events`).
         self._load_sql: Any = sql.SQL(
             "select stream_version, event_type, schema_version, payload::text, position from {events} "
             "where stream_id = %s and stream_version >= %s order by stream_version").format(
             events=t.events).as_bytes(None)
-        self._read_all_sql: Any = sql.SQL(
-            "select {cols} from {events} where position >= %s order by position limit %s"
-        ).format(cols=cols, events=t.events)
-        self._read_all_types_sql: Any = sql.SQL(
-            "select {cols} from {events} where position >= %s and stream_type = any(%s::text[]) "
-            "order by position limit %s").format(cols=cols, events=t.events)
-        # Rendered once: composing identifiers on every call costs more than the round trip.
         self._append_sql = self._append_sql.as_bytes(None)
         self._append_durable_sql = self._append_durable_sql.as_bytes(None)
         self._barrier_sql = self._barrier_sql.as_bytes(None)
-        self._read_stream_sql = self._read_stream_sql.as_bytes(None)
-        self._read_all_sql = self._read_all_sql.as_bytes(None)
-        self._read_all_types_sql = self._read_all_types_sql.as_bytes(None)
 
     # --- lifecycle ----------------------------------------------------------
     def close(self) -> None:
@@ -221,36 +229,41 @@ class Ledger:
     def append(self, stream_id: str, events: Sequence[Any],
                expected_version: int | ExpectedVersion | str = ExpectedVersion.ANY, *,
                stream_type: str | None = None, idempotency_key: str | None = None,
-               metadata: Mapping[str, Any] | None = None,
+               metadata: Mapping[str, Any] | None = None, condition: AppendCondition | None = None,
                connection: psycopg.Connection | None = None) -> AppendResult:
         """Append events to one stream; see `append_many`."""
         return self.append_many([StreamAppend(stream_id, events, expected_version, stream_type)],
-                                idempotency_key=idempotency_key, metadata=metadata, connection=connection)
+                                idempotency_key=idempotency_key, metadata=metadata, condition=condition,
+                                connection=connection)
 
     def append_many(self, parts: Sequence[StreamAppend], *, idempotency_key: str | None = None,
-                    metadata: Mapping[str, Any] | None = None,
+                    metadata: Mapping[str, Any] | None = None, condition: AppendCondition | None = None,
                     connection: psycopg.Connection | None = None) -> AppendResult:
         """Append to several streams in one commit: all events or none.
 
         Each part carries its own expected version; the first mismatch raises
-        `WrongExpectedVersionError` and nothing is written. With `idempotency_key`, a repeat of
-        the same request returns the original result (``duplicate=True``) and writes nothing;
-        the same key with a different request raises `IdempotencyKeyReusedError`.
-        `metadata` is merged into every event's metadata. With `connection`, the append runs
-        inside the caller's open transaction (committed by the caller).
+        `WrongExpectedVersionError` and nothing is written. `condition` (`AppendCondition`, usually
+        ``ledger.read_query(q).condition``) fails the append with `AppendConditionFailedError` if an
+        event matching its query was appended after its position. Both are conflicts the server
+        reports as a result, not as an error. With `idempotency_key`, a repeat of the same request
+        returns the original result (``duplicate=True``) and writes nothing; the same key with a
+        different request raises `IdempotencyKeyReusedError`. `metadata` is merged into every
+        event's metadata. With `connection`, the append runs inside the caller's open transaction
+        (committed by the caller; after a conflict the transaction is still usable: the append
+        took back what it wrote).
         """
-        params = self._build_params(parts, idempotency_key, metadata)
+        params = self._build_params(parts, idempotency_key, metadata, condition)
         if connection is not None:
             with self._mapped_errors():
                 row = connection.execute(self._append_sql, (*params, False)).fetchone()
-            return _result(row)
+            return _result(row, condition)
         if self.group_commit:
             query, args = self._append_durable_sql, params
         else:
             query, args = self._append_sql, (*params, False)
         for attempt in range(_DEADLOCK_RETRIES):
             try:
-                return _result(self._fetch(query, args, one=True))
+                return _result(self._fetch(query, args, one=True), condition)
             except _Retryable:
                 if attempt == _DEADLOCK_RETRIES - 1:
                     raise LedgerUnavailableError("append kept deadlocking; giving up") from None
@@ -258,7 +271,7 @@ class Ledger:
         raise AssertionError("unreachable")
 
     def _build_params(self, parts: Sequence[StreamAppend], key: str | None,
-                      metadata: Mapping[str, Any] | None) -> tuple[Any, ...]:
+                      metadata: Mapping[str, Any] | None, condition: AppendCondition | None) -> tuple[Any, ...]:
         if isinstance(parts, StreamAppend) or not isinstance(parts, Sequence) or not parts:
             raise InvalidAppendError("expected a non-empty list of StreamAppend", field="parts")
         if key is not None:
@@ -271,6 +284,7 @@ class Ledger:
         ev_schema: list[int] = []
         payloads: list[str] = []
         metas: list[str] = []
+        tags: list[tuple[str, ...]] = []
         seen: set[str] = set()
         registry, limit = self.registry, self.max_event_bytes
         for si, part in enumerate(parts):
@@ -297,6 +311,7 @@ class Ledger:
                 ev_schema.append(enc.schema_version)
                 payloads.append(enc.payload)
                 metas.append(enc.metadata)
+                tags.append(enc.tags)
             streams.append((sid, stype, exp, len(evs)))
         # The database locks streams in array order: send them sorted by id (no deadlocks).
         order = sorted(range(len(streams)), key=lambda k: streams[k][0])
@@ -306,17 +321,27 @@ class Ledger:
         expected = [streams[k][2] for k in order]
         counts = [streams[k][3] for k in order]
         ev_stream = [rank[k] for k in ev_stream]
+        tagged = any(tags)
         request_hash: bytes | None = None
         if key is not None:
-            # What is written, not the expected versions: a retry after an unknown outcome may
-            # re-read the stream and send a newer expected version; it is still the same request.
-            request_hash = hashlib.sha256(orjson.dumps(
-                [stream_ids, stream_types, ev_stream, ev_types, ev_schema, payloads, metas])).digest()
+            # What is written, not the expected versions (nor the condition): a retry after an
+            # unknown outcome may re-read and send newer expectations; it is still the same request.
+            written: list[Any] = [stream_ids, stream_types, ev_stream, ev_types, ev_schema, payloads, metas]
+            if tagged:
+                written.append(tags)
+            request_hash = hashlib.sha256(orjson.dumps(written)).digest()
+        if condition is not None and not isinstance(condition, AppendCondition):
+            raise InvalidAppendError(f"expected an AppendCondition, got {type(condition).__name__}",
+                                     field="condition")
         # Array parameters go as PostgreSQL array literals: building them here costs a fraction
         # of psycopg's generic list dumping (a third of an append's client CPU).
         return (_text_array(stream_ids), _text_array(stream_types), _int_array(expected), _int_array(counts),
                 _int_array(ev_stream), _text_array(ev_types), _int_array(ev_schema), _text_array(payloads),
-                _text_array(metas), key, request_hash)
+                _text_array(metas),
+                _nullable_text_array([_text_array(list(t)) if t else None for t in tags]) if tagged else None,
+                key, request_hash,
+                None if condition is None else condition.query.to_json().decode(),
+                None if condition is None else condition.after)
 
     def idempotent_result(self, idempotency_key: str) -> AppendResult | None:
         """The result of the committed append that used `idempotency_key`, or None."""
@@ -335,14 +360,14 @@ class Ledger:
 
     # --- read ---------------------------------------------------------------
     def read_stream(self, stream_id: str, *, from_version: int = 1, limit: int | None = None,
-                    decode: bool = True) -> list[RecordedEvent]:
+                    decode: bool = True, hashes: bool = False) -> list[RecordedEvent]:
         """Events of one stream from `from_version` (inclusive), in stream order."""
         check_identifier(stream_id, field="stream_id")
         _check_int(from_version, "from_version", minimum=1)
         if limit is not None:
             _check_int(limit, "limit", minimum=1)
-        rows = self._fetch(self._read_stream_sql, (stream_id, from_version, limit), one=False)
-        return self._records(rows, decode)
+        rows = self._fetch(self._reads["stream", hashes], (stream_id, from_version, limit), one=False)
+        return self._records(rows, decode, hashes)
 
     def load_events(self, stream_id: str, *, from_version: int = 1) -> list[tuple[int, Any]]:
         """``(stream_version, event)`` pairs of one stream from `from_version`: the read a command
@@ -358,27 +383,75 @@ class Ledger:
         decode = registry.decode
         return [(r[0], decode(r[1], r[2], loads(r[3]), position=r[4])) for r in rows]
 
-    def read_all(self, *, from_position: int = 1, limit: int = 1000,
-                 stream_types: Sequence[str] | None = None, decode: bool = True) -> list[RecordedEvent]:
-        """Events in global (commit) order from `from_position` (inclusive)."""
+    def read_all(self, *, from_position: int = 1, limit: int = 1000, stream_types: Sequence[str] | None = None,
+                 decode: bool = True, hashes: bool = False) -> list[RecordedEvent]:
+        """Events in global (commit) order from `from_position` (inclusive). `hashes=True` also
+        reads each event's chain hash (`RecordedEvent.hash`; None otherwise)."""
         _check_int(from_position, "from_position", minimum=1)
         _check_int(limit, "limit", minimum=1)
         if stream_types:
-            rows = self._fetch(self._read_all_types_sql, (from_position, list(stream_types), limit), one=False)
+            rows = self._fetch(self._reads["types", hashes], (from_position, list(stream_types), limit), one=False)
         else:
-            rows = self._fetch(self._read_all_sql, (from_position, limit), one=False)
-        return self._records(rows, decode)
+            rows = self._fetch(self._reads["all", hashes], (from_position, limit), one=False)
+        return self._records(rows, decode, hashes)
 
-    def iter_all(self, *, from_position: int = 1, batch: int = 5000,
-                 decode: bool = True) -> Iterator[RecordedEvent]:
+    def iter_all(self, *, from_position: int = 1, batch: int = 5000, decode: bool = True,
+                 hashes: bool = False) -> Iterator[RecordedEvent]:
         """Every event from `from_position` up to the head at the time each batch is read."""
         pos = from_position
         while True:
-            chunk = self.read_all(from_position=pos, limit=batch, decode=decode)
+            chunk = self.read_all(from_position=pos, limit=batch, decode=decode, hashes=hashes)
             yield from chunk
             if len(chunk) < batch:
                 return
             pos = chunk[-1].position + 1
+
+    def read_query(self, query: Query, *, after: int = 0, limit: int | None = None,
+                   decode: bool = True) -> QueryResult:
+        """The events matching `query` (in global order, after position `after`) and the ledger
+        head they were read at, in one snapshot: ``result.condition`` is the `AppendCondition`
+        that makes a decision based on them safe (see `kappaflow.ledger.query`).
+
+        Items with tags are found through the tag index; an item with types only scans the
+        events after `after`."""
+        if not isinstance(query, Query):
+            raise InvalidAppendError(f"expected a Query, got {type(query).__name__}", field="query")
+        _check_int(after, "after", minimum=0)
+        if limit is not None:
+            _check_int(limit, "limit", minimum=1)
+        t = self.tables
+        params: list[Any] = []
+        branches: list[sql.Composable] = []
+        match_all = False
+        for item in query.items:
+            if item.tags:
+                q = sql.SQL("select t.position from {tags} t where t.tag = %s and t.position > %s").format(
+                    tags=t.table("event_tags"))
+                params += [item.tags[0], after]
+                if item.types:
+                    q += sql.SQL(" and t.event_type = any(%s::text[])")
+                    params.append(list(item.types))
+                for tag in item.tags[1:]:
+                    q += sql.SQL(" and exists (select 1 from {tags} t2 where t2.tag = %s and t2.position = t.position)"
+                                 ).format(tags=t.table("event_tags"))
+                    params.append(tag)
+                branches.append(q)
+            elif item.types:
+                branches.append(sql.SQL("select x.position from {events} x where x.position > %s "
+                                        "and x.event_type = any(%s::text[])").format(events=t.events))
+                params += [after, list(item.types)]
+            else:
+                match_all = True
+        where = sql.SQL("") if match_all else sql.SQL(" and e.position in ({})").format(
+            sql.SQL(" union ").join(branches))
+        stmt = sql.SQL(
+            "select h.head, {cols} from (select coalesce(max(position), 0) as head from {events}) h "
+            "left join lateral (select * from {events} e where e.position > %s and e.position <= h.head{where} "
+            "order by e.position limit %s) e on true").format(cols=self._cols(False), events=t.events, where=where)
+        rows = self._fetch(stmt.as_bytes(None), [after, *params, limit], one=False, prepare=None)
+        head = int(rows[0][0]) if rows else 0
+        events = self._records([r[1:] for r in rows if r[1] is not None], decode, False)
+        return QueryResult(query, events, head)
 
     def stream_version(self, stream_id: str) -> int:
         """The stream's current version (0 when it has no events)."""
@@ -439,7 +512,7 @@ class Ledger:
             return verify(conn, self.tables.schema, **kwargs)
 
     # --- helpers ------------------------------------------------------------
-    def _fetch(self, query: bytes, params: Sequence[Any], *, one: bool) -> Any:
+    def _fetch(self, query: bytes, params: Sequence[Any], *, one: bool, prepare: bool | None = True) -> Any:
         """Run one prepared statement on a pooled connection: the hot path of appends and reads
         (no context managers, one cursor per connection, reused)."""
         pool = self._pool
@@ -448,23 +521,25 @@ class Ledger:
             cur = self._cursors.get(conn)
             if cur is None or cur.closed:
                 cur = self._cursors[conn] = conn.cursor(binary=True)  # binary results load faster
-            cur.execute(query, params, prepare=True)
+            cur.execute(query, params, prepare=prepare)
             return cur.fetchone() if one else cur.fetchall()
         except psycopg.Error as exc:
             raise _map_error(exc, self.tables.schema) from None
         finally:
             pool.release(conn)
 
-    def _records(self, rows: list[tuple[Any, ...]], decode: bool) -> list[RecordedEvent]:
-        """Rows of EVENT_COLUMNS (payload and metadata as JSON text) -> RecordedEvents."""
+    def _records(self, rows: list[tuple[Any, ...]], decode: bool, hashes: bool) -> list[RecordedEvent]:
+        """Rows of EVENT_COLUMNS (+ hash; payload and metadata as JSON text) -> RecordedEvents."""
         registry = self.registry if decode else None
         loads = orjson.loads
-        out = []
+        out: list[RecordedEvent] = []
+        append = out.append
         for r in rows:
             data = loads(r[6])
             event = registry.decode(r[4], r[5], data, position=r[0]) if registry is not None else None
-            out.append(RecordedEvent(r[0], r[1], r[2], r[3], r[4], r[5], data, loads(r[7]), r[8], r[9], bytes(r[10]),
-                                     event))
+            tags = r[10]
+            append(RecordedEvent(r[0], r[1], r[2], r[3], r[4], r[5], data, loads(r[7]), r[8], r[9],
+                                 bytes(r[11]) if hashes else None, event, () if tags is None else tuple(tags)))
         return out
 
     @contextmanager
@@ -486,15 +561,40 @@ def _text_array(items: list[str]) -> str:
     return "{" + ",".join(['"' + x.replace("\\", "\\\\").replace('"', '\\"') + '"' for x in items]) + "}"
 
 
+def _nullable_text_array(items: list[str | None]) -> str:
+    return "{" + ",".join(['NULL' if x is None else '"' + x.replace("\\", "\\\\").replace('"', '\\"') + '"'
+                           for x in items]) + "}"
+
+
 def _int_array(items: list[int]) -> str:
     return "{" + ",".join(map(str, items)) + "}"
 
 
-def _result(row: tuple[Any, ...] | None) -> AppendResult:
+def _result(row: tuple[Any, ...] | None, condition: AppendCondition | None = None) -> AppendResult:
     assert row is not None
+    if len(row) > 6 and row[6] is not None:
+        raise _conflict(row[6], condition)
     return AppendResult(first_position=int(row[0]), position=int(row[1]),
                         versions=dict(zip(row[2], (int(v) for v in row[3]), strict=True)),
                         recorded_at=row[4], duplicate=bool(row[5]))
+
+
+def _conflict(detail: Any, condition: AppendCondition | None) -> Exception:
+    """The exception for a conflict the append function returned (it logs no server ERROR)."""
+    if isinstance(detail, str | bytes):
+        detail = orjson.loads(detail)
+    kind = detail.get("kind")
+    if kind == "version":
+        return WrongExpectedVersionError(detail["stream_id"], _expected_from_sql(int(detail["expected"])),
+                                         int(detail["actual"]))
+    if kind == "condition" and condition is not None:
+        return AppendConditionFailedError(condition, int(detail["item"]), int(detail["position"]),
+                                          str(detail["event_type"]))
+    if kind == "retry":
+        return _Retryable("a concurrent append with the same idempotency key committed first")
+    from kappaflow.ledger.errors import LedgerError
+
+    return LedgerError(f"the append function returned an unknown conflict: {detail!r}")
 
 
 def _expected_from_sql(value: int) -> int | ExpectedVersion:
@@ -520,6 +620,10 @@ def _map_error(exc: psycopg.Error, schema: str) -> Exception:
                                        str(detail.get("actual")))
     if state == "KL004":
         return InvalidAppendError(_first_line(exc), field="connection")
+    if state == "KL006":
+        return InvalidAppendError(f"expected a position <= the ledger head {detail.get('head')}, got "
+                                  f"{detail.get('after')} (a position from the future: use the position a "
+                                  "read returned)", field="condition.after")
     if state == "KL010":
         return ImmutableLedgerError(_first_line(exc))
     if state == "KL005" or isinstance(exc, pgerrors.DeadlockDetected | pgerrors.SerializationFailure):

@@ -132,14 +132,14 @@ def read_cmd(
             if stream is not None:
                 if follow:
                     raise ConfigError("read --follow: only for the whole ledger (omit STREAM)")
-                for e in ledger.read_stream(stream, from_version=start, limit=limit, decode=False):
+                for e in ledger.read_stream(stream, from_version=start, limit=limit, decode=False, hashes=True):
                     _print_json(e.to_dict())
                 return
             if not follow:
-                for e in ledger.read_all(from_position=start, limit=limit, decode=False):
+                for e in ledger.read_all(from_position=start, limit=limit, decode=False, hashes=True):
                     _print_json(e.to_dict())
                 return
-            reader = TailReader(ledger, next_position=start, decode=False)
+            reader = TailReader(ledger, next_position=start, decode=False, hashes=True)
             try:
                 for e in reader:
                     _print_json(e.to_dict())

@@ -222,7 +222,7 @@ def test_log_mapping_topic_key_value(ledger: Ledger) -> None:
     from kappaflow.ledger.logmap import POSITION_HEADER, event_value, ledger_topic, to_log_record
 
     ledger.append("bank account-1", [NewEvent("Opened", {"owner": "ann"})], stream_type="bank account")
-    rec = ledger.read_all()[0]
+    rec = ledger.read_all(hashes=True)[0]
     topic, record = to_log_record("bank", rec)
     assert topic == "bank.bank_account" == ledger_topic("bank", "bank account")
     assert record.key == b"bank account-1"

@@ -60,9 +60,12 @@ def dump(log: Log, source: str) -> list[tuple[Any, ...]]:
 
 
 def fill(ledger: Ledger, start: int, n: int) -> None:
-    """Two stream types; each append touches an account and an audit stream in one commit."""
+    """Two stream types; each append touches an account and an audit stream in one commit. Every
+    fourth debit carries tags (one with characters PostgreSQL quotes in an array's text form)."""
     for i in range(start, start + n):
-        ledger.append_many([StreamAppend(f"account-{i % 7}", [NewEvent("Debited", {"i": i, "note": "x" * (i % 5)})]),
+        tags = [f"account:{i % 7}", 'note:a "b" c,{d}\\'] if i % 4 == 0 else []
+        ledger.append_many([StreamAppend(f"account-{i % 7}", [NewEvent("Debited", {"i": i, "note": "x" * (i % 5)},
+                                                                       tags=tags)]),
                             StreamAppend(f"audit-{i % 2}", [NewEvent("Logged", {"i": i}, metadata={"by": "t"})])],
                            idempotency_key=f"k-{i}" if i % 3 == 0 else None)
 
@@ -90,6 +93,12 @@ def test_snapshot_then_streaming_exactly_once(ledger: Ledger, ledger_dsn: str, s
         doc = orjson.loads(value)
         assert doc["stream_id"].encode() == key and doc["event_type"] in ("Debited", "Logged")
         assert dict(headers)["kf.ledger.event_type"] == doc["event_type"].encode()
+        # tags: one kf.ledger.tag header each (sorted, as stored), and in the value
+        if doc["event_type"] == "Debited" and doc["data"]["i"] % 4 == 0:
+            want_tags = sorted([f"account:{doc['data']['i'] % 7}", 'note:a "b" c,{d}\\'])
+            assert [v.decode() for k, v in headers if k == "kf.ledger.tag"] == want_tags == doc["tags"]
+        else:
+            assert "kf.ledger.tag" not in dict(headers) and "tags" not in doc
         per_stream.setdefault(key, []).append(doc["stream_version"])
     assert all(v == list(range(1, len(v) + 1)) for v in per_stream.values())  # stream order, no gaps
 
@@ -99,7 +108,7 @@ def test_snapshot_then_streaming_exactly_once(ledger: Ledger, ledger_dsn: str, s
     assert status["topics"] == {f"{source}.account": 50, f"{source}.audit": 50}
 
     # what the log holds is exactly what the ledger holds, event for event
-    want = {r.position: to_log_record(source, r)[1].value for r in ledger.iter_all(decode=False)}
+    want = {r.position: to_log_record(source, r)[1].value for r in ledger.iter_all(decode=False, hashes=True)}
     got = {record_position_of(h): v for *_, v, h, _ts in recs}
     assert got == want
 

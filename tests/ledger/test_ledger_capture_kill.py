@@ -67,7 +67,7 @@ def trials(tmp_path: Path, ledger: Ledger, dsn: str, name: str, log_url: str, *,
     run_until_caught_up(cmd, tmp_path)
 
     want = {}
-    for e in ledger.iter_all(decode=False):
+    for e in ledger.iter_all(decode=False, hashes=True):
         topic, rec = to_log_record(name, e)
         want[e.position] = (topic, partition_for(rec.key, PARTITIONS), rec.key, rec.value, rec.headers,
                             rec.timestamp_ms)

@@ -50,16 +50,30 @@ def test_update_delete_truncate_are_rejected_by_the_database(ledger: Ledger, led
 
 def test_python_reference_hash_matches_the_database(ledger: Ledger, ledger_dsn: str) -> None:
     fill(ledger, 3)
+    # tagged events (ledger_0002): the tags extend the content digest; odd characters included
+    ledger.append("acct-9", [NewEvent("Tagged", {"x": 1}, tags=["b:2", "a:1", 'note:a "q" ,{x}\\ é']),
+                             NewEvent("Untagged", {"x": 2})])
     with psycopg.connect(ledger_dsn) as conn:
         rows = conn.execute(
             f"select position, stream_version, (extract(epoch from recorded_at) * 1000000)::bigint, stream_id, "
             f"stream_type, event_type, schema_version, payload::text, metadata::text, idempotency_key, "
-            f"prev_hash, hash from {E} order by position").fetchall()
+            f"prev_hash, hash, tags from {E} order by position").fetchall()
+    assert rows[-2][12] == ["a:1", "b:2", 'note:a "q" ,{x}\\ é'] and rows[-1][12] is None  # sorted as stored
     prev = GENESIS_HASH
     for r in rows:
         assert bytes(r[10]) == prev
-        prev = event_hash(prev, r[0], r[1], r[2], r[3], r[4], r[5], r[6], r[7], r[8], r[9])
+        prev = event_hash(prev, r[0], r[1], r[2], r[3], r[4], r[5], r[6], r[7], r[8], r[9], r[12])
         assert prev == bytes(r[11]), f"position {r[0]}"
+    assert ledger.verify().ok
+
+
+def test_altered_tags_are_detected(ledger: Ledger, ledger_dsn: str) -> None:
+    ledger.append("acct-1", [NewEvent("Enrolled", {}, tags=["course:7"])])
+    ledger.append("acct-2", [NewEvent("Enrolled", {}, tags=["course:8"])])
+    superuser(ledger_dsn, f"update {E} set tags = '{{course:9}}' where position = 2")
+    report = ledger.verify()
+    assert (report.ok, report.first_bad_position) == (False, 2)
+    assert "does not match its hash" in (report.reason or "")
 
 
 def forge_next() -> list[str]:
