@@ -1,25 +1,36 @@
 """Read-your-writes: wait until a named projection has processed a ledger position.
 
 `append` returns the global position of the last event written; a caller that must show the
-user a view including that write calls ``wait_for_projection(dsn, "balances", result.position)``.
-Where a projection records its progress is the projections part's business; this module only
-needs something that answers "the highest ledger position this projection has processed (where
-`position` lives)", the `ProjectionPositions` protocol. Two implementations:
+user a view including that write calls::
 
-- `LogProjectionPositions`: kappaflow's own setup. Ledger events reach the log on topic
-  ``<source>.<stream_type>``, partition murmur2(stream id); projections store the next log offset
-  per (projection, target, topic, partition) in ``kappaflow.projection_positions``. The event at
+    wait_for_projection(views_dsn, "balances", result.position)
+
+`views_dsn` is the database holding the views and kappaflow's ``kappaflow.projection_positions``
+(created by the projections migrations, written by every PostgreSQL-backed projection in the
+same transaction as its view rows). That table stores log offsets, not ledger positions, so the
+wait also needs the log the ledger source publishes to, the source's name and the ledger (to
+find which topic partition the event at `position` went to): pass them (``log=``, ``source=``,
+``ledger=``), or let them come from the project's configuration (``kappaflow.toml`` in the
+working folder, or ``config=PATH``): its ledger source (``source=`` picks one when there are
+several) and its ``[log]``.
+
+What answers "the highest ledger position this projection has processed" is the
+`ProjectionPositions` protocol; any implementation can be passed instead of a DSN:
+
+- `LogProjectionPositions`: kappaflow's own setup, what the DSN form builds. Ledger events reach
+  the log on topic ``<source>.<stream_type>``, partition murmur2(stream id); the event at
   `position` names its topic and partition; the projection has processed it once the record
-  just before its next offset carries a ledger position >= `position`.
-- `PostgresProjectionPositions`: a table that stores ledger positions directly
-  (``(projection, source, position)``; names configurable), for custom projectors.
+  just before its next offset there carries a ledger position >= `position`.
+- `PostgresProjectionPositions`: a table of the caller's own that stores ledger positions
+  directly (``(projection, source, position)``; names configurable), for custom projectors.
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Protocol, runtime_checkable
+from pathlib import Path
+from typing import Any, Protocol, runtime_checkable
 
 import psycopg
 from psycopg import sql
@@ -41,15 +52,17 @@ class ProjectionPositions(Protocol):
 
 @dataclass
 class PostgresProjectionPositions:
-    """Reads a positions table: ``max(position)`` over the projection's rows (optionally one source).
+    """Reads a custom projector's positions table, one that stores LEDGER positions:
+    ``max(position)`` over the projection's rows (optionally one source). Not for kappaflow's
+    own ``kappaflow.projection_positions`` (log offsets): that is `LogProjectionPositions`.
 
     `next_to_read=True` when the table stores the next position to read (resume state) rather
     than the last processed one.
     """
 
     dsn: str
-    schema: str = "kappaflow"
-    table: str = "projection_positions"
+    table: str
+    schema: str = "public"
     source: str | None = None
     projection_column: str = "projection"
     source_column: str = "source"
@@ -81,8 +94,7 @@ class PostgresProjectionPositions:
             row = conn.execute(self._query(), params).fetchone()
         except psycopg.errors.UndefinedTable:
             raise ConfigError(f"projection positions table {self.schema}.{self.table} does not exist "
-                              "(run the projections migrations, or point PostgresProjectionPositions "
-                              "at the right table)") from None
+                              "(point PostgresProjectionPositions at your projector's table)") from None
         except psycopg.errors.UndefinedColumn as exc:
             raise ConfigError(f"projection positions table {self.schema}.{self.table}: "
                               f"{str(exc).strip().splitlines()[0]}") from None
@@ -110,6 +122,7 @@ class LogProjectionPositions:
         self.ledger = ledger
         self.source = source
         self.target = target
+        self._owned: list[Any] = []  # what `from_project` opened and `close` closes
         self._positions = PostgresProjectionPositions(views_dsn, schema=schema, table=table)
         self._query = sql.SQL(
             "select next_offset from {} where projection = %s and target = %s and topic = %s "
@@ -147,16 +160,54 @@ class LogProjectionPositions:
         recs = self.log.read(topic, partition, int(row[0]) - 1, 1)
         return record_position(recs[0]) if recs else None
 
+    @classmethod
+    def from_project(cls, views_dsn: str, *, log: Log | None = None, ledger: Ledger | None = None,
+                     source: str | None = None, target: str = "live",
+                     config: str | Path | None = None) -> LogProjectionPositions:
+        """The log, ledger and source name the caller did not pass, from the project configuration
+        (its ledger source, or the one named `source`; its ``[log]``). Closes what it opened."""
+        opened: list[Any] = []
+        if log is None or ledger is None or source is None:
+            from kappaflow.config import LedgerSourceConfig, Settings
+
+            settings = Settings.load(config)
+            ledgers = {n: s for n, s in settings.sources.items() if isinstance(s, LedgerSourceConfig)}
+            if source is None:
+                if len(ledgers) != 1:
+                    found = ", ".join(sorted(ledgers)) or "none"
+                    raise ConfigError(f"wait_for_projection: expected one ledger source in the configuration "
+                                      f"(found: {found}); pass source=NAME")
+                source = next(iter(ledgers))
+            src = ledgers.get(source)
+            if ledger is None:
+                if src is None:
+                    raise ConfigError(f"wait_for_projection: no ledger source {source!r} in the configuration; "
+                                      "pass ledger=Ledger(...)")
+                ledger = Ledger(src.connect_dsn(), schema=src.schema_name, pool_size=1)
+                opened.append(ledger)
+            if log is None:
+                log = settings.open_log(read_only=True)
+                opened.append(log)
+        assert log is not None and ledger is not None and source is not None
+        out = cls(views_dsn, log, ledger, source, target=target)
+        out._owned = opened
+        return out
+
     def close(self) -> None:
         self._positions.close()
+        owned, self._owned = self._owned, []
+        for thing in owned:
+            thing.close()
 
 
 def wait_for_projection(dsn: str | ProjectionPositions, projection_name: str, position: int,
-                        timeout: float = 10.0, *, poll_interval: float = 0.05,
-                        source: str | None = None) -> int:
+                        timeout: float = 10.0, *, poll_interval: float = 0.05, source: str | None = None,
+                        log: Log | None = None, ledger: Ledger | None = None, target: str = "live",
+                        config: str | Path | None = None) -> int:
     """Block until `projection_name` has processed ledger `position`; returns the position reached.
 
-    `dsn` is the database holding the projection positions table, or any `ProjectionPositions`.
+    `dsn` is the views database holding ``kappaflow.projection_positions`` (see the module
+    docstring for `log`, `ledger`, `source` and `config`), or any `ProjectionPositions`.
     Raises `ProjectionTimeoutError` (transient) naming the projection, the wanted and the reached
     position after `timeout` seconds.
     """
@@ -165,8 +216,8 @@ def wait_for_projection(dsn: str | ProjectionPositions, projection_name: str, po
     if timeout < 0:
         raise ConfigError(f"wait_for_projection timeout: expected seconds >= 0, got {timeout!r}")
     own = isinstance(dsn, str)
-    positions: ProjectionPositions = PostgresProjectionPositions(dsn, source=source) if isinstance(dsn, str) \
-        else dsn
+    positions: ProjectionPositions = LogProjectionPositions.from_project(
+        dsn, log=log, ledger=ledger, source=source, target=target, config=config) if isinstance(dsn, str) else dsn
     deadline = time.monotonic() + timeout
     try:
         while True:
@@ -178,7 +229,7 @@ def wait_for_projection(dsn: str | ProjectionPositions, projection_name: str, po
                 raise ProjectionTimeoutError(projection_name, position, reached, timeout)
             time.sleep(min(poll_interval, deadline - now))
     finally:
-        if own and isinstance(positions, PostgresProjectionPositions):
+        if own and isinstance(positions, LogProjectionPositions):
             positions.close()
 
 

@@ -202,6 +202,9 @@ def test_read_your_writes_end_to_end(bank_ledger: Ledger, ledger_dsn: str, embed
         r = bank.transfer("alice", "bob", min(funds, 123), transfer_id="ryw-1")
         reached = wait_for_projection(positions, "balances", r.position, timeout=120)
         assert reached >= r.position
+        # the documented call: the views DSN, against the positions the real follower stored
+        assert wait_for_projection(ledger_dsn, "balances", r.position, timeout=120, log=embedded_log,
+                                   ledger=bank_ledger, source=SOURCE) >= r.position
         rows = {row["account"]: row for row in view_rows(ledger_dsn, "balances")}  # read after the wait
         assert rows["bob"]["balance"] == before + min(funds, 123)
         assert rows["alice"]["balance"] == bank.account("alice").balance

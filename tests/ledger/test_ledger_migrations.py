@@ -39,7 +39,7 @@ def test_upgrade_from_ledger_0001_keeps_the_chain_and_the_data(pg_server: Any) -
         with psycopg.connect(dsn, autocommit=True) as conn:  # events written by the old release's function
             for i in range(3):
                 conn.execute(V1_APPEND, ("{acct-1}", "{acct}", "{-1}", "{1}", "{1}", "{Deposited}", "{1}",
-                                         '{"{\\"amount\\": %d}"}' % (i + 1), '{"{}"}', None, None))
+                                         '{"{\\"amount\\": ' + str(i + 1) + '}"}', '{"{}"}', None, None))
 
         install(dsn)  # to head
         assert "ledger_0001" not in current(dsn)
