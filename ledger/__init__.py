@@ -52,6 +52,7 @@ from kappaflow.ledger.hashing import VerifyReport, verify
 from kappaflow.ledger.query import AppendCondition, Query, QueryItem, QueryResult, Tagged
 from kappaflow.ledger.relay import LedgerRelay
 from kappaflow.ledger.schema import DEFAULT_SCHEMA, install
+from kappaflow.ledger.snapshots import Fold, Loaded
 from kappaflow.ledger.store import AppendResult, Head, Ledger, LedgerStats, StreamAppend
 from kappaflow.ledger.tail import TailReader
 from kappaflow.ledger.wait import (
@@ -72,6 +73,7 @@ __all__ = [
     "EventRegistry",
     "EventTooLargeError",
     "ExpectedVersion",
+    "Fold",
     "Head",
     "IdempotencyKeyReusedError",
     "ImmutableLedgerError",
@@ -82,6 +84,7 @@ __all__ = [
     "LedgerRelay",
     "LedgerStats",
     "LedgerUnavailableError",
+    "Loaded",
     "LogProjectionPositions",
     "NewEvent",
     "PostgresProjectionPositions",

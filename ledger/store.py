@@ -54,7 +54,7 @@ import weakref
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import orjson
 import psycopg
@@ -85,6 +85,10 @@ from kappaflow.ledger.events import (
 from kappaflow.ledger.query import AppendCondition, Query, QueryResult
 from kappaflow.ledger.schema import DEFAULT_SCHEMA, LedgerTables
 
+if TYPE_CHECKING:
+    from kappaflow.ledger.snapshots import Fold, Loaded
+
+S = TypeVar("S")
 _DEADLOCK_RETRIES = 5
 
 # What a read returns, in this order (+ "hash" when asked for).
@@ -149,7 +153,8 @@ class Ledger:
 
     def __init__(self, dsn: str, *, schema: str = DEFAULT_SCHEMA, registry: EventRegistry | None = None,
                  max_event_bytes: int = DEFAULT_MAX_EVENT_BYTES, pool_size: int = 8,
-                 connect_timeout: float = 10.0, group_commit: bool = True) -> None:
+                 connect_timeout: float = 10.0, group_commit: bool = True,
+                 snapshot_every: Mapping[str, int] | None = None) -> None:
         from kappaflow.errors import ConfigError
 
         if not isinstance(max_event_bytes, int) or max_event_bytes < 1:
@@ -160,6 +165,9 @@ class Ledger:
         self.max_event_bytes = max_event_bytes
         self.group_commit = group_commit
         self._pool = ConnectionPool(dsn, max_size=pool_size, connect_timeout=connect_timeout)
+        from kappaflow.ledger.snapshots import Snapshots
+
+        self.snapshots = Snapshots(self, snapshot_every)
         self._cursors: weakref.WeakKeyDictionary[psycopg.Connection, psycopg.Cursor[Any]] = \
             weakref.WeakKeyDictionary()
         t = self.tables
@@ -383,6 +391,12 @@ class Ledger:
         decode = registry.decode
         return [(r[0], decode(r[1], r[2], loads(r[3]), position=r[4])) for r in rows]
 
+    def load(self, stream_id: str, fold: Fold[S]) -> Loaded[S]:
+        """A stream's state through `fold`, from its latest snapshot plus the events after it; stores
+        a new snapshot every ``snapshot_every[stream_type]`` events (see `kappaflow.ledger.snapshots`).
+        Append with ``expected_version=loaded.version``."""
+        return self.snapshots.load(stream_id, fold)
+
     def read_all(self, *, from_position: int = 1, limit: int = 1000, stream_types: Sequence[str] | None = None,
                  decode: bool = True, hashes: bool = False) -> list[RecordedEvent]:
         """Events in global (commit) order from `from_position` (inclusive). `hashes=True` also
@@ -512,7 +526,8 @@ class Ledger:
             return verify(conn, self.tables.schema, **kwargs)
 
     # --- helpers ------------------------------------------------------------
-    def _fetch(self, query: bytes, params: Sequence[Any], *, one: bool, prepare: bool | None = True) -> Any:
+    def _fetch(self, query: bytes, params: Sequence[Any] | Mapping[str, Any], *, one: bool | None,
+               prepare: bool | None = True) -> Any:
         """Run one prepared statement on a pooled connection: the hot path of appends and reads
         (no context managers, one cursor per connection, reused)."""
         pool = self._pool
@@ -522,6 +537,8 @@ class Ledger:
             if cur is None or cur.closed:
                 cur = self._cursors[conn] = conn.cursor(binary=True)  # binary results load faster
             cur.execute(query, params, prepare=prepare)
+            if one is None:  # no result wanted
+                return None
             return cur.fetchone() if one else cur.fetchall()
         except psycopg.Error as exc:
             raise _map_error(exc, self.tables.schema) from None

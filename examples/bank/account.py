@@ -6,6 +6,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from examples.bank.events import AccountOpened, Deposited, TransferReceived, TransferSent, Withdrawn
+from kappaflow.ledger import Fold
 
 
 class BankError(Exception):
@@ -55,3 +56,20 @@ class Account:
         self.require_open()
         if self.balance < amount:
             raise InsufficientFunds(self.id, self.balance, amount)
+
+
+def _apply(acc: Account, version: int, event: object) -> Account:
+    acc.apply(event)
+    acc.version = version
+    return acc
+
+
+def _initial(stream: str) -> Account:
+    from examples.bank.events import account_of
+
+    return Account(account_of(stream))
+
+
+# The account as a ledger Fold: `ledger.load(stream_id(a), ACCOUNT_FOLD)` starts from the latest
+# snapshot (Ledger(..., snapshot_every={"account": N})). Bump `version` when `apply` changes.
+ACCOUNT_FOLD: Fold[Account] = Fold("account", version=1, state_type=Account, initial=_initial, apply=_apply)

@@ -16,7 +16,7 @@ from __future__ import annotations
 import uuid
 from collections.abc import Callable
 
-from examples.bank.account import Account, AccountNotOpen, BankError
+from examples.bank.account import ACCOUNT_FOLD, Account, AccountNotOpen, BankError
 from examples.bank.events import AccountOpened, Deposited, TransferReceived, TransferSent, Withdrawn, stream_id
 from kappaflow.ledger import AppendResult, ExpectedVersion, Ledger, StreamAppend, WrongExpectedVersionError
 
@@ -36,9 +36,9 @@ class Bank:
     def account(self, account_id: str, *, refresh: bool = True) -> Account:
         """The account's state, caught up with the ledger (reads only the events not yet seen)."""
         acc = self._accounts.get(account_id)
-        if acc is None:
-            acc = self._accounts[account_id] = Account(account_id)
-            refresh = True
+        if acc is None:  # first sight: from the latest snapshot (if the ledger keeps them) + the tail
+            acc = self._accounts[account_id] = self.ledger.load(stream_id(account_id), ACCOUNT_FOLD).state
+            return acc
         if refresh:
             acc.fold(self.ledger.load_events(stream_id(account_id), from_version=acc.version + 1))
         return acc
