@@ -172,15 +172,18 @@ class Snapshots:
         apply = fold.apply
         folded = 0
         stream_type = None
-        for r in rows:
-            if r[4] is None:
-                continue
-            data = loads(r[7])
-            event = decode(r[5], r[6], data, position=r[8]) if decode is not None else data
-            version = int(r[4])
-            state = apply(state, version, event)
-            stream_type = r[9]
-            folded += 1
+        from kappaflow.ledger.store import _gc_paused
+
+        with _gc_paused(len(rows) >= 256):
+            for r in rows:
+                if r[4] is None:
+                    continue
+                data = loads(r[7])
+                event = decode(r[5], r[6], data, position=r[8]) if decode is not None else data
+                version = int(r[4])
+                state = apply(state, version, event)
+                stream_type = r[9]
+                folded += 1
         stored = False
         every = self.interval(stream_type)
         if every is not None and version - (snap_version or 0) >= every:

@@ -48,6 +48,7 @@ transaction ends (keep it short), use the caller's commit settings, and need REA
 from __future__ import annotations
 
 import datetime as dt
+import gc
 import hashlib
 import time
 import weakref
@@ -389,7 +390,8 @@ class Ledger:
         if registry is None:
             return [(r[0], loads(r[3])) for r in rows]
         decode = registry.decode
-        return [(r[0], decode(r[1], r[2], loads(r[3]), position=r[4])) for r in rows]
+        with _gc_paused(len(rows) >= 256):
+            return [(r[0], decode(r[1], r[2], loads(r[3]), position=r[4])) for r in rows]
 
     def load(self, stream_id: str, fold: Fold[S]) -> Loaded[S]:
         """A stream's state through `fold`, from its latest snapshot plus the events after it; stores
@@ -548,16 +550,24 @@ class Ledger:
     def _records(self, rows: list[tuple[Any, ...]], decode: bool, hashes: bool) -> list[RecordedEvent]:
         """Rows of EVENT_COLUMNS (+ hash; payload and metadata as JSON text) -> RecordedEvents."""
         registry = self.registry if decode else None
-        loads = orjson.loads
         out: list[RecordedEvent] = []
+        with _gc_paused(len(rows) >= 256):
+            self._build(rows, out, registry.decode if registry is not None else None, hashes)
+        return out
+
+    @staticmethod
+    def _build(rows: list[tuple[Any, ...]], out: list[RecordedEvent], decode: Any, hashes: bool) -> None:
+        loads = orjson.loads
         append = out.append
         for r in rows:
             data = loads(r[6])
-            event = registry.decode(r[4], r[5], data, position=r[0]) if registry is not None else None
+            meta = r[7]
             tags = r[10]
-            append(RecordedEvent(r[0], r[1], r[2], r[3], r[4], r[5], data, loads(r[7]), r[8], r[9],
-                                 bytes(r[11]) if hashes else None, event, () if tags is None else tuple(tags)))
-        return out
+            append(RecordedEvent(r[0], r[1], r[2], r[3], r[4], r[5], data,
+                                 {} if meta == "{}" else loads(meta), r[8], r[9],  # most events: no metadata
+                                 bytes(r[11]) if hashes else None,
+                                 decode(r[4], r[5], data, position=r[0]) if decode is not None else None,
+                                 () if tags is None else tuple(tags)))
 
     @contextmanager
     def _mapped_errors(self) -> Iterator[None]:
@@ -565,6 +575,26 @@ class Ledger:
             yield
         except psycopg.Error as exc:
             raise _map_error(exc, self.tables.schema) from None
+
+
+@contextmanager
+def _gc_paused(pause: bool) -> Iterator[None]:
+    """No cyclic garbage collection while a read builds a batch of events.
+
+    Every decoded event allocates a few GC-tracked objects (the RecordedEvent, the typed model
+    and its field set) that all survive (they are returned), so the collector runs every few
+    hundred rows and promotes them through every generation for nothing: measured at half of a
+    typed read-all's time. Allocation-driven collection resumes at the end of the batch (which
+    is bounded by the read's `limit`); nothing here creates cycles.
+    """
+    if not pause or not gc.isenabled():
+        yield
+        return
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
 
 
 class _Retryable(LedgerUnavailableError):
