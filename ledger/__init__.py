@@ -49,6 +49,7 @@ from kappaflow.ledger.events import (
     stream_category,
 )
 from kappaflow.ledger.hashing import VerifyReport, verify
+from kappaflow.ledger.personal import FORGOTTEN, ForgetResult, SubjectForgottenError
 from kappaflow.ledger.query import AppendCondition, Query, QueryItem, QueryResult, Tagged
 from kappaflow.ledger.relay import LedgerRelay
 from kappaflow.ledger.schema import DEFAULT_SCHEMA, install
@@ -65,6 +66,7 @@ from kappaflow.ledger.wait import (
 __all__ = [
     "DEFAULT_MAX_EVENT_BYTES",
     "DEFAULT_SCHEMA",
+    "FORGOTTEN",
     "AppendCondition",
     "AppendConditionFailedError",
     "AppendConflictError",
@@ -74,6 +76,7 @@ __all__ = [
     "EventTooLargeError",
     "ExpectedVersion",
     "Fold",
+    "ForgetResult",
     "Head",
     "IdempotencyKeyReusedError",
     "ImmutableLedgerError",
@@ -96,6 +99,7 @@ __all__ = [
     "RecordedEvent",
     "StreamAppend",
     "StreamTypeMismatchError",
+    "SubjectForgottenError",
     "Tagged",
     "TailReader",
     "UnknownEventTypeError",

@@ -26,6 +26,7 @@ from kappaflow.ledger.errors import (
     UnknownEventTypeError,
     UpcastError,
 )
+from kappaflow.ledger.personal import PersonalSpec, personal_spec, seal
 from kappaflow.ledger.query import Tagged
 
 T = TypeVar("T")
@@ -161,6 +162,7 @@ class _Entry:
     version: int
     adapter: pydantic.TypeAdapter[Any]
     tags: Callable[[Any], Iterable[str]] | None = None
+    personal: PersonalSpec | None = None
     validate: Callable[[Any], Any] = field(init=False)
 
     def __post_init__(self) -> None:
@@ -183,12 +185,15 @@ class EventRegistry:
 
     # --- registration -------------------------------------------------------
     def register(self, cls: type[T] | None = None, *, name: str | None = None,
-                 version: int = 1, tags: TagSpec | None = None) -> Any:
+                 version: int = 1, tags: TagSpec | None = None, personal: Iterable[str] | None = None,
+                 subject: str | None = None) -> Any:
         """Register a class (usable as ``@registry.register`` or ``@registry.register(name=..., version=2)``).
 
         `tags` tags every event of the class: ``{"student": "student_id"}`` gives ``student:<the
         event's student_id>`` (a field that is None gives no tag), or a function of the event
-        returning tag strings (see `kappaflow.ledger.query`).
+        returning tag strings (see `kappaflow.ledger.query`). `personal` names top-level fields
+        stored encrypted under the key of the data subject named by the field `subject` (see
+        `kappaflow.ledger.personal`; ``kappaflow ledger forget`` erases them).
         """
 
         def add(klass: type[T]) -> type[T]:
@@ -199,7 +204,8 @@ class EventRegistry:
                 raise InvalidAppendError(
                     f"{type_name!r} is already registered for {self._by_name[type_name].cls.__qualname__}",
                     field="event type name")
-            entry = _Entry(type_name, klass, version, pydantic.TypeAdapter(klass), _tag_function(klass, tags))
+            entry = _Entry(type_name, klass, version, pydantic.TypeAdapter(klass), _tag_function(klass, tags),
+                           personal_spec(klass, personal, subject))
             self._by_name[type_name] = entry
             self._by_class[klass] = entry
             return klass
@@ -225,6 +231,10 @@ class EventRegistry:
         return self._by_name[event_type].version
 
     # --- encode / decode ----------------------------------------------------
+    def personal_of(self, event_type: str) -> PersonalSpec | None:
+        entry = self._by_name.get(event_type)
+        return None if entry is None else entry.personal
+
     def tags_of(self, event: Any) -> Iterable[str]:
         """The tags the registration declares for `event` (none for an unregistered class)."""
         entry = self._by_class.get(type(event))
@@ -360,7 +370,8 @@ def _locate_nul(value: Any, path: str) -> str | None:
 
 
 def encode_event(event: Any, *, field: str, registry: EventRegistry | None,
-                 common_metadata: Mapping[str, Any] | None, max_bytes: int) -> EncodedEvent:
+                 common_metadata: Mapping[str, Any] | None, max_bytes: int,
+                 key_for: Callable[[str], bytes] | None = None) -> EncodedEvent:
     """Turn a typed event or a NewEvent into JSON text, checking type, shape, tags and size."""
     meta: Mapping[str, Any] | None = common_metadata
     extra_tags: Sequence[str] = ()
@@ -399,6 +410,14 @@ def encode_event(event: Any, *, field: str, registry: EventRegistry | None,
         raise UnknownEventTypeError(
             f"{type(event).__qualname__} is not a NewEvent and the ledger has no EventRegistry",
             field=field, event_type=type(event).__qualname__)
+    spec = registry.personal_of(type_name) if registry is not None else None
+    if spec is not None:  # encrypted before anything is hashed, stored or logged
+        if not isinstance(data, Mapping):
+            raise InvalidAppendError("expected a JSON object for an event with personal fields", field=f"{field}.data")
+        if key_for is None:
+            raise InvalidAppendError(f"{type_name} has personal fields: append through a Ledger (it holds the keys)",
+                                     field=field)
+        data = seal(data, spec, key_for, field=field)
     payload = dumps_json(data, field=f"{field}.data")
     metadata = dumps_json(dict(meta) if meta else {}, field=f"{field}.metadata")
     size = len(payload) + len(metadata)

@@ -157,6 +157,23 @@ def text_row_record(source: str, row: Mapping[str, bytes | None]) -> tuple[str, 
         timestamp_ms=_epoch_ms(at)), position
 
 
+class LogRedactor:
+    """Replaces the personal-data envelopes of forgotten subjects by the marker in records about to
+    be written to the log (the ledger source and the relay share it, so both write the same)."""
+
+    def __init__(self, forgotten: Any) -> None:
+        self.forgotten = forgotten  # a kappaflow.ledger.personal.ForgottenSubjects
+
+    def redact(self, record: Record) -> Record:
+        value = record.value
+        if value is None:
+            return record
+        new = self.forgotten.redact_value(value)
+        if new is value:
+            return record
+        return Record(key=record.key, value=new, headers=record.headers, timestamp_ms=record.timestamp_ms)
+
+
 def to_log_record(source: str, row: Mapping[str, Any] | RecordedEvent) -> tuple[str, Record]:
     """(topic, record) for one ledger event; the same bytes from a `RecordedEvent` (relay) and
     from an events-table row (connector)."""

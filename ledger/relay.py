@@ -12,6 +12,9 @@ Exactly-once effect without a second store for the resume position:
 3. on start, P is found from the log itself: the highest ``kf.ledger.position`` among the last
    records of the relay's topics; relaying resumes at P + 1.
 
+Personal fields go to the log sealed as stored (or as the forgotten marker once their subject is
+forgotten), exactly as the ledger source writes them.
+
 Ledger topics use the DELETE cleanup policy: they carry every event of a stream under one key,
 so compaction (keep the latest per key) would destroy history.
 """
@@ -22,7 +25,8 @@ import threading
 from collections.abc import Iterable
 
 from kappaflow.ledger.events import RecordedEvent
-from kappaflow.ledger.logmap import POSITION_HEADER, to_log_record
+from kappaflow.ledger.logmap import POSITION_HEADER, LogRedactor, to_log_record
+from kappaflow.ledger.personal import ForgottenSubjects
 from kappaflow.ledger.store import Ledger
 from kappaflow.ledger.tail import TailReader
 from kappaflow.log.base import CleanupPolicy, Log, LogRecord, Record, TopicConfig
@@ -47,6 +51,7 @@ class LedgerRelay:
         self.batch = batch
         self._topics: dict[str, int] = {}
         self._reader: TailReader | None = None
+        self._forgotten = LogRedactor(ForgottenSubjects(ledger.keys))
 
     def resume_position(self) -> int:
         """The next ledger position to relay (1 + the highest position found in the log)."""
@@ -70,7 +75,7 @@ class LedgerRelay:
         """Relay what is available now (waiting up to `timeout` s for something); returns the count."""
         if self._reader is None:
             self._reader = TailReader(self.ledger, next_position=self.resume_position(), batch=self.batch,
-                                      decode=False, hashes=True)
+                                      decode=False, hashes=True, reveal=False)
         events = self._reader.poll(timeout)
         self._publish(events)
         return len(events)
@@ -92,6 +97,7 @@ class LedgerRelay:
         run_at: tuple[str, int] | None = None
         for e in events:
             topic, record = to_log_record(self.source, e)
+            record = self._forgotten.redact(record)
             where = (topic, partition_for(record.key, self._partitions(topic)))
             if run and where != run_at:
                 assert run_at is not None

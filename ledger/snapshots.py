@@ -174,11 +174,12 @@ class Snapshots:
         stream_type = None
         from kappaflow.ledger.store import _gc_paused
 
+        pre = self.ledger._revealed([r[7] if r[4] is not None else "" for r in rows])
         with _gc_paused(len(rows) >= 256):
-            for r in rows:
+            for i, r in enumerate(rows):
                 if r[4] is None:
                     continue
-                data = loads(r[7])
+                data = pre[i] if i in pre else loads(r[7])
                 event = decode(r[5], r[6], data, position=r[8]) if decode is not None else data
                 version = int(r[4])
                 state = apply(state, version, event)

@@ -166,9 +166,11 @@ class Ledger:
         self.max_event_bytes = max_event_bytes
         self.group_commit = group_commit
         self._pool = ConnectionPool(dsn, max_size=pool_size, connect_timeout=connect_timeout)
+        from kappaflow.ledger.personal import KeyStore
         from kappaflow.ledger.snapshots import Snapshots
 
         self.snapshots = Snapshots(self, snapshot_every)
+        self.keys = KeyStore(self.connection, schema)
         self._cursors: weakref.WeakKeyDictionary[psycopg.Connection, psycopg.Cursor[Any]] = \
             weakref.WeakKeyDictionary()
         t = self.tables
@@ -296,6 +298,14 @@ class Ledger:
         tags: list[tuple[str, ...]] = []
         seen: set[str] = set()
         registry, limit = self.registry, self.max_event_bytes
+        subject_keys: dict[str, bytes] = {}
+
+        def key_for(subject: str) -> bytes:  # personal fields: the subject's key, once per append
+            key = subject_keys.get(subject)
+            if key is None:
+                key = subject_keys[subject] = self.keys.key_for_write(subject, field="events")
+            return key
+
         for si, part in enumerate(parts):
             if not isinstance(part, StreamAppend):
                 raise InvalidAppendError(f"expected a StreamAppend, got {type(part).__name__}",
@@ -314,7 +324,7 @@ class Ledger:
             prefix = "events" if len(parts) == 1 else f"parts[{si}].events"
             for ei, ev in enumerate(evs):
                 enc = encode_event(ev, field=f"{prefix}[{ei}]", registry=registry,
-                                   common_metadata=metadata, max_bytes=limit)
+                                   common_metadata=metadata, max_bytes=limit, key_for=key_for)
                 ev_stream.append(si)
                 ev_types.append(enc.type)
                 ev_schema.append(enc.schema_version)
@@ -369,14 +379,15 @@ class Ledger:
 
     # --- read ---------------------------------------------------------------
     def read_stream(self, stream_id: str, *, from_version: int = 1, limit: int | None = None,
-                    decode: bool = True, hashes: bool = False) -> list[RecordedEvent]:
-        """Events of one stream from `from_version` (inclusive), in stream order."""
+                    decode: bool = True, hashes: bool = False, reveal: bool = True) -> list[RecordedEvent]:
+        """Events of one stream from `from_version` (inclusive), in stream order. `reveal=False`
+        leaves personal fields sealed as stored (see `kappaflow.ledger.personal`)."""
         check_identifier(stream_id, field="stream_id")
         _check_int(from_version, "from_version", minimum=1)
         if limit is not None:
             _check_int(limit, "limit", minimum=1)
         rows = self._fetch(self._reads["stream", hashes], (stream_id, from_version, limit), one=False)
-        return self._records(rows, decode, hashes)
+        return self._records(rows, decode, hashes, reveal)
 
     def load_events(self, stream_id: str, *, from_version: int = 1) -> list[tuple[int, Any]]:
         """``(stream_version, event)`` pairs of one stream from `from_version`: the read a command
@@ -387,11 +398,13 @@ class Ledger:
         _check_int(from_version, "from_version", minimum=1)
         rows = self._fetch(self._load_sql, (stream_id, from_version), one=False)
         registry, loads = self.registry, orjson.loads
+        pre = self._revealed([r[3] for r in rows])
         if registry is None:
-            return [(r[0], loads(r[3])) for r in rows]
+            return [(r[0], pre[i] if i in pre else loads(r[3])) for i, r in enumerate(rows)]
         decode = registry.decode
         with _gc_paused(len(rows) >= 256):
-            return [(r[0], decode(r[1], r[2], loads(r[3]), position=r[4])) for r in rows]
+            return [(r[0], decode(r[1], r[2], pre[i] if i in pre else loads(r[3]), position=r[4]))
+                    for i, r in enumerate(rows)]
 
     def load(self, stream_id: str, fold: Fold[S]) -> Loaded[S]:
         """A stream's state through `fold`, from its latest snapshot plus the events after it; stores
@@ -400,7 +413,7 @@ class Ledger:
         return self.snapshots.load(stream_id, fold)
 
     def read_all(self, *, from_position: int = 1, limit: int = 1000, stream_types: Sequence[str] | None = None,
-                 decode: bool = True, hashes: bool = False) -> list[RecordedEvent]:
+                 decode: bool = True, hashes: bool = False, reveal: bool = True) -> list[RecordedEvent]:
         """Events in global (commit) order from `from_position` (inclusive). `hashes=True` also
         reads each event's chain hash (`RecordedEvent.hash`; None otherwise)."""
         _check_int(from_position, "from_position", minimum=1)
@@ -409,14 +422,14 @@ class Ledger:
             rows = self._fetch(self._reads["types", hashes], (from_position, list(stream_types), limit), one=False)
         else:
             rows = self._fetch(self._reads["all", hashes], (from_position, limit), one=False)
-        return self._records(rows, decode, hashes)
+        return self._records(rows, decode, hashes, reveal)
 
     def iter_all(self, *, from_position: int = 1, batch: int = 5000, decode: bool = True,
-                 hashes: bool = False) -> Iterator[RecordedEvent]:
+                 hashes: bool = False, reveal: bool = True) -> Iterator[RecordedEvent]:
         """Every event from `from_position` up to the head at the time each batch is read."""
         pos = from_position
         while True:
-            chunk = self.read_all(from_position=pos, limit=batch, decode=decode, hashes=hashes)
+            chunk = self.read_all(from_position=pos, limit=batch, decode=decode, hashes=hashes, reveal=reveal)
             yield from chunk
             if len(chunk) < batch:
                 return
@@ -466,7 +479,7 @@ class Ledger:
             "order by e.position limit %s) e on true").format(cols=self._cols(False), events=t.events, where=where)
         rows = self._fetch(stmt.as_bytes(None), [after, *params, limit], one=False, prepare=None)
         head = int(rows[0][0]) if rows else 0
-        events = self._records([r[1:] for r in rows if r[1] is not None], decode, False)
+        events = self._records([r[1:] for r in rows if r[1] is not None], decode, False, True)
         return QueryResult(query, events, head)
 
     def stream_version(self, stream_id: str) -> int:
@@ -547,20 +560,38 @@ class Ledger:
         finally:
             pool.release(conn)
 
-    def _records(self, rows: list[tuple[Any, ...]], decode: bool, hashes: bool) -> list[RecordedEvent]:
+    def _records(self, rows: list[tuple[Any, ...]], decode: bool, hashes: bool, reveal: bool) -> list[RecordedEvent]:
         """Rows of EVENT_COLUMNS (+ hash; payload and metadata as JSON text) -> RecordedEvents."""
         registry = self.registry if decode else None
         out: list[RecordedEvent] = []
+        pre = self._revealed([r[6] for r in rows]) if reveal else {}
         with _gc_paused(len(rows) >= 256):
-            self._build(rows, out, registry.decode if registry is not None else None, hashes)
+            self._build(rows, out, registry.decode if registry is not None else None, hashes, pre)
         return out
 
+    def _revealed(self, payloads: list[str]) -> dict[int, Any]:
+        """{row index: data with personal fields decrypted (or the forgotten marker)} for the
+        payloads that carry envelopes; one key lookup for the batch, none when there are none."""
+        from kappaflow.ledger.personal import has_envelopes, reveal, subjects_of
+
+        sealed = {i: orjson.loads(p) for i, p in enumerate(payloads) if has_envelopes(p)}
+        if not sealed:
+            return {}
+        keys = self.keys.keys_for_read(set().union(*(subjects_of(d) for d in sealed.values())))
+        return {i: reveal(d, keys) for i, d in sealed.items()}
+
+    def forget(self, subject: str) -> Any:
+        """Erase a data subject's personal fields everywhere by destroying its key (idempotent);
+        see `kappaflow.ledger.personal`. Returns a `ForgetResult`."""
+        return self.keys.forget(subject)
+
     @staticmethod
-    def _build(rows: list[tuple[Any, ...]], out: list[RecordedEvent], decode: Any, hashes: bool) -> None:
+    def _build(rows: list[tuple[Any, ...]], out: list[RecordedEvent], decode: Any, hashes: bool,
+               pre: dict[int, Any]) -> None:
         loads = orjson.loads
         append = out.append
-        for r in rows:
-            data = loads(r[6])
+        for i, r in enumerate(rows):
+            data = pre[i] if pre and i in pre else loads(r[6])
             meta = r[7]
             tags = r[10]
             append(RecordedEvent(r[0], r[1], r[2], r[3], r[4], r[5], data,

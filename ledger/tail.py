@@ -27,7 +27,8 @@ class TailReader:
 
     def __init__(self, ledger: Ledger, *, next_position: int = 1, batch: int = 1000,
                  stream_types: Sequence[str] | None = None, decode: bool = True,
-                 hole_timeout: float = 5.0, durable: bool = True, hashes: bool = False) -> None:
+                 hole_timeout: float = 5.0, durable: bool = True, hashes: bool = False,
+                 reveal: bool = True) -> None:
         if not isinstance(next_position, int) or isinstance(next_position, bool) or next_position < 1:
             raise InvalidAppendError(f"expected an integer >= 1, got {next_position!r}", field="next_position")
         self.ledger = ledger
@@ -38,6 +39,7 @@ class TailReader:
         self.hole_timeout = hole_timeout
         self.durable = durable
         self.hashes = hashes
+        self.reveal = reveal
         self._hole_since: float | None = None
 
     def poll(self, timeout: float = 0.0, *, interval: float = 0.02) -> list[RecordedEvent]:
@@ -46,7 +48,7 @@ class TailReader:
         deadline = time.monotonic() + timeout
         while True:
             rows = self.ledger.read_all(from_position=self.next_position, limit=self.batch, decode=False,
-                                        hashes=self.hashes)
+                                        hashes=self.hashes, reveal=self.reveal)
             run: list[RecordedEvent] = []
             expect = self.next_position
             for r in rows:

@@ -23,6 +23,10 @@ Options
 - ``maxRecordsPerPartition``: split a log partition into Spark partitions of at most
   this many offsets (default: one Spark partition per log partition).
 - ``maxRecordsPerTrigger`` (streams): admission control, records per micro-batch.
+- ``ledgerKeys``: JSON ``{"<ledger source>.": {"name": ..., "dsn": ..., "schema": ...,
+  "password_env": ...}}``: records of topics with that prefix have their personal fields
+  decrypted through the ledger's key table as they are read (or the forgotten marker); see
+  `kappaflow.ledger.personal`. No secrets in the option: a password comes from the environment.
 - ``latestPerKey``: ``true`` yields only the last record of each key within each Spark
   partition (what compaction keeps); with one Spark partition per log partition that is
   each key's latest record, all a latest-row or group-by fold needs.
@@ -374,9 +378,64 @@ class _Options:
         self.max_per_split = _positive(opts, "maxRecordsPerPartition")
         self.latest_per_key = opts.get("latestperkey", "false").strip().lower() in ("true", "1", "yes")
         self.max_per_trigger = _positive(opts, "maxRecordsPerTrigger")
+        self.ledger_keys = parse_ledger_keys(opts.get("ledgerkeys"))
 
     def log(self) -> Any:
         return open_cached_log(self.url, self.client)
+
+    def keys_for(self, topic: str) -> Any:
+        """The key store of the ledger whose topic this is, or None (not a ledger topic)."""
+        for prefix, spec in self.ledger_keys.items():
+            if topic.startswith(prefix):
+                return _keystore(spec)
+        return None
+
+
+def parse_ledger_keys(value: str | None) -> dict[str, dict[str, str]]:
+    if not value:
+        return {}
+    try:
+        parsed = json.loads(value)
+        ok = isinstance(parsed, dict) and all(isinstance(v, dict) and v.get("dsn") for v in parsed.values())
+    except ValueError:
+        ok = False
+    if not ok:
+        raise ConfigError("kappaflow data source option 'ledgerKeys': expected JSON "
+                          '{"<source>.": {"name": ..., "dsn": ..., "schema": ...}}')
+    return parsed
+
+
+_KEYSTORES: dict[str, Any] = {}
+
+
+def _keystore(spec: Mapping[str, str]) -> Any:
+    key = json.dumps(spec, sort_keys=True)
+    ks = _KEYSTORES.get(key)
+    if ks is None:
+        from kappaflow.config import LedgerSourceConfig
+        from kappaflow.ledger.personal import KeyStore
+
+        cfg = LedgerSourceConfig(name=spec.get("name", "ledger"), dsn=spec["dsn"],
+                                 schema_name=spec.get("schema", "kappaflow_ledger"),
+                                 password_env=spec.get("password_env"))
+        ks = _KEYSTORES[key] = KeyStore.connect(cfg.connect_dsn(), cfg.schema_name)
+    return ks
+
+
+def _revealed(batches: Iterator[pa.RecordBatch], keys: Any) -> Iterator[pa.RecordBatch]:
+    """Ledger records with personal fields decrypted (one key lookup per batch, none without)."""
+    from kappaflow.ledger.personal import reveal_log_values
+
+    idx = ARROW_SCHEMA.get_field_index("value")
+    for batch in batches:
+        values = batch.column(idx).to_pylist()
+        new = reveal_log_values(values, keys)
+        if new is values:
+            yield batch
+            continue
+        cols = list(batch.columns)
+        cols[idx] = pa.array(new, pa.binary())
+        yield pa.RecordBatch.from_arrays(cols, schema=ARROW_SCHEMA)
 
 
 def _positive(opts: Mapping[str, str], name: str) -> int | None:
@@ -432,7 +491,9 @@ def _read_with_reconnect(opts: _Options, partition: InputPartition) -> Iterator[
         forget_cached_log(opts.url)
         raise
     try:
-        yield from read_range(log, partition, latest_per_key=opts.latest_per_key)
+        batches = read_range(log, partition, latest_per_key=opts.latest_per_key)
+        keys = opts.keys_for(partition.topic)
+        yield from batches if keys is None else _revealed(batches, keys)
     except Exception:
         forget_cached_log(opts.url)
         raise

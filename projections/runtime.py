@@ -94,6 +94,20 @@ def session_from_settings(settings: Any) -> SparkSession:
     return spark_session(sp.master, sp.app_name, sp.conf, log_level=sp.log_level)
 
 
+def ledger_keys_of(settings: Any) -> dict[str, dict[str, str]]:
+    """The ``ledgerKeys`` data source option for the configured ledger sources (no secrets)."""
+    from kappaflow.config import LedgerSourceConfig
+
+    out: dict[str, dict[str, str]] = {}
+    for name, src in settings.sources.items():
+        if isinstance(src, LedgerSourceConfig):
+            spec = {"name": name, "dsn": src.dsn, "schema": src.schema_name}
+            if src.password_env:
+                spec["password_env"] = src.password_env
+            out[f"{name}."] = spec
+    return out
+
+
 @dataclass
 class Runtime:
     """``sink`` is the primary sink (PostgreSQL when configured); ``sinks`` every configured
@@ -106,6 +120,9 @@ class Runtime:
     checkpoint_dir: Path = Path(".kappaflow/checkpoints")
     dsn: str | None = None  # the views database (registry), when a sink is PostgreSQL
     sinks: dict[str, Sink] = field(default_factory=dict)
+    # Ledger sources: topic prefix -> where the subject keys live, so projections read personal
+    # fields decrypted (kappaflow.ledger.personal). Passwords stay in the environment.
+    ledger_keys: dict[str, dict[str, str]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.spark is not None and getattr(self.spark, "sparkContext", None) is not None:
@@ -168,7 +185,8 @@ class Runtime:
             spark = session_from_settings(settings)
         primary = sinks.get("postgres") or next(iter(sinks.values()))
         return cls(spark=spark, log_url=log_url, sink=primary, log_options=options,  # type: ignore[arg-type]
-                   checkpoint_dir=settings.resolve(settings.spark.checkpoint_dir), dsn=dsn, sinks=sinks)
+                   checkpoint_dir=settings.resolve(settings.spark.checkpoint_dir), dsn=dsn, sinks=sinks,
+                   ledger_keys=ledger_keys_of(settings))
 
     # --- log access -------------------------------------------------------------------------
     def reader(self) -> Any:
@@ -182,6 +200,10 @@ class Runtime:
         opts = {"log": self.log_url}
         for k, v in self.log_options.items():
             opts[f"kafka.{k}"] = str(v)
+        if self.ledger_keys:
+            import json
+
+            opts["ledgerKeys"] = json.dumps(self.ledger_keys, sort_keys=True)
         return opts
 
     def raw(self, topic: str, start: Offsets | str = "earliest", end: Offsets | str = "latest",

@@ -10,9 +10,9 @@ fi
 stamp=.venv/.kappaflow-installed
 want=$(sha256sum pyproject.toml | cut -d' ' -f1)
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
-  echo "bootstrap: installing kappaflow[dev] into .venv (first run downloads pyspark, ~5 min)" >&2
+  echo "bootstrap: installing kappaflow[dev,bench] into .venv (first run downloads pyspark, ~5 min)" >&2
   .venv/bin/python -m pip install -q --disable-pip-version-check --upgrade pip setuptools wheel
-  .venv/bin/python -m pip install -q --disable-pip-version-check -e '.[dev]'
+  .venv/bin/python -m pip install -q --disable-pip-version-check -e '.[dev,bench]'
   echo "$want" > "$stamp"
 fi
 # The compose test validates compose/docker-compose.yml with Debian's docker-compose (no engine needed).

@@ -10,8 +10,9 @@ row into the record `kappaflow.ledger.logmap.to_log_record` defines:
 - topic ``<source>.<stream_type>`` (cleanup policy DELETE: compaction would keep only the
   last event of each stream),
 - key = the stream id (UTF-8), so a stream's events stay in one partition, in order,
-- value = the domain event as JSON, headers ``kf.ledger.position`` / ``kf.ledger.event_type``,
-  timestamp = the recording time.
+- value = the domain event as JSON, headers ``kf.ledger.position`` / ``kf.ledger.event_type``
+  (and ``kf.ledger.tag`` per tag), timestamp = the recording time; personal fields sealed as
+  stored, or the forgotten marker once their subject is forgotten (`kappaflow.ledger.personal`).
 
 Byte for byte what `kappaflow.ledger.LedgerRelay` (the fallback where ``wal_level`` is not
 ``logical``) writes, so a log started by the relay can be continued by the connector at any
@@ -46,7 +47,8 @@ from kappaflow.connectors.postgres import slots
 from kappaflow.connectors.postgres.connector import PostgresConnector, postgres_status
 from kappaflow.connectors.postgres.mapping import MappedRecord, RecordMapper
 from kappaflow.errors import Retry, SourceError, ValidationError
-from kappaflow.ledger.logmap import text_row_record
+from kappaflow.ledger.logmap import LogRedactor, text_row_record
+from kappaflow.ledger.personal import ForgottenSubjects, KeyStore
 from kappaflow.ledger.relay import record_position
 from kappaflow.log.base import Log, LogRecord
 
@@ -59,16 +61,19 @@ class LedgerRecordMapper(RecordMapper):
     immutable_hint = ("Ledger events are immutable (a trigger refuses changes): someone altered the events "
                       "table with superuser rights. Run `kappaflow ledger verify` to find the damage.")
 
-    def __init__(self, source: str) -> None:
+    def __init__(self, source: str, redactor: LogRedactor | None = None) -> None:
         self.source = source
         self._prefix = source + "."
         self._schema_topic = source + ".__schema"
+        self.redactor = redactor  # the forgotten marker instead of sealed personal data, once forgotten
 
     def map_insert(self, row: Mapping[str, bytes | None], where: str) -> MappedRecord:
         try:
             topic, record, position = text_row_record(self.source, row)
         except ValidationError as exc:
             raise ValidationError(f"{where}: {exc}") from None
+        if self.redactor is not None:
+            record = self.redactor.redact(record)
         return MappedRecord(topic, record, position)
 
     def owns_topic(self, topic: str) -> bool:
@@ -87,7 +92,8 @@ class LedgerConnector(Connector):
         self.config = config
         self.name = config.name
         self.log = log
-        self.mapper = LedgerRecordMapper(config.name)
+        keys = KeyStore.connect(config.connect_dsn(), config.schema_name)
+        self.mapper = LedgerRecordMapper(config.name, LogRedactor(ForgottenSubjects(keys)))
         self.postgres = PostgresConnector(config.postgres_config(), log, partitions=partitions, progress=progress,
                                           mappers={config.events_table: self.mapper}, **options)
 

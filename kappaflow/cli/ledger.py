@@ -178,6 +178,34 @@ def verify_cmd(
             raise typer.Exit(1)
 
 
+@app.command("forget")
+def forget_cmd(
+    ctx: typer.Context,
+    subject: Annotated[str, typer.Argument(help="The data subject's id (the value of its events' subject field).")],
+    as_json: Annotated[bool, typer.Option("--json")] = False,
+    dsn: DsnOpt = None,
+    schema: SchemaOpt = None,
+) -> None:
+    """Erase a data subject's personal fields by destroying its key (crypto-shredding; idempotent).
+
+    Events stay (verify still passes); their personal fields read as "<forgotten>" from the ledger,
+    the log and views replayed afterwards. Views built before keep their copies until replayed.
+    """
+    with _errors():
+        from kappaflow.ledger import Ledger
+
+        url, sch = _target(ctx, dsn, schema)
+        with Ledger(url, schema=sch, pool_size=1) as ledger:
+            result = ledger.forget(subject)
+        if as_json:
+            _print_json(result.to_dict())
+        elif result.already:
+            console.print(f"subject {subject!r} was already forgotten; nothing changed", highlight=False, markup=False)
+        else:
+            console.print(f"forgot subject {subject!r}: its key is destroyed ({result.snapshots_dropped} snapshots "
+                          "dropped); replay views that hold its data", highlight=False, markup=False)
+
+
 @app.command("stats")
 def stats_cmd(
     ctx: typer.Context,
