@@ -68,12 +68,15 @@ _TAGS = ("CASE WHEN {t} IS NULL THEN ''::bytea ELSE int4send(cardinality({t})) |
 
 
 def _content(stream_id: str, stream_type: str, event_type: str, schema_version: str,
-             payload_text: str, metadata_text: str, key: str, tags: str) -> str:
-    return "sha256(" + " || ".join([
-        _LP.format(x=stream_id), _LP.format(x=stream_type), _LP.format(x=event_type),
-        f"int4send({schema_version})", _LP.format(x=payload_text), _LP.format(x=metadata_text),
-        _LPN.format(x=key), _TAGS.format(t=tags),
-    ]) + ")"
+             payload_text: str, metadata_text: str, key: str, tags: str | None) -> str:
+    """The content digest; without `tags` the version-1 expression (a PL/pgSQL "simple
+    expression": no sub-select, evaluated without the executor)."""
+    parts = [_LP.format(x=stream_id), _LP.format(x=stream_type), _LP.format(x=event_type),
+             f"int4send({schema_version})", _LP.format(x=payload_text), _LP.format(x=metadata_text),
+             _LPN.format(x=key)]
+    if tags is not None:
+        parts.append(_TAGS.format(t=tags))
+    return "sha256(" + " || ".join(parts) + ")"
 
 
 DDL = r"""
@@ -117,6 +120,7 @@ DECLARE
     v_created boolean[];
     v_done integer := 0;
     v_key_written boolean := false;
+    v_dup boolean := false;
     v_conflict jsonb;
     v_ev_version bigint[];
     v_payloads jsonb[];
@@ -148,28 +152,9 @@ BEGIN
 
     <<work>>
     BEGIN
-    -- 1. Idempotency: a committed append with this key -> its result; nothing is written.
-    IF p_key IS NOT NULL THEN
-        SELECT k.request_hash, k.stream_id, k.stream_version, k.events INTO v_k
-        FROM {S}.idempotency_keys k WHERE k.key = p_key;
-        IF FOUND THEN
-            IF v_k.request_hash <> p_request_hash THEN
-                RAISE EXCEPTION 'idempotency key % was already used for a different append', p_key
-                    USING ERRCODE = 'KL002', DETAIL = json_build_object('key', p_key)::text;
-            END IF;
-            SELECT e.position INTO v_pos FROM {S}.events e
-            WHERE e.stream_id = v_k.stream_id AND e.stream_version = v_k.stream_version;
-            SELECT array_agg(t.stream_id ORDER BY t.stream_id), array_agg(t.v ORDER BY t.stream_id), min(t.at)
-            INTO o_stream_ids, o_versions, o_recorded_at
-            FROM (SELECT e.stream_id, max(e.stream_version) AS v, min(e.recorded_at) AS at
-                  FROM {S}.events e WHERE e.position BETWEEN v_pos AND v_pos + v_k.events - 1
-                  GROUP BY e.stream_id) t;
-            o_first_position := v_pos;
-            o_last_position := v_pos + v_k.events - 1;
-            o_duplicate := true;
-            EXIT work;
-        END IF;
-    END IF;
+    -- 1. (Idempotency is checked where it costs nothing on the common path: when a stream is not
+    --    where the caller expected, and when the key is inserted; a key already committed makes
+    --    the call return that append's result, after taking back its own writes.)
 
     -- 2. Streams in id order: bump the version only where the expectation holds (one statement
     --    per stream on the common path); create new streams. A stream that is not where the
@@ -197,12 +182,12 @@ BEGIN
             END IF;
         END IF;
         IF v_ver IS NULL THEN
-            SELECT s.version INTO v_o FROM {S}.streams s WHERE s.stream_id = p_stream_ids[i];
             IF p_key IS NOT NULL AND EXISTS (SELECT 1 FROM {S}.idempotency_keys k WHERE k.key = p_key) THEN
-                -- The stream moved because a concurrent append with the same key committed (we
-                -- waited for its row lock): the client's retry returns that append's result.
-                v_conflict := jsonb_build_object('kind', 'retry');
+                -- The stream moved because the append with this key committed (earlier, or
+                -- concurrently: we waited for its row lock): return its result.
+                v_dup := true;
             ELSE
+                SELECT s.version INTO v_o FROM {S}.streams s WHERE s.stream_id = p_stream_ids[i];
                 v_conflict := jsonb_build_object('kind', 'version', 'stream_id', p_stream_ids[i],
                                                  'expected', v_e, 'actual', coalesce(v_o, 0));
             END IF;
@@ -221,7 +206,7 @@ BEGIN
                                                  'actual', v_typ)::text;
         END IF;
     END LOOP;
-    IF v_conflict IS NOT NULL THEN
+    IF v_conflict IS NOT NULL OR v_dup THEN
         {UNDO}
         EXIT work;
     END IF;
@@ -234,17 +219,22 @@ BEGIN
         v_payloads[i] := p_ev_payloads[i]::jsonb;
         v_metadata[i] := p_ev_metadata[i]::jsonb;
         v_tags := p_ev_tags[i]::text[];
-        v_digests[i] := {CONTENT};
+        IF v_tags IS NULL THEN  -- kept apart: the tags' sub-select would make every digest a full query
+            v_digests[i] := {CONTENT_V1};
+        ELSE
+            v_digests[i] := {CONTENT};
+        END IF;
     END LOOP;
 
     -- The idempotency key, also outside the lock: a concurrent append with the same key waits
-    -- here for the first one's outcome; if that one committed, this one backs out (retry).
+    -- here for the first one's outcome; if that one committed (or an earlier one did), this one
+    -- backs out and returns its result.
     IF p_key IS NOT NULL THEN
         INSERT INTO {S}.idempotency_keys AS k (key, request_hash, stream_id, stream_version, events)
         VALUES (p_key, p_request_hash, p_stream_ids[p_ev_stream[1]], v_ev_version[1], v_n)
         ON CONFLICT (key) DO NOTHING;
         IF NOT FOUND THEN
-            v_conflict := jsonb_build_object('kind', 'retry');
+            v_dup := true;
             {UNDO}
             EXIT work;
         END IF;
@@ -338,6 +328,26 @@ BEGIN
     o_recorded_at := v_at;
     o_duplicate := false;
     END work;
+
+    -- A committed append with this key: its result; this call wrote nothing.
+    IF v_dup THEN
+        SELECT k.request_hash, k.stream_id, k.stream_version, k.events INTO v_k
+        FROM {S}.idempotency_keys k WHERE k.key = p_key;
+        IF v_k.request_hash <> p_request_hash THEN
+            RAISE EXCEPTION 'idempotency key % was already used for a different append', p_key
+                USING ERRCODE = 'KL002', DETAIL = json_build_object('key', p_key)::text;
+        END IF;
+        SELECT e.position INTO v_pos FROM {S}.events e
+        WHERE e.stream_id = v_k.stream_id AND e.stream_version = v_k.stream_version;
+        SELECT array_agg(t.stream_id ORDER BY t.stream_id), array_agg(t.v ORDER BY t.stream_id), min(t.at)
+        INTO o_stream_ids, o_versions, o_recorded_at
+        FROM (SELECT e.stream_id, max(e.stream_version) AS v, min(e.recorded_at) AS at
+              FROM {S}.events e WHERE e.position BETWEEN v_pos AND v_pos + v_k.events - 1
+              GROUP BY e.stream_id) t;
+        o_first_position := v_pos;
+        o_last_position := v_pos + v_k.events - 1;
+        o_duplicate := true;
+    END IF;
     o_conflict := v_conflict;
 
     {TAIL}
@@ -407,11 +417,12 @@ AS $fn$""" + APPEND_BODY.replace("{DECLARE}", "").replace(
 
 def upgrade() -> None:
     s = _quote(_schema())
-    content = _content("p_stream_ids[v_s]", "v_types[v_s]", "p_ev_types[i]", "p_ev_schema[i]",
-                       "v_payloads[i]::text", "v_metadata[i]::text", "p_key", "v_tags")
+    args = ("p_stream_ids[v_s]", "v_types[v_s]", "p_ev_types[i]", "p_ev_schema[i]", "v_payloads[i]::text",
+            "v_metadata[i]::text", "p_key")
     _run(DDL.replace("{S}", s))
     for ddl in (APPEND_FUNCTION, APPEND_PROCEDURE):
-        _run(ddl.replace("{S}", s).replace("{CONTENT}", content).replace("{LOCK_KEY}", str(lock_key(_schema()))))
+        _run(ddl.replace("{S}", s).replace("{CONTENT_V1}", _content(*args, None))
+             .replace("{CONTENT}", _content(*args, "v_tags")).replace("{LOCK_KEY}", str(lock_key(_schema()))))
 
 
 def downgrade() -> None:
