@@ -1,6 +1,9 @@
-"""Ledger benchmark: batched single-writer appends and bank transfers from concurrent writers.
+"""Ledger benchmark: appends, bank transfers, conditional appends, global reads, snapshot loads.
 
     .venv/bin/python bench/ledger.py [--dsn URL] [--fast] [--writers 8] [--accounts 1000] [--seconds 10]
+                                     [--read-events 200000] [--tags 1000]
+
+Needs the bench extra for the peer (``pip install -e '.[bench]'``, scripts/bootstrap.sh does).
 
 Without --dsn a private PostgreSQL is started from the machine's binaries, DURABLE by default
 (fsync on, synchronous_commit on: every acknowledged append survives a power cut); --fast
@@ -10,7 +13,17 @@ Baselines measured in the same run, on the same server:
   (``bench/ledger_lockfree_probe.py``: one read and one minimal durable append function per
   transfer, no hash chain, no ordering, no typed events) -- what no ledger with the guarantees can
   beat here; ``transfers_vs_floor`` is the ledger's share of it;
-- ``ceiling_min_durable_txn_per_s``: the writers doing nothing but a minimal durable transaction.
+- ``ceiling_min_durable_txn_per_s``: the writers doing nothing but a minimal durable transaction;
+- ``peer_read_all_events_per_s``: the `eventsourcing` library (9.5, PostgreSQL recorder and
+  mapper; ``bench/ledger_peer.py``) reading the same number of events in global order into typed
+  domain events, next to ``read_all_events_per_s`` (the ledger's ``iter_all()`` into registered
+  pydantic events).
+
+Also: ``conditional_appends_per_s`` -- the writers each read a tag's events (``read_query``) and
+append with that read's condition, over `--tags` tags (the DCB decision loop; compare with
+``transfers_per_s``, the same read-then-append shape with an expected version); and
+``snapshot_load_speedup`` -- loading a 10,000-event stream through a Fold from its snapshot vs
+from its first event.
 
 Prints one JSON object on the last line.
 """
@@ -18,6 +31,7 @@ Prints one JSON object on the last line.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import multiprocessing as mp
 import os
 import random
@@ -32,6 +46,18 @@ import orjson
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # examples/
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # ledger_lockfree_probe
+
+
+def create_database(dsn: str, name: str) -> str:
+    """A fresh database next to `dsn`'s (dropped first if it exists)."""
+    import psycopg
+    from psycopg import sql
+
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute(sql.SQL("drop database if exists {} with (force)").format(sql.Identifier(name)))
+        conn.execute(sql.SQL("create database {}").format(sql.Identifier(name)))
+    base, _, _ = dsn.rpartition("/")
+    return f"{base}/{name}"
 
 
 def pct(values: list[float], p: float) -> float:
@@ -157,6 +183,102 @@ def transfer_worker(dsn: str, seed: int, accounts: int, seconds: float, ready: A
         finish.wait(600)  # keep the connection (and its server process's CPU count) until measured
 
 
+def conditional_worker(dsn: str, seed: int, tags: int, seconds: float, ready: Any, go: Any, out: Any,
+                       finish: Any) -> None:
+    """The DCB decision loop: read one tag's events by query, decide (a capacity of 10^9: never
+    full, so the run measures the mechanism), append an event with that tag under the read's
+    condition; a conflict re-reads and decides again."""
+    from kappaflow.ledger import AppendConditionFailedError, Ledger, NewEvent, Query
+
+    rnd = random.Random(seed)
+    done = conflicts = 0
+    lat: list[float] = []
+    with Ledger(dsn, pool_size=1) as ledger:
+        ledger.read_query(Query.where(tags=["slot:0"]), after=0, limit=1)  # warm the connection
+        ready.put(seed)
+        go.wait()
+        stop_at = time.perf_counter() + seconds
+        cpu0 = time.process_time()
+        while time.perf_counter() < stop_at:
+            tag = f"slot:{rnd.randrange(tags)}"
+            q = Query.where(tags=[tag], types=["Reserved"])
+            t = time.perf_counter()
+            while True:
+                seen = ledger.read_query(q, decode=False)
+                try:
+                    ledger.append(f"reservation-{seed}-{done}", [NewEvent("Reserved", {"n": len(seen.events)},
+                                                                          tags=[tag])], condition=seen.condition)
+                    break
+                except AppendConditionFailedError:
+                    conflicts += 1
+            lat.append((time.perf_counter() - t) * 1000)
+            done += 1
+        out.put({"done": done, "append_lat": lat, "transfer_lat": lat, "conflicts": conflicts,
+                 "cpu": time.process_time() - cpu0})
+        finish.wait(600)
+
+
+def read_all_rate(dsn: str, n: int) -> dict[str, Any]:
+    """The ledger's typed read-all: `n` events written in batches of 1,000, then iter_all() into
+    registered pydantic events (best of two passes; the peer's figure is its best of two too)."""
+    from pydantic import BaseModel
+
+    from kappaflow.ledger import EventRegistry, Ledger
+
+    class Deposited(BaseModel):
+        amount: int
+        reference: str
+
+    registry = EventRegistry()
+    registry.register(Deposited)
+    best = 0.0
+    with Ledger(dsn, registry=registry, pool_size=1) as ledger:
+        for b in range(n // 1000):
+            ledger.append(f"acct-{b}", [Deposited(amount=i % 1000 + 1, reference=f"r-{b * 1000 + i}")
+                                        for i in range(1000)])
+        for _ in range(2):
+            t0 = time.perf_counter()
+            count = 0
+            last = None
+            for e in ledger.iter_all():
+                last = e.event
+                count += 1
+            best = max(best, count / (time.perf_counter() - t0))
+            assert count == n and isinstance(last, Deposited)
+    return {"events": n, "events_per_s": best}
+
+
+def snapshot_speedup(dsn: str, events: int = 10_000, loads: int = 20) -> dict[str, Any]:
+    """Loading one account stream of `events` events through ACCOUNT_FOLD: without snapshots
+    (every load folds every event) vs with a snapshot every 100 events (a load folds < 100)."""
+    from examples.bank.account import ACCOUNT_FOLD
+    from examples.bank.events import AccountOpened, Deposited, registry
+    from kappaflow.ledger import Ledger
+
+    stream = "account-snapshotbench"
+    with Ledger(dsn, registry=registry, pool_size=1) as plain, \
+            Ledger(dsn, registry=registry, pool_size=1, snapshot_every={"account": 100}) as snap:
+        plain.append(stream, [AccountOpened(owner="bench")] + [Deposited(amount=1)] * 999)
+        for v in range(1000, events, 1000):
+            plain.append(stream, [Deposited(amount=1)] * 1000, v)
+        plain.append(stream, [Deposited(amount=1)] * 37, events)  # a tail past the last snapshot
+        snap.load(stream, ACCOUNT_FOLD)  # stores the snapshot
+
+        def timed(ledger: Ledger, fold: Any) -> tuple[float, Any]:
+            ledger.load(stream, fold)
+            t0 = time.perf_counter()
+            for _ in range(loads):
+                loaded = ledger.load(stream, fold)
+            return (time.perf_counter() - t0) / loads, loaded
+
+        # the same fold under a name no snapshot was stored for: every load folds every event
+        full_s, full = timed(plain, dataclasses.replace(ACCOUNT_FOLD, name="account_nosnapshot"))
+        snap_s, fast = timed(snap, ACCOUNT_FOLD)
+        assert full.state == fast.state and fast.snapshot_version is not None and full.snapshot_version is None
+    return {"full_load_ms": full_s * 1000, "snapshot_load_ms": snap_s * 1000, "speedup": full_s / snap_s,
+            "stream_events": full.version}
+
+
 def server_cpu_seconds(dsn: str) -> float:
     """CPU time used so far by the PostgreSQL server's processes (Linux /proc; 0 if unknown)."""
     import os
@@ -185,10 +307,13 @@ def server_cpu_seconds(dsn: str) -> float:
 
 
 def transfers(dsn: str, writers: int, accounts: int, seconds: float, raw: bool = False,
-              ceiling: bool = False) -> dict[str, Any]:
+              ceiling: bool = False, conditional_tags: int = 0) -> dict[str, Any]:
     ctx = mp.get_context("spawn")
     q, ready, go, finish = ctx.Queue(), ctx.Queue(), ctx.Event(), ctx.Event()
-    if ceiling:
+    if conditional_tags:
+        procs = [ctx.Process(target=conditional_worker, args=(dsn, s, conditional_tags, seconds, ready, go, q, finish))
+                 for s in range(writers)]
+    elif ceiling:
         import psycopg
 
         with psycopg.connect(dsn, autocommit=True) as conn:
@@ -228,6 +353,8 @@ def main() -> None:
     ap.add_argument("--writers", type=int, default=8)
     ap.add_argument("--accounts", type=int, default=1000)
     ap.add_argument("--seconds", type=float, default=10.0)
+    ap.add_argument("--read-events", type=int, default=200_000)
+    ap.add_argument("--tags", type=int, default=1000)
     args = ap.parse_args()
 
     from kappaflow.ledger import Ledger, install
@@ -270,6 +397,22 @@ def main() -> None:
         ceil = transfers(dsn, args.writers, args.accounts, args.seconds / 2, ceiling=True)
         print(f"ceiling (a minimal durable 2-row INSERT transaction): {ceil['transfers_per_s']:,.0f}/s with "
               f"{args.writers} writers", file=sys.stderr)
+        cond = transfers(dsn, args.writers, args.accounts, args.seconds, conditional_tags=args.tags)
+        print(f"conditional appends (read by tag, append with the condition): {cond['transfers_per_s']:,.0f}/s "
+              f"with {args.writers} writers over {args.tags} tags ({cond['conflicts']} conflicts retried)",
+              file=sys.stderr)
+        snap = snapshot_speedup(dsn)
+        print(f"snapshot load: {snap['full_load_ms']:.1f} ms from the first event vs {snap['snapshot_load_ms']:.2f} ms "
+              f"from a snapshot ({snap['speedup']:.0f}x)", file=sys.stderr)
+        import ledger_peer
+
+        reads_dsn = create_database(dsn, "bench_ledger_reads")
+        install(reads_dsn)
+        reads = read_all_rate(reads_dsn, args.read_events)
+        peer_dsn = create_database(dsn, "bench_ledger_peer")
+        peer = ledger_peer.peer_read_all(peer_dsn, args.read_events)
+        print(f"read all, typed: {reads['events_per_s']:,.0f} events/s; the eventsourcing library: "
+              f"{peer['events_per_s']:,.0f} events/s", file=sys.stderr)
         with Ledger(dsn) as ledger:
             t = time.perf_counter()
             report = ledger.verify()
@@ -298,6 +441,17 @@ def main() -> None:
             "transfer_cpu_ms_server": round(tr["server_cpu_ms_per_transfer"], 3),
             # upper bound for any transfer on this machine: one minimal durable transaction
             "ceiling_min_durable_txn_per_s": round(ceil["transfers_per_s"]),
+            "conditional_appends_per_s": round(cond["transfers_per_s"]),
+            "conditional_vs_transfers": round(cond["transfers_per_s"] / max(tr["transfers_per_s"], 1), 3),
+            "conditional_append_p50_ms": round(pct(cond["append_lat"], .5), 3),
+            "conditional_conflicts_retried": cond["conflicts"],
+            "read_all_events_per_s": round(reads["events_per_s"]),
+            "peer_read_all_events_per_s": round(peer["events_per_s"]),
+            "read_all_vs_peer": round(reads["events_per_s"] / max(peer["events_per_s"], 1), 3),
+            "read_all_events": args.read_events,
+            "snapshot_load_speedup": round(snap["speedup"], 1),
+            "snapshot_full_load_ms": round(snap["full_load_ms"], 2),
+            "snapshot_load_ms": round(snap["snapshot_load_ms"], 3),
             "ceiling_min_durable_txn_cpu_ms_client": round(ceil["client_cpu_ms_per_transfer"], 3),
             "ceiling_min_durable_txn_cpu_ms_server": round(ceil["server_cpu_ms_per_transfer"], 3),
             "load_avg_1m": round(os.getloadavg()[0], 2), "cpus": os.cpu_count(),

@@ -69,19 +69,21 @@ def peer_read_all(dsn: str, n: int, *, page: int = 5000, batch: int = 1000) -> d
             written += batch
         recorder, mapper = app.recorder, app.mapper
         recorder.select_notifications(1, 10)  # warm: connection, prepared statement
-        t0 = time.perf_counter()
-        count, start = 0, 1
-        last: Any = None
-        while True:
-            notes = recorder.select_notifications(start, page)
-            for note in notes:
-                last = mapper.to_domain_event(note)
-            count += len(notes)
-            if len(notes) < page:
-                break
-            start = notes[-1].id + 1
-        dt = time.perf_counter() - t0
-        assert last is not None and last.originator_version >= 1
-        return {"events": count, "seconds": dt, "events_per_s": count / dt}
+        best = 0.0
+        for _ in range(2):  # best of two passes, as the ledger's figure
+            t0 = time.perf_counter()
+            count, start = 0, 1
+            last: Any = None
+            while True:
+                notes = recorder.select_notifications(start, page)
+                for note in notes:
+                    last = mapper.to_domain_event(note)
+                count += len(notes)
+                if len(notes) < page:
+                    break
+                start = notes[-1].id + 1
+            best = max(best, count / (time.perf_counter() - t0))
+            assert count == written and last is not None and last.originator_version >= 1
+        return {"events": written, "events_per_s": best}
     finally:
         app.close()

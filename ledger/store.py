@@ -200,6 +200,7 @@ class Ledger:
 
         self._cols = cols
         self._reads: dict[tuple[str, bool], bytes] = {}
+        self._query_sql: dict[tuple[tuple[int, bool], ...], bytes] = {}
         for h in (False, True):
             # Rendered once: composing identifiers on every call costs more than the round trip.
             self._reads["stream", h] = sql.SQL(
@@ -448,36 +449,23 @@ class Ledger:
         _check_int(after, "after", minimum=0)
         if limit is not None:
             _check_int(limit, "limit", minimum=1)
-        t = self.tables
         params: list[Any] = []
-        branches: list[sql.Composable] = []
-        match_all = False
         for item in query.items:
             if item.tags:
-                q = sql.SQL("select t.position from {tags} t where t.tag = %s and t.position > %s").format(
-                    tags=t.table("event_tags"))
                 params += [item.tags[0], after]
                 if item.types:
-                    q += sql.SQL(" and t.event_type = any(%s::text[])")
                     params.append(list(item.types))
-                for tag in item.tags[1:]:
-                    q += sql.SQL(" and exists (select 1 from {tags} t2 where t2.tag = %s and t2.position = t.position)"
-                                 ).format(tags=t.table("event_tags"))
-                    params.append(tag)
-                branches.append(q)
+                params += item.tags[1:]
             elif item.types:
-                branches.append(sql.SQL("select x.position from {events} x where x.position > %s "
-                                        "and x.event_type = any(%s::text[])").format(events=t.events))
                 params += [after, list(item.types)]
-            else:
-                match_all = True
-        where = sql.SQL("") if match_all else sql.SQL(" and e.position in ({})").format(
-            sql.SQL(" union ").join(branches))
-        stmt = sql.SQL(
-            "select h.head, {cols} from (select coalesce(max(position), 0) as head from {events}) h "
-            "left join lateral (select * from {events} e where e.position > %s and e.position <= h.head{where} "
-            "order by e.position limit %s) e on true").format(cols=self._cols(False), events=t.events, where=where)
-        rows = self._fetch(stmt.as_bytes(None), [after, *params, limit], one=False, prepare=None)
+        shape = tuple((len(i.tags), bool(i.types)) for i in query.items)
+        stmt = self._query_sql.get(shape)
+        if stmt is None:
+            stmt = self._query_sql[shape] = self._render_query(shape)
+        if any(not i.tags and not i.types for i in query.items):
+            params = []  # an item matching every event: the query is every event
+        args = [*params, after, limit]
+        rows = self._fetch(stmt, args, one=False, prepare=None)
         head = int(rows[0][0]) if rows else 0
         events = self._records([r[1:] for r in rows if r[1] is not None], decode, False, True)
         return QueryResult(query, events, head)
@@ -568,6 +556,41 @@ class Ledger:
         with _gc_paused(len(rows) >= 256):
             self._build(rows, out, registry.decode if registry is not None else None, hashes, pre)
         return out
+
+    def _render_query(self, shape: tuple[tuple[int, bool], ...]) -> bytes:
+        """The read_query statement for a query shape ((tag count, has types) per item); rendered
+        once per shape: composing it costs more than running it."""
+        t = self.tables
+        branches: list[sql.Composable] = []
+        match_all = False
+        for n_tags, typed in shape:
+            if n_tags:
+                q = sql.SQL("select t.position from {tags} t where t.tag = %s and t.position > %s").format(
+                    tags=t.table("event_tags"))
+                if typed:
+                    q += sql.SQL(" and t.event_type = any(%s::text[])")
+                for _ in range(n_tags - 1):
+                    q += sql.SQL(" and exists (select 1 from {tags} t2 where t2.tag = %s and t2.position = t.position)"
+                                 ).format(tags=t.table("event_tags"))
+                branches.append(q)
+            elif typed:
+                branches.append(sql.SQL("select x.position from {events} x where x.position > %s "
+                                        "and x.event_type = any(%s::text[])").format(events=t.events))
+            else:
+                match_all = True
+        if match_all:  # the events after `after`, by primary key
+            inner = sql.SQL("select * from {events} x where x.position > %s and x.position <= h.head "
+                            "order by x.position limit %s").format(events=t.events)
+        else:  # the matching positions drive: one primary-key probe per match (never a scan of events)
+            inner = sql.SQL(
+                "select x.* from ({branches}) m(position) cross join lateral "
+                "(select * from {events} y where y.position = m.position) x "
+                "where m.position > %s and m.position <= h.head order by m.position limit %s").format(
+                branches=sql.SQL(" union ").join(branches), events=t.events)
+        return sql.SQL(
+            "select h.head, {cols} from (select coalesce(max(position), 0) as head from {events}) h "
+            "left join lateral ({inner}) e on true").format(
+            cols=self._cols(False), events=t.events, inner=inner).as_bytes(None)
 
     def _revealed(self, payloads: list[str]) -> dict[int, Any]:
         """{row index: data with personal fields decrypted (or the forgotten marker)} for the

@@ -100,6 +100,9 @@ def test_read_query_returns_matching_events_and_the_position_to_condition_on(led
         assert positions(Query.where(types=["CourseDefined"])) == [1, 2]  # types only
         assert positions(Query.all()) == [1, 2, 3, 4, 5]
         assert positions(Query.all(), after=3, limit=1) == [4]
+        assert positions(Query.where(tags=["student:b"]) | Query.all(), after=1) == [2, 3, 4, 5]
+        assert positions(Query.where(tags=["course:7"]), after=1) == [3]
+        assert positions(Query.where(tags=["course:7"]) | Query.where(types=["Other"]), limit=2) == [1, 3]
         result = ledger.read_query(Query.where(tags=["course:9"]), decode=False)
         assert (result.events, result.position) == ([], 5)  # nothing matches; the head is the position
         assert result.condition == AppendCondition(Query.where(tags=["course:9"]), 5)
