@@ -18,8 +18,10 @@ captures ``<schema>.events`` from the WAL and maps rows with `kappaflow.ledger.l
 (topic ``<source>.<stream_type>``, key = stream id, value = the domain event); without logical
 decoding, `LedgerRelay` follows the ledger instead and writes the same records.
 Modules: `store` (Ledger, the gap-safe ordering argument), `events` (typing, upcasting),
-`errors`, `hashing` (chain encoding, verify), `tail` (TailReader), `wait`, `logmap`, `relay`,
-`cut` (the log's end offsets as of a ledger position, for replays to a commit point).
+`query` (tags, queries, append conditions across streams), `snapshots` (Fold, snapshot loads),
+`personal` (crypto-shredding of personal fields), `errors`, `hashing` (chain encoding, verify),
+`tail` (TailReader), `wait`, `logmap`, `relay`, `cut` (the log's end offsets as of a ledger
+position, for replays to a commit point).
 """
 
 from kappaflow.ledger.errors import (
