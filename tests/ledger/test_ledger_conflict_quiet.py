@@ -50,9 +50,14 @@ def _log_since(pg_server: Any, offset: int, dsn: str) -> str:
 def test_conflicts_leave_no_error_in_the_server_log(pg_server: Any, ledger_dsn: str, group_commit: bool) -> None:
     with Ledger(ledger_dsn, group_commit=group_commit) as ledger:
         ledger.append("acct-a", [NewEvent("Opened", {}, tags=["owner:ann"])])
-        ledger.append("acct-b", [NewEvent("Opened", {}), NewEvent("Deposited", {"amount": 5})])
+        ledger.append("acct-b", [NewEvent("Opened", {}), NewEvent("Deposited", {"amount": 5})],
+                      idempotency_key="open-b")
         offset = pg_server.logfile.stat().st_size
 
+        # an idempotent retry (its streams moved: found through the conflict) returns the first result
+        again = ledger.append("acct-b", [NewEvent("Opened", {}), NewEvent("Deposited", {"amount": 5})], 0,
+                              idempotency_key="open-b")
+        assert again.duplicate and again.position == 3
         with pytest.raises(WrongExpectedVersionError) as err:  # single stream, stale version
             ledger.append("acct-a", [NewEvent("Deposited", {"amount": 1})], expected_version=0)
         assert (err.value.stream_id, err.value.expected, err.value.actual) == ("acct-a", 0, 1)
