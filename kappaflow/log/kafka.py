@@ -44,13 +44,11 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Mapping, Sequence
-from operator import attrgetter
 from typing import Any, ClassVar
 
 from kafka import KafkaAdminClient, KafkaConsumer, KafkaProducer, TopicPartition
 from kafka import errors as kerr
 from kafka.admin import ConfigResource, ConfigResourceType
-from kafka.record.default_records import DefaultRecordBatchBuilder
 from kafka.structs import OffsetAndMetadata
 
 from kappaflow.errors import (
@@ -63,7 +61,6 @@ from kappaflow.errors import (
 )
 from kappaflow.log.base import (
     Appended,
-    CleanupPolicy,
     CompactionStats,
     Log,
     LogRecord,
@@ -85,29 +82,21 @@ from kappaflow.log.kafka_clients import (
     is_too_large,
     is_unknown_topic,
     map_error,
-    parse_bootstrap,
+    security_options,
     split_options,
 )
-from kappaflow.log.partitioner import partition_for
+from kappaflow.log.kafka_common import (
+    BATCH_FRAMING,
+    KafkaOptions,
+    KafkaSecurity,
+    checked_append,
+    creation_configs,
+    describe_key,
+    partitions_of,
+    topic_config_from,
+)
 
-__all__ = ["KafkaLog"]
-
-# Upper bound of the v2 framing of a batch holding one record without headers: the 61-byte
-# batch header, at most 21 bytes of record fields, and the key length, value length and
-# header count varints (at most 5 bytes each). max.message.bytes = max_record_bytes + this.
-BATCH_FRAMING = DefaultRecordBatchBuilder.HEADER_STRUCT.size + DefaultRecordBatchBuilder.MAX_RECORD_OVERHEAD + 15
-_exact_batch_size = DefaultRecordBatchBuilder.estimate_size_in_bytes
-_key_of = attrgetter("key")
-_value_of = attrgetter("value")
-_headers_of = attrgetter("headers")
-
-
-def _positive(name: str, value: object, *, minimum: float = 0, integer: bool = False) -> Any:
-    ok_type = (type(value) is int) if integer else isinstance(value, int | float) and not isinstance(value, bool)
-    if not ok_type or value < minimum:  # type: ignore[operator]
-        kind = "an integer" if integer else "a number"
-        raise ConfigError(f"kafka log {name!r}: expected {kind} >= {minimum}, got {value!r}")
-    return value
+__all__ = ["BATCH_FRAMING", "KafkaLog"]
 
 
 class KafkaLog(Log):
@@ -121,8 +110,12 @@ class KafkaLog(Log):
       connect_attempts, connect_backoff_s, connect_timeout_s: a broker that is down is
         reported as LogUnavailableError after `connect_attempts` tries of
         `connect_timeout_s` each, sleeping `connect_backoff_s` (doubling) in between.
-      client_options: extra kafka-python options (SASL/SSL, client_rack, ...), routed to
-        the producer, consumers and admin client that accept each one.
+      security: a `KafkaSecurity` (or a table of its fields): SSL, SASL PLAIN/SCRAM, mapped to
+        kafka-python's options for every client.
+      client_options: extra kafka-python options (client_rack, ...), routed to the producer,
+        consumers and admin client that accept each one.
+      producer_options / consumer_options: kafka-python options for the producer only / the
+        consumers only (`[log.kafka.producer]` / `[log.kafka.consumer]`).
       read_only: refuse append and topic creation/deletion (a reader, as for the embedded
         log); committing consumer offsets stays allowed.
     """
@@ -143,35 +136,31 @@ class KafkaLog(Log):
         connect_backoff_s: float = 0.25,
         connect_timeout_s: float = 1.0,
         client_options: Mapping[str, Any] | None = None,
+        producer_options: Mapping[str, Any] | None = None,
+        consumer_options: Mapping[str, Any] | None = None,
+        security: KafkaSecurity | Mapping[str, Any] | None = None,
         read_only: bool = False,
     ) -> None:
-        self._bootstrap = parse_bootstrap(bootstrap)
-        if not isinstance(read_only, bool):
-            raise ConfigError(f"kafka log 'read_only': expected true or false, got {read_only!r}")
-        self._read_only = read_only
-        if not isinstance(client_id, str) or not client_id:
-            raise ConfigError(f"kafka log 'client_id': expected a non-empty string, got {client_id!r}")
-        self._client_id = client_id
-        self._linger_ms = _positive("linger_ms", linger_ms, integer=True)
-        self._batch_bytes = _positive("batch_bytes", batch_bytes, minimum=1024, integer=True)
-        if compression not in (None, "gzip", "snappy", "lz4", "zstd"):
-            raise ConfigError(
-                f"kafka log 'compression': expected None, 'gzip', 'snappy', 'lz4' or 'zstd', got {compression!r}"
-            )
-        self._compression = compression
-        if type(replication_factor) is not int or not (replication_factor == -1 or replication_factor >= 1):
-            raise ConfigError(
-                f"kafka log 'replication_factor': expected -1 (broker default) or an integer >= 1, "
-                f"got {replication_factor!r}"
-            )
-        self._replication_factor = replication_factor
-        self._timeout_s = float(_positive("request_timeout_s", request_timeout_s, minimum=0.1))
-        self._connect_attempts = _positive("connect_attempts", connect_attempts, minimum=1, integer=True)
-        self._connect_backoff_s = float(_positive("connect_backoff_s", connect_backoff_s))
-        self._connect_timeout_s = float(_positive("connect_timeout_s", connect_timeout_s, minimum=0.1))
+        o = KafkaOptions.checked(
+            bootstrap, client_id=client_id, linger_ms=linger_ms, batch_bytes=batch_bytes, compression=compression,
+            replication_factor=replication_factor, request_timeout_s=request_timeout_s,
+            connect_attempts=connect_attempts, connect_backoff_s=connect_backoff_s,
+            connect_timeout_s=connect_timeout_s, read_only=read_only, security=security)
+        self._bootstrap = o.bootstrap
+        self._read_only = o.read_only
+        self._client_id = o.client_id
+        self._linger_ms = o.linger_ms
+        self._batch_bytes = o.batch_bytes
+        self._compression = o.compression
+        self._replication_factor = o.replication_factor
+        self._timeout_s = o.timeout_s
+        self._connect_attempts = o.connect_attempts
+        self._connect_backoff_s = o.connect_backoff_s
+        self._connect_timeout_s = o.connect_timeout_s
         self._options = split_options(
-            client_options, {"producer": KafkaProducer, "consumer": KafkaConsumer, "admin": KafkaAdminClient}
-        )
+            client_options, {"producer": KafkaProducer, "consumer": KafkaConsumer, "admin": KafkaAdminClient},
+            security=security_options(o.security),
+            only={"producer": producer_options, "consumer": consumer_options})
         self._lock = threading.Lock()  # client creation, topic cache
         self._read_lock = threading.Lock()
         self._probe_lock = threading.Lock()
@@ -306,31 +295,8 @@ class KafkaLog(Log):
                 described = admin.describe_configs(resources, config_filter="all").get("topic", {})
         except kerr.KafkaError as exc:
             raise self._fail(exc, "describing topics") from None
-        return {name: self._config_of(name, parts, described.get(name, {})) for name, parts in sorted(found.items())}
-
-    @staticmethod
-    def _config_of(name: str, partitions: int, entries: Mapping[str, Any]) -> TopicConfig:
-        def value(key: str) -> str | None:
-            entry = entries.get(key)
-            return None if entry is None else entry.get("value")
-
-        defaults = TopicConfig()
-        policy_raw = value("cleanup.policy")
-        # Kafka allows "compact,delete" (compaction plus retention): compaction is what matters here.
-        policy = CleanupPolicy.COMPACT if policy_raw and "compact" in policy_raw else CleanupPolicy.DELETE
-        numbers = {}
-        for key, default in (("delete.retention.ms", defaults.delete_retention_ms),
-                             ("max.message.bytes", defaults.max_record_bytes + BATCH_FRAMING)):
-            raw = value(key)
-            try:
-                numbers[key] = default if raw is None else int(raw)
-            except ValueError:
-                raise ValidationError(
-                    f"topic {name!r} config {key!r}: the broker reported {raw!r}, expected an integer"
-                ) from None
-        return TopicConfig(partitions=partitions, cleanup_policy=policy,
-                           delete_retention_ms=numbers["delete.retention.ms"],
-                           max_record_bytes=max(1, numbers["max.message.bytes"] - BATCH_FRAMING))
+        return {name: topic_config_from(name, parts, _value_reader(described.get(name, {})))
+                for name, parts in sorted(found.items())}
 
     def _topic(self, name: str) -> TopicConfig:
         """The topic's config, cached for the life of this object (topic configs are fixed)."""
@@ -355,11 +321,7 @@ class KafkaLog(Log):
             spec = {
                 "num_partitions": wanted.partitions,
                 "replication_factor": self._replication_factor,
-                "configs": {
-                    "cleanup.policy": wanted.cleanup_policy.value,
-                    "delete.retention.ms": str(wanted.delete_retention_ms),
-                    "max.message.bytes": str(wanted.max_record_bytes + BATCH_FRAMING),
-                },
+                "configs": creation_configs(wanted),
             }
             admin = self._admin_client()
             try:
@@ -440,38 +402,17 @@ class KafkaLog(Log):
         n = len(records)
         if n == 0:
             return []
-        nparts = config.partitions
-        if not all(type(r) is Record for r in records):
-            for i, r in enumerate(records):
-                if not isinstance(r, Record):
-                    raise ValidationError(
-                        f"topic {topic!r} record {i}: expected a kappaflow.log.Record, got {type(r).__name__}")
-        keys = list(map(_key_of, records))
-        values = list(map(_value_of, records))
-        if config.compacted and None in keys:
-            i = keys.index(None)
-            raise ValidationError(
-                f"topic {topic!r} record {i}: a compacted topic needs a key on every record, got key None")
-        self._check_sizes(topic, config, records, keys, values)
-        if partition is not None:
-            check_partition(topic, partition, nparts)
-
+        keys, values = checked_append(topic, config, records, partition)
+        parts = partitions_of(keys, config.partitions, partition)
         producer = self._producer_client()
         send = producer.send
         futures: list[Any] = []
         add = futures.append
         try:
             for i, rec in enumerate(records):
-                key = keys[i]
-                value = values[i]
-                if key is None and value is None:
-                    raise ValidationError(
-                        f"topic {topic!r} record {i}: a record needs a key or a value (Kafka has no empty record)")
-                p = partition if partition is not None else (
-                    0 if nparts == 1 or key is None else partition_for(key, nparts))
                 headers = rec.headers
-                add(send(topic, value=value, key=key, headers=list(headers) if headers else None,
-                         partition=p, timestamp_ms=rec.timestamp_ms))
+                add(send(topic, value=values[i], key=keys[i], headers=list(headers) if headers else None,
+                         partition=parts[i], timestamp_ms=rec.timestamp_ms))
         except (TypeError, ValueError) as exc:
             producer.flush(self._timeout_s)
             raise ValidationError(
@@ -491,39 +432,13 @@ class KafkaLog(Log):
                 ok = sum(map(bool, (g.succeeded() for g in futures)))
                 if is_too_large(error):
                     raise RecordTooLargeError(
-                        f"topic {topic!r} record {i}: the broker rejected it as too large for max.message.bytes "
-                        f"({error}); {ok} of {n} records of this append were acknowledged") from None
+                        f"topic {topic!r} record {i} (key {describe_key(keys[i])}): the broker rejected it as too "
+                        f"large for max.message.bytes ({error}); {ok} of {n} records of this append were "
+                        "acknowledged") from None
                 raise self._append_failure(topic, error, ok, n) from None
             md = f.value
             push(Appended(md.partition, md.offset))
         return out
-
-    def _check_sizes(self, topic: str, config: TopicConfig, records: Sequence[Record],
-                     keys: list[bytes | None], values: list[bytes | None]) -> None:
-        """Reject the whole append up front if one record is over the topic's size limit."""
-        limit = config.max_record_bytes
-        with_headers = any(map(_headers_of, records))
-        if (not with_headers and None not in keys and None not in values
-                and max(map(len, keys)) + max(map(len, values)) <= limit):  # type: ignore[arg-type]
-            return
-        for i, rec in enumerate(records):
-            k, v, headers = keys[i], values[i], rec.headers
-            payload = (len(k) if k else 0) + (len(v) if v else 0)
-            if headers:
-                payload += sum(len(hk.encode()) + len(hv) for hk, hv in headers)
-            if payload > limit:
-                raise RecordTooLargeError(
-                    f"topic {topic!r} record {i}: {payload} bytes (key + value + headers) is over the topic's "
-                    f"limit of {limit} bytes; nothing of this append was written"
-                )
-            if headers:
-                size = _exact_batch_size(k, v, list(headers))
-                if size > limit + BATCH_FRAMING:
-                    raise RecordTooLargeError(
-                        f"topic {topic!r} record {i}: with the framing of its {len(headers)} headers a batch "
-                        f"holding it is {size} bytes, over the topic's max.message.bytes of "
-                        f"{limit + BATCH_FRAMING}; nothing of this append was written"
-                    )
 
     def _append_failure(self, topic: str, exc: BaseException, acknowledged: int, total: int) -> LogError:
         err = self._fail(exc, f"appending to topic {topic!r} ({acknowledged} of {total} records acknowledged)",
@@ -738,3 +653,11 @@ class KafkaLog(Log):
                     client.close()
             except Exception:  # closing is best effort; the process may be exiting
                 pass
+
+
+def _value_reader(entries: Mapping[str, Any]) -> Any:
+    """`value(key)` over kafka-python's DescribeConfigs entries ({name: {"value": ...}})."""
+    def value(key: str) -> str | None:
+        entry = entries.get(key)
+        return None if entry is None else entry.get("value")
+    return value

@@ -9,7 +9,6 @@ kappaflow's (`LogUnavailableError`, `UnknownTopicError`, `RecordTooLargeError`, 
 
 from __future__ import annotations
 
-import re
 import time
 from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
@@ -17,10 +16,12 @@ from typing import Any, TypeVar
 from kafka import errors as kerr
 
 from kappaflow.errors import ConfigError, LogError, LogUnavailableError, RecordTooLargeError, Retry, UnknownTopicError
+from kappaflow.log.kafka_common import KafkaSecurity, parse_bootstrap
+
+__all__ = ["connect", "disable_auto_topic_creation", "is_too_large", "is_unknown_topic", "map_error",
+           "parse_bootstrap", "security_options", "split_options"]
 
 T = TypeVar("T")
-
-_HOST_PORT = re.compile(r"^(\[[0-9a-fA-F:.]+\]|[A-Za-z0-9_.-]+):(\d{1,5})$")
 
 # Options kappaflow sets itself: a user value would break a guarantee of the backend.
 _RESERVED = {
@@ -37,30 +38,30 @@ _RESERVED = {
 }
 
 
-def parse_bootstrap(bootstrap: object) -> str:
-    """Validate `host:port[,host:port...]`; returns it normalised (no spaces)."""
-    if not isinstance(bootstrap, str) or not bootstrap.strip():
-        raise ConfigError(f"kafka log 'bootstrap': expected 'host:port[,host:port]', got {bootstrap!r}")
-    parts = [p.strip() for p in bootstrap.split(",")]
-    for p in parts:
-        m = _HOST_PORT.match(p)
-        if m is None or not 0 < int(m.group(2)) < 65536:
-            raise ConfigError(
-                f"kafka log 'bootstrap': expected 'host:port[,host:port]' with a port in 1..65535, "
-                f"got {p!r} in {bootstrap!r}"
-            )
-    return ",".join(parts)
+def security_options(security: KafkaSecurity) -> dict[str, Any]:
+    """kafka-python's names for a `KafkaSecurity` (every client takes all of them)."""
+    opts: dict[str, Any] = {"security_protocol": security.protocol}
+    if security.sasl:
+        opts.update(sasl_mechanism=security.sasl_mechanism, sasl_plain_username=security.sasl_username,
+                    sasl_plain_password=security.sasl_password)
+    for name in ("ssl_cafile", "ssl_certfile", "ssl_keyfile"):
+        if getattr(security, name):
+            opts[name] = getattr(security, name)
+    return opts
 
 
-def split_options(client_options: Mapping[str, Any] | None, clients: Mapping[str, type]) -> dict[str, dict[str, Any]]:
-    """Route each user option to the kafka-python clients that know it (SASL/SSL go to all).
+def split_options(client_options: Mapping[str, Any] | None, clients: Mapping[str, type], *,
+                  security: Mapping[str, Any] | None = None,
+                  only: Mapping[str, Mapping[str, Any] | None] | None = None) -> dict[str, dict[str, Any]]:
+    """Route each option to the kafka-python clients that know it.
 
+    `security` goes to every client; `client_options` to each client that knows the option;
+    `only[name]` to the client `name` alone (`[log.kafka.producer]` never reaches a consumer).
     An option no client knows, or one kappaflow must control, is a ConfigError naming it.
     """
-    routed: dict[str, dict[str, Any]] = {name: {} for name in clients}
+    routed: dict[str, dict[str, Any]] = {name: dict(security or {}) for name in clients}
     for key, value in (client_options or {}).items():
-        if key in _RESERVED:
-            raise ConfigError(f"kafka log client option {key!r} cannot be set: {_RESERVED[key]}")
+        _check_settable(key)
         known = [name for name, cls in clients.items() if key in cls.DEFAULT_CONFIG]  # type: ignore[attr-defined]
         if not known:
             raise ConfigError(
@@ -68,7 +69,20 @@ def split_options(client_options: Mapping[str, Any] | None, clients: Mapping[str
             )
         for name in known:
             routed[name][key] = value
+    for name, options in (only or {}).items():
+        cls = clients[name]
+        for key, value in (options or {}).items():
+            _check_settable(key)
+            if key not in cls.DEFAULT_CONFIG:  # type: ignore[attr-defined]
+                raise ConfigError(f"kafka log {name} option {key!r}: not a kafka-python {cls.__name__} option "
+                                  "(kafka-python spells options with underscores, e.g. linger_ms)")
+            routed[name][key] = value
     return routed
+
+
+def _check_settable(key: str) -> None:
+    if key in _RESERVED:
+        raise ConfigError(f"kafka log client option {key!r} cannot be set: {_RESERVED[key]}")
 
 
 def connect(make: Callable[[], T], *, bootstrap: str, what: str, attempts: int, backoff_s: float) -> T:
