@@ -57,9 +57,19 @@ class SaslMechanism(str, Enum):
 DecimalMode = Literal["string", "precise", "double"]
 
 
-class KafkaClientConfig(_Model):
-    """Client settings for a Kafka cluster; maps to kafka-python keyword arguments."""
+KafkaClientName = Literal["auto", "confluent", "kafka-python"]
 
+
+class KafkaClientConfig(_Model):
+    """Client settings for a Kafka cluster (`[log.kafka]`, or a Debezium source's `[sources.NAME.kafka]`).
+
+    `client` picks the implementation: "confluent" (librdkafka, `pip install 'kappaflow[kafka]'`),
+    "kafka-python", or "auto" (confluent when installed). Security settings are the same for
+    both; `producer` / `consumer` hold extra options for the producer only / the consumers only,
+    in the chosen client's spelling (librdkafka: `linger.ms`; kafka-python: `linger_ms`).
+    """
+
+    client: KafkaClientName = "auto"
     security_protocol: SecurityProtocol = SecurityProtocol.PLAINTEXT
     sasl_mechanism: SaslMechanism | None = None
     sasl_username: str | None = None
@@ -69,20 +79,39 @@ class KafkaClientConfig(_Model):
     ssl_keyfile: str | None = None
     client_id: str = "kappaflow"
     request_timeout_ms: int = Field(30_000, ge=1000)
-    producer: dict[str, Any] = Field(default_factory=dict)  # extra producer kwargs (linger_ms, batch_size..)
-    consumer: dict[str, Any] = Field(default_factory=dict)
+    producer: dict[str, Any] = Field(default_factory=dict)  # producer-only options (batching, compression..)
+    consumer: dict[str, Any] = Field(default_factory=dict)  # consumer-only options (fetch sizes..)
 
-    def client_options(self) -> dict[str, Any]:
-        opts: dict[str, Any] = {"security_protocol": self.security_protocol.value, "client_id": self.client_id,
-                                "request_timeout_ms": self.request_timeout_ms}
-        if self.security_protocol in (SecurityProtocol.SASL_PLAINTEXT, SecurityProtocol.SASL_SSL):
-            if self.sasl_mechanism is None or not self.sasl_username or self.sasl_password is None:
-                raise ConfigError("log.kafka: SASL needs sasl_mechanism, sasl_username and sasl_password")
-            opts.update(sasl_mechanism=self.sasl_mechanism.value, sasl_plain_username=self.sasl_username,
-                        sasl_plain_password=self.sasl_password.get_secret_value())
-        for name in ("ssl_cafile", "ssl_certfile", "ssl_keyfile"):
-            if getattr(self, name):
-                opts[name] = getattr(self, name)
+    def security(self) -> Any:
+        """The settings as a `kappaflow.log.kafka_common.KafkaSecurity` (ConfigError when incomplete)."""
+        from kappaflow.log.kafka_common import KafkaSecurity
+
+        sasl = self.security_protocol in (SecurityProtocol.SASL_PLAINTEXT, SecurityProtocol.SASL_SSL)
+        if sasl and (self.sasl_mechanism is None or not self.sasl_username or self.sasl_password is None):
+            raise ConfigError("log.kafka: SASL needs sasl_mechanism, sasl_username and sasl_password")
+        return KafkaSecurity(
+            protocol=self.security_protocol.value,
+            sasl_mechanism=self.sasl_mechanism.value if sasl and self.sasl_mechanism else None,
+            sasl_username=self.sasl_username if sasl else None,
+            sasl_password=self.sasl_password.get_secret_value() if sasl and self.sasl_password else None,
+            ssl_cafile=self.ssl_cafile, ssl_certfile=self.ssl_certfile, ssl_keyfile=self.ssl_keyfile)
+
+    def open_options(self) -> dict[str, Any]:
+        """Keyword arguments of `kappaflow.log.open_log` for a kafka:// URL (both clients take them).
+
+        The producer and consumer tables stay apart: an option meant for the producer never
+        reaches a consumer (and the other way round).
+        """
+        opts: dict[str, Any] = {
+            "client": self.client,
+            "client_id": self.client_id,
+            "request_timeout_s": self.request_timeout_ms / 1000,
+            "security": self.security().to_dict(),
+        }
+        if self.producer:
+            opts["producer_options"] = dict(self.producer)
+        if self.consumer:
+            opts["consumer_options"] = dict(self.consumer)
         return opts
 
 
@@ -96,23 +125,24 @@ class LogConfig(_Model):
     def is_kafka(self) -> bool:
         return self.url.startswith("kafka://")
 
+    def open_options(self) -> dict[str, Any]:
+        """`open_log` keyword arguments for this log ({} for the embedded log): what readers on
+        other processes (Spark executors, dead-letter writers) need to open the same Kafka log."""
+        if not self.is_kafka:
+            return {}
+        return {**self.kafka.open_options(), "replication_factor": self.replication_factor}
+
     def open(self, base_dir: Path | None = None, *, read_only: bool = False, **options: Any) -> Any:
         """Open the configured log (relative embedded paths resolve against `base_dir`).
 
         `read_only` opens the embedded log as a reader, which never conflicts with a running
-        capture (the single writer); Kafka clients are always shared. Kafka client security
-        and tuning settings reach KafkaLog as `client_options`.
+        capture (the single writer); Kafka clients are always shared. For Kafka, the client named
+        by `[log.kafka] client` is opened with `open_options()`.
         """
         from kappaflow.log import open_log
 
         if self.is_kafka:
-            opts = self.kafka.client_options()
-            client_id = opts.pop("client_id")
-            timeout_ms = opts.pop("request_timeout_ms")
-            opts.update(self.kafka.producer)
-            opts.update(self.kafka.consumer)
-            return open_log(self.url, client_id=client_id, request_timeout_s=timeout_ms / 1000,
-                            replication_factor=self.replication_factor, client_options=opts, **options)
+            return open_log(self.url, **{**self.open_options(), **options})
         path = Path(self.url.removeprefix("file:"))
         if not path.is_absolute() and base_dir is not None:
             path = base_dir / path
@@ -257,6 +287,8 @@ class DebeziumSourceConfig(_SourceBase):
     bootstrap: str
     topics: list[str] = Field(min_length=1)
     schemas_enabled: bool | None = None  # None: detect per record
+    # The Debezium cluster's client settings (security, client); None: the same as [log.kafka].
+    kafka: KafkaClientConfig | None = None
 
 
 SourceConfig = Annotated[

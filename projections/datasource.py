@@ -15,7 +15,9 @@ when absent; ``value`` is NULL for a tombstone).
 
 Options
 - ``log`` (required): the log URL (``open_log`` syntax); ``kafka.<name>`` options are
-  passed to the Kafka client (e.g. ``kafka.security_protocol``).
+  ``open_log`` keyword arguments for a Kafka log, JSON values (e.g. ``kafka.client``,
+  ``kafka.security.protocol``, ``kafka.consumer_options.fetch.max.bytes``;
+  `log_options_to_spark` writes them from a dict).
 - ``topics`` (required): comma-separated topic names.
 - ``startingOffsets`` / ``endingOffsets``: ``earliest``, ``latest`` or JSON
   ``{"topic": {"0": 42, "1": 7}}`` (next offset to read / offset to stop before;
@@ -80,12 +82,44 @@ _LOGS: dict[tuple[str, tuple[tuple[str, str], ...]], Any] = {}
 _LOGS_LOCK = threading.Lock()
 
 
+# Options of `open_log` that are tables: carried as one data source option per entry.
+_TABLE_OPTIONS = ("security", "client_options", "producer_options", "consumer_options")
+
+
+def log_options_to_spark(options: Mapping[str, Any]) -> dict[str, str]:
+    """`open_log` keyword arguments as data source options ``kafka.<name>`` with JSON values.
+
+    Tables (security, producer/consumer options) become one option per entry,
+    ``kafka.<name>.<key>``: an entry holding a password then has "password" in its option
+    name, and Spark redacts such options wherever it shows a plan or its UI.
+    """
+    out: dict[str, str] = {}
+    for name, value in options.items():
+        if isinstance(value, Mapping):
+            for key, item in value.items():
+                out[f"kafka.{name}.{key}"] = json.dumps(item)
+        else:
+            out[f"kafka.{name}"] = json.dumps(value)
+    return out
+
+
 def _client_options(options: Mapping[str, str]) -> dict[str, Any]:
+    """The inverse of `log_options_to_spark` (a hand-written plain value, e.g. ``kafka.client=confluent``,
+    is taken as text, digits as an integer)."""
     out: dict[str, Any] = {}
     for k, v in options.items():
-        if k.lower().startswith("kafka."):
-            name = k[len("kafka.") :]
-            out[name] = int(v) if isinstance(v, str) and v.isdigit() else v
+        if not k.lower().startswith("kafka."):
+            continue
+        name = k[len("kafka.") :]
+        try:
+            value = json.loads(v) if isinstance(v, str) else v
+        except ValueError:
+            value = int(v) if v.isdigit() else v
+        head, _, key = name.partition(".")
+        if key and head in _TABLE_OPTIONS:
+            out.setdefault(head, {})[key] = value
+        else:
+            out[name] = value
     return out
 
 
@@ -258,11 +292,10 @@ def _record_chunks(log: Any, rng: LogRange, chunk: int, start: int | None = None
 
 
 def _chunks(log: Any, rng: LogRange, chunk: int) -> Iterator[Columns]:
-    """The embedded log's columnar read (about half the cost per record: no LogRecord
-    per record, headers left encoded for `_op_of`), else ``read()`` through the contract."""
-    from kappaflow.log.embedded import EmbeddedLog
-
-    if not isinstance(log, EmbeddedLog):
+    """The log's columnar read where it has one (the embedded log and the confluent Kafka
+    client: about half the cost per record, no LogRecord per record, headers as the log keeps
+    them for `_op_of`), else ``read()`` through the contract."""
+    if not hasattr(log, "read_columns"):
         yield from _record_chunks(log, rng, chunk)
         return
     try:
@@ -589,6 +622,7 @@ __all__ = [
     "SCHEMA_DDL",
     "KappaflowDataSource",
     "LogRange",
+    "log_options_to_spark",
     "offsets_to_json",
     "open_cached_log",
     "parse_offsets",

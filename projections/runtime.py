@@ -19,7 +19,7 @@ from typing import Any
 from pyspark.sql import DataFrame, SparkSession
 
 from kappaflow.errors import ConfigError
-from kappaflow.projections.datasource import FORMAT, offsets_to_json, open_cached_log, register
+from kappaflow.projections.datasource import FORMAT, log_options_to_spark, offsets_to_json, open_cached_log, register
 from kappaflow.projections.sinks.base import Sink
 
 Offsets = dict[str, dict[int, int]]
@@ -176,9 +176,7 @@ class Runtime:
         if not settings.log.is_kafka:
             p = Path(log_url.removeprefix("file:"))
             log_url = str(p if p.is_absolute() else settings.base_dir / p)
-        options = settings.log.kafka.client_options() if settings.log.is_kafka else {}
-        if options:
-            options = {k: v for k, v in options.items() if k != "client_id"}
+        options = settings.log.open_options()  # {} for the embedded log
         sinks = open_sinks(settings.views)
         dsn = settings.views.postgres_connect_dsn() if settings.views.postgres_dsn else None
         if spark is None and with_spark:
@@ -197,9 +195,7 @@ class Runtime:
         return {t: dict(log.end_offsets(t)) for t in topics}
 
     def _options(self) -> dict[str, str]:
-        opts = {"log": self.log_url}
-        for k, v in self.log_options.items():
-            opts[f"kafka.{k}"] = str(v)
+        opts = {"log": self.log_url, **log_options_to_spark(self.log_options)}
         if self.ledger_keys:
             import json
 

@@ -27,9 +27,10 @@ import orjson
 
 from kappaflow.connectors.base import OP_HEADER, POSITION_HEADER, CaptureSummary, Connector, StopSignal, TrustedRecord
 from kappaflow.connectors.debezium.decode import DebeziumDecoder, Decoded
+from kappaflow.connectors.debezium.kafka_input import DebeziumInput
 from kappaflow.connectors.offsets import OffsetStore
 from kappaflow.connectors.writer import Batch, CaptureWriter, FaultHook
-from kappaflow.errors import ConfigError, KappaflowError, Retry, SourceError, ValidationError
+from kappaflow.errors import ConfigError, KappaflowError, SourceError, ValidationError
 from kappaflow.events import EventCodec, Op
 from kappaflow.log.base import CleanupPolicy, Log, Record, TopicConfig
 
@@ -42,7 +43,7 @@ class DebeziumSource(Connector):
     """A kappaflow source fed by Debezium's Kafka topics."""
 
     def __init__(self, *, name: str, log: Log, bootstrap: str, topics: list[str], schemas_enabled: bool | None = None,
-                 decimal_mode: str = "string", partitions: int = 4, client_options: dict[str, Any] | None = None,
+                 decimal_mode: str = "string", partitions: int = 4, kafka_options: dict[str, Any] | None = None,
                  batch_records: int = 5000, poll_timeout_ms: int = 200, fault: FaultHook | None = None,
                  threaded_writer: bool = True) -> None:
         if not topics:
@@ -54,7 +55,7 @@ class DebeziumSource(Connector):
         self.decoder = DebeziumDecoder(name, schemas_enabled=schemas_enabled)
         self.codec = EventCodec(decimal_mode)
         self.partitions = partitions
-        self.client_options = dict(client_options or {})
+        self.kafka_options = dict(kafka_options or {})
         self.batch_records = batch_records
         self.poll_timeout_ms = poll_timeout_ms
         self.fault = fault
@@ -69,42 +70,22 @@ class DebeziumSource(Connector):
         self._pending: dict[tuple[str, int | None], list[Record]] = {}
 
     @classmethod
-    def from_config(cls, cfg: Any, log: Log, **options: Any) -> DebeziumSource:
-        """From a ``kappaflow.config.DebeziumSourceConfig`` (+ ``partitions``, ``client_options``...)."""
+    def from_config(cls, cfg: Any, log: Log, *, log_kafka: Any = None, **options: Any) -> DebeziumSource:
+        """From a ``kappaflow.config.DebeziumSourceConfig`` (+ ``partitions``...).
+
+        The Kafka client settings (client, security) are the source's own ``[sources.NAME.kafka]``,
+        else ``log_kafka`` (the configuration's ``[log.kafka]``, a ``KafkaClientConfig``).
+        """
+        kafka = cfg.kafka or log_kafka
+        if kafka is not None:
+            options.setdefault("kafka_options", kafka.open_options())
         return cls(name=cfg.name, log=log, bootstrap=cfg.bootstrap, topics=list(cfg.topics),
                    schemas_enabled=cfg.schemas_enabled, decimal_mode=cfg.decimal_mode, **options)
 
     # -- Kafka ---------------------------------------------------------------------------
-    def _consumer(self) -> Any:
-        from kafka import KafkaConsumer
-        from kafka.errors import KafkaError
-
-        try:
-            return KafkaConsumer(bootstrap_servers=self.bootstrap.split(","), enable_auto_commit=False, group_id=None,
-                                 auto_offset_reset="earliest", **self.client_options)
-        except KafkaError as exc:
-            raise SourceError(f"debezium source {self.name!r}: cannot reach Kafka at {self.bootstrap}: {exc}",
-                              retry=Retry.TRANSIENT) from None
-
-    def _assign(self, consumer: Any, stored: dict[str, Any] | None) -> list[Any]:
-        from kafka import TopicPartition
-
-        tps: list[Any] = []
-        for topic in self.topics:
-            parts = consumer.partitions_for_topic(topic)
-            if not parts:
-                raise SourceError(f"debezium source {self.name!r}: topic {topic!r} does not exist on {self.bootstrap} "
-                                  "(check the connector's topic.prefix and table names)", retry=Retry.TRANSIENT)
-            tps.extend(TopicPartition(topic, p) for p in sorted(parts))
-        consumer.assign(tps)
-        saved = (stored or {}).get("topics", {})
-        for tp in tps:
-            nxt = saved.get(tp.topic, {}).get(str(tp.partition))
-            if nxt is None:
-                consumer.seek_to_beginning(tp)
-            else:
-                consumer.seek(tp, int(nxt))
-        return tps
+    def _consumer(self) -> DebeziumInput:
+        """Debezium's topics through a read-only log on their cluster, with the configured Kafka client."""
+        return DebeziumInput(self.name, self.bootstrap, self.topics, self.kafka_options)
 
     # -- topics ----------------------------------------------------------------------------
     def _ensure(self, topic: str, compacted: bool = True, partitions: int | None = None) -> int:
@@ -181,7 +162,7 @@ class DebeziumSource(Connector):
         value = msg.value
         doc = {
             "reason": reason, "topic": msg.topic, "partition": msg.partition, "offset": msg.offset,
-            "timestamp_ms": getattr(msg, "timestamp", None),
+            "timestamp_ms": getattr(msg, "timestamp_ms", None),
             "key": None if msg.key is None else msg.key.decode("utf-8", "replace"),
             "value": None if value is None else value.decode("utf-8", "replace"),
         }
@@ -223,15 +204,15 @@ class DebeziumSource(Connector):
         writer = CaptureWriter(self.log, offsets, self.name, threaded=self.threaded_writer, fault=self.fault)
         position: dict[str, dict[str, int]] = {t: dict(v) for t, v in ((stored or {}).get("topics") or {}).items()}
         try:
-            tps = self._assign(consumer, stored)
+            consumer.assign(stored)
             summary.phase = "streaming"
             batch = Batch()
             idle_polls = 0
             while not stop.is_set():
-                polled = consumer.poll(timeout_ms=self.poll_timeout_ms, max_records=self.batch_records)
+                polled = consumer.poll(self.poll_timeout_ms, self.batch_records)
                 if not polled:
                     idle_polls += 1
-                    if until_caught_up and idle_polls >= 2 and self._caught_up(consumer, tps):
+                    if until_caught_up and idle_polls >= 2 and consumer.caught_up():
                         break
                     continue
                 idle_polls = 0
@@ -270,20 +251,6 @@ class DebeziumSource(Connector):
         except (ValidationError, ValueError, TypeError, KeyError) as exc:
             reason = str(exc) if isinstance(exc, KappaflowError) else f"{type(exc).__name__}: {exc}"
             self._dead_letter(batch, msg, f"{reason} (at {msg.topic} partition {msg.partition} offset {msg.offset})")
-
-    @staticmethod
-    def _caught_up(consumer: Any, tps: list[Any]) -> bool:
-        """Every partition read up to its high watermark (from fetch responses: correct on tansu too)."""
-        for tp in tps:
-            hw = consumer.highwater(tp)
-            if hw is None:
-                end = consumer.end_offsets([tp]).get(tp, 0)
-                if consumer.position(tp) < end:
-                    return False
-                continue
-            if consumer.position(tp) < hw:
-                return False
-        return True
 
     def status(self) -> dict[str, Any]:
         """Stored Kafka offsets per input partition and the kappaflow topics' end offsets (read-only log ok)."""

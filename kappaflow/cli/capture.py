@@ -41,9 +41,11 @@ from kappaflow.log.base import Log
 __all__ = ["capture", "capture_command", "make_connector", "source_status"]
 
 
-def make_connector(source: Any, log: Log, *, partitions: int = 4, progress: bool | None = None) -> Connector:
+def make_connector(source: Any, log: Log, *, partitions: int = 4, progress: bool | None = None,
+                   log_kafka: Any = None) -> Connector:
     """The connector for a source config: PostgreSQL WAL, MySQL/MariaDB binlog, Debezium topics or
-    a kappaflow ledger (its events table from the WAL)."""
+    a kappaflow ledger (its events table from the WAL). ``log_kafka``: the configuration's
+    ``[log.kafka]`` (a Debezium source without Kafka settings of its own reads with them)."""
     if isinstance(source, PostgresSourceConfig):
         from kappaflow.connectors.postgres.connector import PostgresConnector
 
@@ -55,7 +57,7 @@ def make_connector(source: Any, log: Log, *, partitions: int = 4, progress: bool
     if isinstance(source, DebeziumSourceConfig):
         from kappaflow.connectors.debezium.source import DebeziumSource
 
-        return DebeziumSource.from_config(source, log, partitions=partitions)
+        return DebeziumSource.from_config(source, log, partitions=partitions, log_kafka=log_kafka)
     if isinstance(source, LedgerSourceConfig):
         from kappaflow.connectors.ledger import LedgerConnector
 
@@ -136,7 +138,8 @@ def capture_command(name: str, until_caught_up: bool = False, config_path: Path 
         while True:
             log = open_log_for(settings)
             try:
-                connector = make_connector(source, log, partitions=settings.log.partitions, progress=progress)
+                connector = make_connector(source, log, partitions=settings.log.partitions, progress=progress,
+                                           log_kafka=settings.log.kafka)
                 current.append(connector)
                 summary = connector.run(stop, until_caught_up=until_caught_up)
                 return summary

@@ -285,7 +285,8 @@ class KafkaLog(Log):
             found = {
                 t["name"]: len(t["partitions"])
                 for t in metadata
-                if t.get("error_code", 0) == 0 and not t.get("is_internal") and not t["name"].startswith("__")
+                if t.get("error_code", 0) == 0 and not t.get("is_internal")
+                and (names is not None or not t["name"].startswith("__"))  # listed: internal ones hidden
                 and t["partitions"]
             }
             described: dict[str, Any] = {}

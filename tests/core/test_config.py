@@ -58,8 +58,11 @@ def test_profile_overlays_and_env_wins(cfg_file: Path) -> None:
     assert s.log.is_kafka and s.log.url == "kafka://k1:9092,k2:9092"
     assert s.log.kafka.security_protocol is SecurityProtocol.SASL_SSL
     assert s.spark.master == "spark://other:7077"
-    opts = s.log.kafka.client_options()
-    assert opts["sasl_mechanism"] == "SCRAM-SHA-512" and opts["sasl_plain_password"] == "pw"
+    security = s.log.kafka.security()
+    assert (security.protocol, security.sasl_mechanism, security.sasl_password) == ("SASL_SSL", "SCRAM-SHA-512", "pw")
+    assert "pw" not in repr(security)
+    opts = s.log.open_options()
+    assert opts["security"]["sasl_mechanism"] == "SCRAM-SHA-512" and opts["security"]["sasl_password"] == "pw"
 
 
 def test_unknown_profile_is_named(cfg_file: Path) -> None:

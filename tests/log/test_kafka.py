@@ -98,7 +98,8 @@ def _closed_port() -> int:
 @pytest.mark.timeout(60)
 def test_unreachable_broker_fails_fast_naming_the_address() -> None:
     address = f"127.0.0.1:{_closed_port()}"
-    log = open_log(f"kafka://{address}", connect_attempts=3, connect_timeout_s=0.5, connect_backoff_s=0.1)
+    log = open_log(f"kafka://{address}", client="kafka-python", connect_attempts=3, connect_timeout_s=0.5,
+                   connect_backoff_s=0.1)
     assert isinstance(log, KafkaLog)
     for call in (log.list_topics, lambda: log.append("t", [Record(b"k", b"v")]), lambda: log.read("t", 0, 0)):
         started = time.monotonic()
@@ -246,7 +247,7 @@ def test_compaction_is_the_brokers_job(log: KafkaLog) -> None:
 
 # --- options (no broker needed: clients connect lazily) ------------------------------------------
 def test_open_log_kafka_url() -> None:
-    log = open_log("kafka://127.0.0.1:9092,localhost:9093")
+    log = open_log("kafka://127.0.0.1:9092,localhost:9093", client="kafka-python")
     assert isinstance(log, KafkaLog) and log.bootstrap == "127.0.0.1:9092,localhost:9093"
     log.close()
     log.close()  # idempotent

@@ -61,8 +61,8 @@ class TopicAdmin:
             metadata = admin.list_topics(topic=one, timeout=self._timeout_s)
             found = {
                 name: len(t.partitions) for name, t in metadata.topics.items()
-                if t.error is None and t.partitions and not name.startswith("__")
-                and (names is None or name in names)
+                if t.error is None and t.partitions
+                and (name in names if names is not None else not name.startswith("__"))  # listed: internal hidden
             }
             described: dict[str, dict[str, Any]] = {}
             if found:
