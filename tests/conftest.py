@@ -129,6 +129,18 @@ def kafka_log(kafka_broker: Any) -> Iterator[Any]:
         log.close()
 
 
+@pytest.fixture
+def confluent_log(kafka_broker: Any) -> Iterator[Any]:
+    """The Kafka log through the librdkafka (confluent-kafka) client."""
+    from kappaflow.log.confluent import ConfluentKafkaLog
+
+    log = ConfluentKafkaLog(kafka_broker.bootstrap)
+    try:
+        yield log
+    finally:
+        log.close()
+
+
 @pytest.fixture(params=["embedded", "kafka"])
 def any_log(request: pytest.FixtureRequest) -> Any:
     """Both log backends, for tests that must hold on each."""

@@ -45,14 +45,15 @@ class Appender(BackgroundWriter):
 
 
 def trials(tmp_path: Path, ledger: Ledger, dsn: str, name: str, log_url: str, *, kafka: bool, kills: int,
-           seed: int) -> None:
+           seed: int, client: str | None = None) -> None:
     rng = random.Random(seed)
     for b in range(12):  # 12,000 events before the first start: a snapshot of many chunks
         ledger.append(f"account-{b}", [NewEvent("Opened", {"n": k}) for k in range(1000)])
     config = tmp_path / "kappaflow.toml"
     config.write_text(f'[log]\nurl = "{log_url}"\npartitions = {PARTITIONS}\n\n'
                       f'[sources.{name}]\nkind = "ledger"\ndsn = "{dsn}"\n'
-                      "snapshot_chunk_rows = 150\nheartbeat_interval_s = 0.5\n")
+                      "snapshot_chunk_rows = 150\nheartbeat_interval_s = 0.5\n"
+                      + (f'\n[log.kafka]\nclient = "{client}"\n' if client else ""))
     cmd = [sys.executable, "-m", "kappaflow.cli.capture", name, "--config", str(config), "--no-progress"]
     writer = Appender(ledger, seed)
     writer.start()
@@ -100,6 +101,8 @@ def test_kill_9_ledger_capture_embedded(tmp_path: Path, ledger: Ledger, ledger_d
            kills=5, seed=2024)
 
 
-def test_kill_9_ledger_capture_kafka(tmp_path: Path, ledger: Ledger, ledger_dsn: str, kafka_broker: Any) -> None:
+@pytest.mark.parametrize("client", ["confluent", "kafka-python"])  # capture with each Kafka client
+def test_kill_9_ledger_capture_kafka(tmp_path: Path, ledger: Ledger, ledger_dsn: str, kafka_broker: Any,
+                                     client: str) -> None:
     trials(tmp_path, ledger, ledger_dsn, "lk" + os.urandom(4).hex(), f"kafka://{kafka_broker.bootstrap}",
-           kafka=True, kills=3, seed=77)
+           kafka=True, kills=3, seed=77, client=client)

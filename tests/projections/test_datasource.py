@@ -10,37 +10,43 @@ import pytest
 
 from kappaflow.errors import ConfigError
 from kappaflow.log.base import Record, TopicConfig
-from kappaflow.projections.datasource import LogRange, parse_offsets, plan_ranges
+from kappaflow.projections.datasource import LogRange, log_options_to_spark, parse_offsets, plan_ranges
 
 pytestmark = pytest.mark.integration
 
 
-@pytest.fixture
-def loaded(any_log: Any, request: pytest.FixtureRequest) -> tuple[Any, str, str]:
-    """A topic with 3 partitions: 30 keyed records (key k<i % 10>), a tombstone, headers."""
+Loaded = tuple[Any, str, str, dict[str, str]]  # log, topic, log URL, data source options of the client
+
+
+@pytest.fixture(params=["embedded", "kafka-python", "confluent"])
+def loaded(request: pytest.FixtureRequest) -> tuple[Any, str, str, dict[str, str]]:
+    """A topic with 3 partitions: 30 keyed records (key k<i % 10>), a tombstone, headers; on the embedded
+    log and on Kafka, written and read (on the executors) with each Kafka client."""
+    kind = str(request.param)
+    log = request.getfixturevalue({"embedded": "embedded_log", "kafka-python": "kafka_log",
+                                   "confluent": "confluent_log"}[kind])
     topic = "ds-" + uuid.uuid4().hex[:10]
-    any_log.create_topic(topic, TopicConfig(partitions=3))
+    log.create_topic(topic, TopicConfig(partitions=3))
     recs = [Record(f"k{i % 10}".encode(), f"v{i}".encode(), (("kf.op", b"u"),)) for i in range(30)]
     recs.append(Record(b"k3", None))
-    any_log.append(topic, recs)
-    url = (
-        str(any_log.path)
-        if hasattr(any_log, "path")
-        else "kafka://" + request.getfixturevalue("kafka_broker").bootstrap
-    )
-    return any_log, topic, url
+    log.append(topic, recs)
+    if kind == "embedded":
+        return log, topic, str(log.path), {}
+    url = "kafka://" + request.getfixturevalue("kafka_broker").bootstrap
+    return log, topic, url, log_options_to_spark({"client": kind})
 
 
-def _read(spark: Any, url: str, topic: str, **options: str) -> list[Any]:
-    reader = spark.read.format("kappaflow").option("log", url).option("topics", topic)
+def _read(spark: Any, loaded: Loaded, **options: str) -> list[Any]:
+    _, topic, url, client = loaded
+    reader = spark.read.format("kappaflow").option("log", url).option("topics", topic).options(**client)
     for k, v in options.items():
         reader = reader.option(k, v)
     return reader.load().orderBy("partition", "offset").collect()
 
 
-def test_batch_read_gives_every_record_with_its_position(spark: Any, loaded: tuple[Any, str, str]) -> None:
-    log, topic, url = loaded
-    rows = _read(spark, url, topic, maxRecordsPerPartition="4")
+def test_batch_read_gives_every_record_with_its_position(spark: Any, loaded: Loaded) -> None:
+    log, topic, *_ = loaded
+    rows = _read(spark, loaded, maxRecordsPerPartition="4")
     assert len(rows) == 31
     ends = log.end_offsets(topic)
     for p in range(3):
@@ -55,18 +61,18 @@ def test_batch_read_gives_every_record_with_its_position(spark: Any, loaded: tup
     assert {r.op for r in rows if r.value is not None} == {"u"} and rows[0].topic == topic
 
 
-def test_offsets_options_and_latest_per_key(spark: Any, loaded: tuple[Any, str, str]) -> None:
-    log, topic, url = loaded
+def test_offsets_options_and_latest_per_key(spark: Any, loaded: Loaded) -> None:
+    log, topic, *_ = loaded
     ends = log.end_offsets(topic)
     start = {topic: {"0": 1, "1": 2}}
     end = {topic: {"0": ends[0] - 1}}
-    rows = _read(spark, url, topic, startingOffsets=json.dumps(start), endingOffsets=json.dumps(end))
+    rows = _read(spark, loaded, startingOffsets=json.dumps(start), endingOffsets=json.dumps(end))
     got = {(r.partition, r.offset) for r in rows}
     want = (
         {(0, o) for o in range(1, ends[0] - 1)} | {(1, o) for o in range(2, ends[1])} | {(2, o) for o in range(ends[2])}
     )
     assert got == want
-    latest = _read(spark, url, topic, latestPerKey="true")
+    latest = _read(spark, loaded, latestPerKey="true")
     by_key: dict[bytes, Any] = {}
     for p in range(3):
         for rec in log.read(topic, p, 0, 100):
@@ -75,8 +81,8 @@ def test_offsets_options_and_latest_per_key(spark: Any, loaded: tuple[Any, str, 
     assert next(r for r in latest if r.key == b"k3").value is None  # the tombstone is k3's latest
 
 
-def test_streaming_read_from_stored_offsets(spark: Any, loaded: tuple[Any, str, str], tmp_path: Any) -> None:
-    log, topic, url = loaded
+def test_streaming_read_from_stored_offsets(spark: Any, loaded: Loaded, tmp_path: Any) -> None:
+    log, topic, url, client = loaded
     seen: list[tuple[int, int]] = []
 
     def batch(df: Any, _id: int) -> None:
@@ -86,6 +92,7 @@ def test_streaming_read_from_stored_offsets(spark: Any, loaded: tuple[Any, str, 
     q = (
         spark.readStream.format("kappaflow")
         .option("log", url)
+        .options(**client)
         .option("topics", topic)
         .option("startingOffsets", json.dumps(start))
         .option("maxRecordsPerTrigger", "7")

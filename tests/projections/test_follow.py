@@ -98,6 +98,36 @@ def test_follow_tracks_the_log_and_equals_a_fresh_replay(rt: Any, embedded_log: 
     assert [r[:-1] for r in view_rows(pg_dsn, totals.name, "*")] == [r[:-1] for r in followed[totals.name]]
 
 
+@pytest.mark.parametrize("client", ["confluent", "kafka-python"])
+def test_follow_on_kafka_tracks_the_log(spark: Any, kafka_broker: Any, pg_dsn: str, tmp_path: Any, client: str,
+                                       request: pytest.FixtureRequest) -> None:
+    """A follower streaming from a Kafka log read with each client (`[log.kafka] client`)."""
+    from kappaflow.config import KafkaClientConfig, LogConfig
+    from kappaflow.projections.runtime import Runtime
+    from kappaflow.projections.sinks.postgres import PostgresSink
+
+    log = request.getfixturevalue("confluent_log" if client == "confluent" else "kafka_log")
+    url = f"kafka://{kafka_broker.bootstrap}"
+    source = "fk" + client.replace("-", "")[:4]
+    options = LogConfig(url=url, kafka=KafkaClientConfig(client=client)).open_options()
+    runtime = Runtime(spark, url, PostgresSink(pg_dsn), log_options=options, checkpoint_dir=tmp_path / "ckpt")
+    w = TableWriter(log, orders_schema(source), partitions=2)
+    random_history(w, seed=31, n=120)
+    totals = defs.totals(source, name=f"{source}_totals")
+    follower = Follower(totals, runtime, trigger="0.2s").start()
+    try:
+        rnd = random.Random(8)
+        for step in range(2):
+            assert follower.wait_for(lambda s: follower.caught_up(), 180), "the follower did not catch up"
+            assert view_rows(pg_dsn, totals.name, "customer_id, n, total, last, statuses") == totals_reference(w.rows)
+            more_changes(w, rnd, 40, 2000 + step)
+        assert follower.wait_for(lambda s: follower.caught_up(), 180)
+        assert view_rows(pg_dsn, totals.name, "customer_id, n, total, last, statuses") == totals_reference(w.rows)
+    finally:
+        follower.stop()
+        runtime.close()
+
+
 def test_a_grouped_batch_touching_one_group_leaves_the_others(rt: Any, embedded_log: Any, pg_dsn: str) -> None:
     """Regression: a follow batch recomputes only the groups it touches; the rest stay as they are."""
     w = TableWriter(embedded_log, orders_schema("fg"), partitions=2)

@@ -130,19 +130,27 @@ def test_latest_row_and_custom_fold_equal_the_reference_and_are_deterministic(
     assert view_rows(pg_dsn, custom.name, "*") == once
 
 
+@pytest.mark.parametrize("client", ["confluent", "kafka-python"])
 def test_replay_on_kafka_equals_the_reference(
-    spark: Any, kafka_log: Any, kafka_broker: Any, pg_dsn: str, source_name: str, tmp_path: Any
+    spark: Any, kafka_broker: Any, pg_dsn: str, source_name: str, tmp_path: Any, client: str,
+    request: pytest.FixtureRequest,
 ) -> None:
+    """Written and read (driver and executors) with each Kafka client, chosen as `[log.kafka] client`."""
+    from kappaflow.config import KafkaClientConfig, LogConfig
     from kappaflow.projections.runtime import Runtime
     from kappaflow.projections.sinks.postgres import PostgresSink
 
-    w = TableWriter(kafka_log, orders_schema(source_name), partitions=2)
+    log = request.getfixturevalue("confluent_log" if client == "confluent" else "kafka_log")
+    url = f"kafka://{kafka_broker.bootstrap}"
+    options = LogConfig(url=url, kafka=KafkaClientConfig(client=client)).open_options()
+    w = TableWriter(log, orders_schema(source_name), partitions=2)
     random_history(w, seed=5, n=200)
-    rt = Runtime(spark, f"kafka://{kafka_broker.bootstrap}", PostgresSink(pg_dsn), checkpoint_dir=tmp_path)
+    rt = Runtime(spark, url, PostgresSink(pg_dsn), log_options=options, checkpoint_dir=tmp_path)
     try:
+        assert type(rt.reader()) is type(log)
         proj = defs.totals(source_name)
         res = replay(proj, rt)
-        assert res.events == sum(kafka_log.end_offsets(w.topic).values())
+        assert res.events == sum(log.end_offsets(w.topic).values())
         assert view_rows(pg_dsn, proj.name, TOTALS_COLS) == totals_reference(w.rows)
     finally:
         rt.close()
