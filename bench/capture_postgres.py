@@ -8,7 +8,10 @@ backlog), then measures:
 * ``raw_receive_per_s``: the same changes received over the replication protocol
   (pgoutput, COPY_BOTH) without decoding — the ceiling for any client;
 * ``embedded_changes_per_s``: ``PostgresConnector`` into the embedded log;
-* ``kafka_changes_per_s``: ``PostgresConnector`` into Kafka (a private tansu broker);
+* ``kafka_changes_per_s``: ``PostgresConnector`` into Kafka (a private tansu broker) with the
+  kafka-python client;
+* ``kafka_fast_changes_per_s``: the same with the confluent-kafka (librdkafka) client (goal: >= 0.7 of
+  ``embedded_changes_per_s`` of the same run; ``kafka_fast_vs_embedded`` is that ratio);
 * ``kafka_raw_produce_per_s``: plain kafka-python producing N records of the same key and
   value sizes with the same one ``kf.op`` header every captured record carries (the ceiling
   for anything writing these records to that broker from Python);
@@ -141,7 +144,7 @@ def main() -> None:
         with psycopg.connect(dsn, autocommit=True) as conn:
             conn.execute(TABLE)
             conn.execute("CREATE PUBLICATION bench_pub FOR TABLE bench")
-            for slot in ("bench_raw", "bench_emb", "bench_kafka"):
+            for slot in ("bench_raw", "bench_emb", "bench_kafka", "bench_kafka_fast"):
                 conn.execute("SELECT pg_create_logical_replication_slot(%s, 'pgoutput')", (slot,))
         log(f"writing {n} changes ...")
         result["write_s"] = round(write_changes(dsn, n), 2)
@@ -167,17 +170,26 @@ def main() -> None:
             key_size, value_size = 12, 560
 
         if not args.skip_kafka:
+            from kappaflow.log import kafka_client
             from kappaflow.log.kafka import KafkaLog
             from kappaflow.testing.servers.tansu import TansuBroker
 
             broker = TansuBroker().start()
-            log("capture into Kafka (tansu) ...")
+            log("capture into Kafka (tansu), kafka-python client ...")
             klog = KafkaLog(broker.bootstrap)
             try:
                 rate, _summary = capture(dsn, "bench_kafka", klog, n, "kfk")
                 result["kafka_changes_per_s"] = round(rate)
             finally:
                 klog.close()
+            if kafka_client("confluent").installed:
+                log("capture into Kafka (tansu), confluent-kafka client ...")
+                flog = kafka_client("confluent").load()(broker.bootstrap)
+                try:
+                    rate, _summary = capture(dsn, "bench_kafka_fast", flog, n, "kff")
+                    result["kafka_fast_changes_per_s"] = round(rate)
+                finally:
+                    flog.close()
             log("raw kafka-python produce ...")
             result["kafka_raw_produce_per_s"] = round(
                 kafka_raw_produce(broker.bootstrap, n, key_size, value_size, headers=True))
@@ -187,6 +199,9 @@ def main() -> None:
         raw = result["raw_receive_per_s"]
         if "embedded_changes_per_s" in result:
             result["embedded_vs_raw"] = round(result["embedded_changes_per_s"] / raw, 3)  # type: ignore[operator]
+        if "kafka_fast_changes_per_s" in result and "embedded_changes_per_s" in result:
+            result["kafka_fast_vs_embedded"] = round(
+                result["kafka_fast_changes_per_s"] / result["embedded_changes_per_s"], 3)  # type: ignore[operator]
         if "kafka_changes_per_s" in result:
             result["kafka_vs_raw_produce"] = round(
                 result["kafka_changes_per_s"] / result["kafka_raw_produce_per_s"], 3)  # type: ignore[operator]

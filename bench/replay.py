@@ -11,6 +11,9 @@ whole ``replay()`` call: plan, shadow table, build, swap):
 - ``custom_fold_events_per_s``: a Python ``apply()`` fold per order;
 - ``copy_baseline_rows_per_s``: a plain psycopg ``COPY`` of the latest-row view's final rows
   into an empty table (the floor a view write cannot beat);
+- ``kafka_replay_events_per_s``: the declarative replay again, reading the same log copied into Kafka
+  (a private tansu broker) with the confluent-kafka client on the driver and the executors (goal:
+  >= 0.7 of ``declarative_events_per_s``; ``kafka_replay_vs_declarative`` is that ratio);
 - ``follow_latency_p50_s`` / ``_p99_s``: ``UPDATE`` committed in the source table ->
   the PostgreSQL connector (a separate capture process) -> log -> follower (trigger 0.5 s)
   -> row visible in the view; 200 samples, one update every 0.1 s;
@@ -146,6 +149,52 @@ def projections(source: str) -> tuple[type, type, type]:
             return {"customer_id": a["customer_id"], "amount": a["amount"], "updates": row["updates"] + 1 if row else 1}
 
     return Latest, Grouped, Custom
+
+
+def copy_to_kafka(log_path: Path, bootstrap: str) -> None:
+    """Every topic of the embedded log into Kafka: same partitions, configs, offsets, headers, timestamps."""
+    from kappaflow.log import Record, open_log
+    from kappaflow.log.embedded import EmbeddedLog
+
+    with EmbeddedLog(log_path, read_only=True) as src, open_log(f"kafka://{bootstrap}", client="confluent") as dst:
+        for topic, config in src.list_topics().items():
+            dst.create_topic(topic, config)
+            for p in range(config.partitions):
+                chunk: list[Record] = []
+                for r in src.iter_partition(topic, p):
+                    chunk.append(Record(r.key, r.value, r.headers, r.timestamp_ms or None))
+                    if len(chunk) >= 20_000:
+                        dst.append_quiet(topic, chunk, partition=p)
+                        chunk = []
+                if chunk:
+                    dst.append_quiet(topic, chunk, partition=p)
+
+
+def kafka_replay(spark: Any, log_path: Path, warm_path: Path, dsn: str, work: Path, records: int) -> float:
+    """`declarative_events_per_s` with the log in Kafka, read by the confluent client (warm-up excluded)."""
+    from kappaflow.projections.replay import replay
+    from kappaflow.projections.runtime import Runtime
+    from kappaflow.projections.sinks.postgres import PostgresSink
+    from kappaflow.testing.servers.tansu import TansuBroker
+
+    with TansuBroker().start() as broker:
+        t0 = time.perf_counter()
+        copy_to_kafka(log_path, broker.bootstrap)
+        copy_to_kafka(warm_path, broker.bootstrap)
+        log(f"copied the log into Kafka in {time.perf_counter() - t0:.1f}s")
+        rt = Runtime(spark, f"kafka://{broker.bootstrap}", PostgresSink(dsn), log_options={"client": "confluent"},
+                     checkpoint_dir=work / "ckpt-kafka")
+        try:
+            replay(projections("warm")[0], rt)  # warm-up: executors open their Kafka clients
+            latest = projections("bench")[0]
+            t = time.perf_counter()
+            res = replay(latest, rt)
+            secs = time.perf_counter() - t
+        finally:
+            rt.close()
+    log(f"{latest.name} from Kafka: {res.rows} rows from {records} log records in {secs:.2f}s "
+        f"-> {records / secs:,.0f}/s")
+    return records / secs
 
 
 def copy_baseline(dsn: str, view: str) -> float:
@@ -365,6 +414,7 @@ def main() -> None:
     ap.add_argument("--master", default="local[*]")
     ap.add_argument("--skip-follow", action="store_true")
     ap.add_argument("--skip-cli", action="store_true", help="skip timing `kappaflow replay` as a command")
+    ap.add_argument("--skip-kafka", action="store_true", help="skip kafka_replay_events_per_s")
     args = ap.parse_args()
 
     from kappaflow.projections.replay import replay
@@ -421,6 +471,13 @@ def main() -> None:
             )
         result["copy_baseline_rows_per_s"] = round(copy_baseline(dsn, latest.name))
         rt.close()
+        if not args.skip_kafka:
+            from kappaflow.log import kafka_client
+
+            if kafka_client("confluent").installed:
+                rate = kafka_replay(spark, log_path, log_path.with_name("warm"), dsn, work, gen["records"])
+                result["kafka_replay_events_per_s"] = round(rate)
+                result["kafka_replay_vs_declarative"] = round(rate / result["declarative_events_per_s"], 3)
         if not args.skip_follow:
             lat = follow_latency(spark, dsn, work, args.samples)
             result["follow_samples"] = len(lat)

@@ -186,15 +186,38 @@ class ConfluentKafkaLog(Log):
         with self._lock:
             self._clients.pop("producer", None)
 
+    def _reset_clients(self, roles: Sequence[str]) -> None:
+        with self._lock:
+            gone = {role: self._clients.pop(role) for role in roles if role in self._clients}
+        self._close_clients(gone)
+
+    def _close_clients(self, clients: Mapping[str, Any]) -> None:
+        for role, client in clients.items():
+            try:
+                if role == "producer":
+                    client.flush(self._opts.timeout_s)
+                elif role in ("reader", "probe"):
+                    client.close()
+            except Exception:  # closing is best effort; the process may be exiting
+                pass
+
     # --- topics -----------------------------------------------------------------------------------
     def create_topic(self, name: str, config: TopicConfig | None = None, *, exist_ok: bool = True) -> TopicConfig:
         self._require_writer(f"creating topic {name!r}")
         return self._topics.create(name, config, exist_ok=exist_ok)
 
     def delete_topic(self, name: str) -> None:
+        """Delete, then start every client afresh.
+
+        Why: librdkafka 2.16 can crash (SIGSEGV in its metadata cache) when a client that knew a
+        topic meets its deletion and a later recreation; clients that never saw it are safe, and
+        deleting topics is rare (tests, maintenance), so reconnecting costs nothing that matters.
+        """
         self._require_writer(f"deleting topic {name!r}")
-        self._reader.forget(name)  # a consumer still assigned to it keeps asking the broker about it
+        # a consumer still assigned to the topic keeps asking about it
+        self._reader.forget(name, lambda: self._reset_clients(("reader", "probe")))
         self._topics.delete(name)
+        self._reset_clients(("producer", "admin"))
 
     def list_topics(self) -> dict[str, TopicConfig]:
         return self._topics.list()
@@ -274,14 +297,7 @@ class ConfluentKafkaLog(Log):
             self._closed = True
             clients, self._clients = self._clients, {}
         self._reader.close()
-        for role, client in clients.items():
-            try:
-                if role == "producer":
-                    client.flush(self._opts.timeout_s)
-                elif role in ("reader", "probe"):
-                    client.close()
-            except Exception:  # closing is best effort; the process may be exiting
-                pass
+        self._close_clients(clients)
 
 
 def _metadata(client: Any, timeout_s: float) -> object:

@@ -77,15 +77,14 @@ class Reader:
         self._tp: tuple[str, int] | None = None
         self._next = -1  # the reader's position when it is known to be valid, else -1
 
-    def forget(self, topic: str) -> None:
-        """Drop what is known about `topic` (deleted) and detach the consumers from it."""
-        with self._read_lock:
-            if self._tp is not None and self._tp[0] == topic:
-                self._reader().unassign()
-                self._tp, self._next = None, -1
-        with self._probe_lock:
+    def forget(self, topic: str, detach: Callable[[], None]) -> None:
+        """Drop what is known about `topic` (deleted); `detach` closes the consumers, while no read
+        or probe runs (they are opened again on next use)."""
+        with self._read_lock, self._probe_lock:
+            self._tp, self._next = None, -1
             for tp in [tp for tp in self._highwater if tp[0] == topic]:
                 del self._highwater[tp]
+            detach()
 
     # --- records ---------------------------------------------------------------------------------
     def read(self, topic: str, partition: int, offset: int, max_records: int) -> list[LogRecord]:
