@@ -110,8 +110,8 @@ class Reader:
         chunk = max(1, batches_per_fetch) * 1024
         offset = start
         while offset < stop:
-            with self._read_lock:
-                msgs = self._fetch(topic, partition, offset, min(chunk, stop - offset))
+            with self._read_lock:  # records up to `stop` exist: no end-offset check before fetching
+                msgs = self._fetch(topic, partition, offset, min(chunk, stop - offset), known_end=stop)
             if not msgs:
                 return
             if _offset(msgs[-1]) >= stop:
@@ -123,22 +123,26 @@ class Reader:
                                list(map(_second, map(_timestamp, msgs))), list(map(_headers, msgs)))
             offset = offsets[-1] + 1
 
-    def _fetch(self, topic: str, partition: int, offset: int, max_records: int) -> list[Message]:
-        """Data messages with offset >= `offset`, at most max_records; [] at the end. Caller holds the lock."""
+    def _fetch(self, topic: str, partition: int, offset: int, max_records: int,
+               known_end: int = -1) -> list[Message]:
+        """Data messages with offset >= `offset`, at most max_records; [] at the end. Caller holds the lock.
+
+        `known_end`: an end offset the caller saw, which spares asking the broker while below it."""
         try:
-            return self._fetch_locked(topic, partition, offset, max_records)
+            return self._fetch_locked(topic, partition, offset, max_records, known_end)
         except KafkaException as exc:
             self._tp, self._next = None, -1
             raise self._topics.fail(exc, f"reading topic {topic!r} partition {partition} at offset {offset}",
                                     topic=topic) from None
 
-    def _fetch_locked(self, topic: str, partition: int, offset: int, max_records: int) -> list[Message]:
+    def _fetch_locked(self, topic: str, partition: int, offset: int, max_records: int,
+                      known_end: int) -> list[Message]:
         consumer = self._reader()
         tp = (topic, partition)
         if self._tp != tp or self._next != offset:
             consumer.assign([TopicPartition(topic, partition, offset)])
             self._tp, self._next = tp, offset
-        known = max(self._cached_highwater(consumer, topic, partition), self._highwater.get(tp, -1))
+        known = max(self._cached_highwater(consumer, topic, partition), self._highwater.get(tp, -1), known_end)
         end: int | None = None
         if known <= offset:
             # Possibly at the end: ask the broker now rather than waiting out a fetch.
