@@ -120,6 +120,13 @@ class LogConfig(_Model):
     partitions: int = Field(4, ge=1, le=10_000)
     replication_factor: int = Field(-1, ge=-1)  # -1: the broker default
     kafka: KafkaClientConfig = Field(default_factory=KafkaClientConfig)
+    # Embedded log only (Kafka's broker compacts on its own): the writer -- the capture --
+    # compacts compact-policy topics in the background every `compact_interval_s` seconds
+    # when enough was appended (0: never on its own; `kappaflow log compact` still works), and
+    # leaves every record uncompacted for `min_compaction_lag_s` after its append, so a
+    # follower that is at most that far behind sees every change (Kafka's min.compaction.lag.ms).
+    compact_interval_s: float = Field(30.0, ge=0)
+    min_compaction_lag_s: float = Field(300.0, ge=0)
 
     @property
     def is_kafka(self) -> bool:
@@ -143,10 +150,16 @@ class LogConfig(_Model):
 
         if self.is_kafka:
             return open_log(self.url, **{**self.open_options(), **options})
-        path = Path(self.url.removeprefix("file:"))
-        if not path.is_absolute() and base_dir is not None:
-            path = base_dir / path
+        path = self.embedded_path(base_dir)
+        if not read_only:
+            options.setdefault("compact_interval_s", self.compact_interval_s or None)
+            options.setdefault("min_compaction_lag_ms", int(self.min_compaction_lag_s * 1000))
         return open_log(str(path), read_only=read_only, **options)
+
+    def embedded_path(self, base_dir: Path | None = None) -> Path:
+        """The embedded log's directory (relative paths resolve against `base_dir`)."""
+        path = Path(self.url.removeprefix("file:"))
+        return base_dir / path if not path.is_absolute() and base_dir is not None else path
 
 
 class _SourceBase(_Model):

@@ -8,7 +8,7 @@ from typing import Annotated, Any
 import typer
 from rich.table import Table
 
-from kappaflow.cli.common import console, settings
+from kappaflow.cli.common import console, fail, settings
 
 app = typer.Typer(help="Inspect and maintain the log.", no_args_is_help=True)
 
@@ -62,10 +62,50 @@ def _decoded(raw: bytes | None) -> Any:
 
 
 @app.command("compact")
-def compact(ctx: typer.Context, topic: str) -> None:
-    """Compact a topic now (embedded log; Kafka compacts on the broker)."""
+def compact(
+    ctx: typer.Context,
+    topic: Annotated[str | None, typer.Argument(help="A topic; every compact-policy topic when omitted.")] = None,
+    timeout: Annotated[float, typer.Option("--timeout", help="Seconds to wait for a running writer's answer.")] = 600.0,
+) -> None:
+    """Compact now and give the disk space back (embedded log; Kafka compacts on the broker).
+
+    While a capture writes the log, the capture does it (asked through the log directory)
+    and this prints what it did.
+    """
+    from kappaflow.errors import KappaflowError
+    from kappaflow.log.embedded_control import compact_embedded
+
     s = settings(ctx)
-    with s.open_log() as log:
-        stats = log.compact(topic)
-        console.print(f"{topic}: kept {stats.kept}, removed {stats.removed} "
-                      f"(tombstones removed {stats.tombstones_removed})")
+    if s.log.is_kafka:
+        console.print("the Kafka log is compacted by the brokers' log cleaner (cleanup.policy=compact topics); "
+                      "nothing to do here", highlight=False)
+        return
+    path = s.log.embedded_path(s.base_dir)
+    try:
+        if topic is not None:
+            with s.open_log(read_only=True) as reader:
+                reader.topic_config(topic)  # an unknown topic fails here, not inside the writer
+        report = compact_embedded(path, topic, open_writer=s.open_log, timeout_s=timeout)
+    except KappaflowError as exc:
+        fail(str(exc), transient=exc.transient)
+    who = f"the running writer (pid {report.writer_pid})" if report.writer_pid is not None else "this process"
+    console.print(f"compacted by {who} in {report.seconds:.1f} s", highlight=False)
+    if not report.topics:
+        console.print("  no compact-policy topics", highlight=False)
+    for name, st in sorted(report.topics.items()):
+        size = ""
+        if st.get("bytes_before") is not None and st.get("bytes_after") is not None:
+            size = f", {_bytes(st['bytes_before'])} -> {_bytes(st['bytes_after'])} on disk"
+            if st.get("full_vacuum"):
+                size += " (file rewritten)"
+        console.print(f"  {name}: kept {st['kept']:,}, removed {st['removed']:,} "
+                      f"(tombstones {st['tombstones_removed']:,}){size}", highlight=False, markup=False)
+
+
+def _bytes(n: int) -> str:
+    size = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if size < 1024 or unit == "GiB":
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+    return f"{n} B"

@@ -147,11 +147,29 @@ class Appended:
 
 @dataclass(slots=True)
 class CompactionStats:
+    """What one compaction did; the byte sizes are set by backends that own the files (embedded)."""
+
     topic: str
     removed: int = 0
     kept: int = 0
     tombstones_removed: int = 0
     per_partition: dict[int, int] = field(default_factory=dict)
+    bytes_before: int | None = None  # the topic's files on disk before compaction
+    bytes_after: int | None = None  # ... and after it gave the freed space back
+    full_vacuum: bool = False  # the file was rewritten whole (see kappaflow.log.embedded_space)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"topic": self.topic, "removed": self.removed, "kept": self.kept,
+                "tombstones_removed": self.tombstones_removed,
+                "per_partition": {str(p): n for p, n in self.per_partition.items()},
+                "bytes_before": self.bytes_before, "bytes_after": self.bytes_after,
+                "full_vacuum": self.full_vacuum}
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> CompactionStats:
+        return cls(d["topic"], d["removed"], d["kept"], d["tombstones_removed"],
+                   {int(p): n for p, n in d.get("per_partition", {}).items()}, d.get("bytes_before"),
+                   d.get("bytes_after"), bool(d.get("full_vacuum")))
 
 
 TopicPartition = tuple[str, int]

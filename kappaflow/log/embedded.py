@@ -91,6 +91,16 @@ from kappaflow.log.embedded_codec import (
     lengths,
     partitions_for,
 )
+from kappaflow.log.embedded_control import CompactionRequest, ControlChannel
+from kappaflow.log.embedded_space import (
+    AUTO_VACUUM_INCREMENTAL,
+    Pacer,
+    auto_vacuum,
+    file_bytes,
+    free_pages,
+    reclaim,
+    vacuum_full,
+)
 
 __all__ = ["EmbeddedLog", "RecordColumns"]
 
@@ -104,7 +114,12 @@ _BUSY_TIMEOUT_S = 30.0
 _PAGE_SIZE = 16384
 _FILE_FORMAT = 1
 _COMPACT_CHUNK_RECORDS = 50_000  # records rewritten per compaction transaction (appends wait this long)
+_COMPACT_CHUNK_BYTES = 16 << 20  # ... or this many bytes, whichever comes first
+_COMPACT_SCAN_BATCHES = 16  # stored batches read per query (each query is its own short read transaction)
 _MIN_DIRTY_RATIO = 0.5  # background compaction when dirty >= ratio * kept (Kafka's min.cleanable.dirty.ratio)
+_BACKGROUND_SHARE = 0.3  # background compaction works at most this share of wall time (appends go on)
+_RECLAIM_MIN_BYTES = 4 << 20  # give free pages back once at least this much is free
+_REQUEST_POLL_S = 0.25  # how often the writer looks for `kappaflow log compact` requests
 
 _headers_of = attrgetter("headers")
 _key_of = attrgetter("key")
@@ -176,8 +191,16 @@ class EmbeddedLog(Log):
 
     `EmbeddedLog(path)` is the writer (at most one per directory, across processes);
     `EmbeddedLog(path, read_only=True)` is a reader (any number, in any process).
-    `compact_interval_s` starts a background thread (writer only) that compacts
-    compact-policy topics once enough has been appended since their last compaction.
+
+    Compaction runs in the writer only. Every writer has a maintenance thread that serves
+    compaction requests from other processes (`kappaflow log compact`, see
+    `embedded_control`); `compact_interval_s` makes it also compact compact-policy topics on
+    its own once enough has been appended since their last compaction (Kafka's log cleaner),
+    at most `_BACKGROUND_SHARE` of the time, and give the freed space back to the file system.
+    `min_compaction_lag_ms` (Kafka's ``min.compaction.lag.ms``) keeps every record
+    uncompacted for at least that long after its timestamp (the append time unless the
+    producer set one), so readers that follow the log that closely see every change, not
+    only the latest per key.
     """
 
     def __init__(
@@ -186,6 +209,7 @@ class EmbeddedLog(Log):
         *,
         read_only: bool = False,
         compact_interval_s: float | None = None,
+        min_compaction_lag_ms: int = 0,
         synchronous: Literal["full", "normal"] = "full",
         batch_records: int = 4096,
         batch_bytes: int = 1 << 20,
@@ -208,6 +232,10 @@ class EmbeddedLog(Log):
             if not isinstance(compact_interval_s, int | float) or compact_interval_s <= 0:
                 raise ConfigError(
                     f"embedded log 'compact_interval_s': expected a number > 0, got {compact_interval_s!r}")
+        if type(min_compaction_lag_ms) is not int or min_compaction_lag_ms < 0:
+            raise ConfigError(
+                f"embedded log 'min_compaction_lag_ms': expected an integer >= 0, got {min_compaction_lag_ms!r}")
+        self._min_lag_ms = min_compaction_lag_ms
         self._meta_lock = threading.RLock()
         self._groups_lock = threading.Lock()
         self._topics: dict[str, _Topic] = {}
@@ -216,6 +244,7 @@ class EmbeddedLog(Log):
         self._groups: sqlite3.Connection | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._control: ControlChannel | None = None
         #: Background compaction bookkeeping (for monitoring and tests).
         self.compaction_runs = 0
         self.last_compaction: dict[str, CompactionStats] = {}
@@ -249,12 +278,14 @@ class EmbeddedLog(Log):
             self._load_topics()
             if not read_only:
                 self._remove_orphans()
+                self._control = ControlChannel(self._path)
+                self._control.prune()
         except BaseException:
             self.close()
             raise
-        if compact_interval_s is not None:
+        if not read_only:
             self._thread = threading.Thread(
-                target=self._background, args=(float(compact_interval_s),),
+                target=self._maintain, args=(None if compact_interval_s is None else float(compact_interval_s),),
                 name=f"kappaflow-compaction[{self._path}]", daemon=True,
             )
             self._thread.start()
@@ -297,8 +328,9 @@ class EmbeddedLog(Log):
         except sqlite3.OperationalError as exc:
             raise LogUnavailableError(f"cannot open {path}: {exc}") from None
         try:
-            if page_size is not None:  # only effective before the file's first write
+            if page_size is not None:  # only effective before the file's first write (new topic files)
                 conn.execute(f"PRAGMA page_size={page_size}")
+                conn.execute(f"PRAGMA auto_vacuum={AUTO_VACUUM_INCREMENTAL}")  # see embedded_space
             if writer:
                 mode = conn.execute("PRAGMA journal_mode=WAL").fetchone()[0]
                 if str(mode).lower() != "wal":
@@ -916,47 +948,145 @@ class EmbeddedLog(Log):
         """Keep the latest record per key; remove tombstones `delete_retention_ms` after compaction first saw them.
 
         Like Kafka (KIP-534), a tombstone's retention starts when compaction first sees it
-        as the latest record of its key; with retention 0 it goes in that same pass.
-        Runs in chunks of transactions so appends (which wait on the same lock) proceed
-        in between; a crash mid-compaction leaves a valid, partly compacted log.
+        as the latest record of its key; with retention 0 it goes in that same pass. From the
+        first record whose timestamp (the append time, unless the producer gave one) is less
+        than `min_compaction_lag_ms` old, records are neither removed nor count as superseding
+        older ones (Kafka's uncleanable head). Runs in chunks of transactions so
+        appends (which wait on the same lock) proceed in between; a crash mid-compaction
+        leaves a valid, partly compacted log (each chunk swaps old batches for rewritten
+        ones in one transaction). Afterwards the freed pages go back to the file system
+        (incremental auto-vacuum; `bytes_before`/`bytes_after` in the result).
         """
         self._require_writer("compact")
-        t = self._topic(topic)
-        stats = CompactionStats(topic=topic)
-        if not t.config.compacted:
-            return stats
         now = _now_ms() if now_ms is None else now_ms
         if type(now) is not int:
             raise ValidationError(f"compact now_ms: expected an int, got {now_ms!r}")
+        return self._compact_topic(self._topic(topic), now, Pacer())
+
+    def compact_all(self, topic: str | None = None, *, full_vacuum: bool = False,
+                    now_ms: int | None = None) -> dict[str, CompactionStats]:
+        """Compact one topic or every compact-policy topic, then give the space back.
+
+        ``full_vacuum``: a file created without incremental auto-vacuum (an older log) is
+        rewritten once by a full VACUUM, which blocks appends to that topic while it runs
+        (see `embedded_space`); without it such files only reuse their free pages.
+        """
+        self._require_writer("compact")
+        names = [topic] if topic is not None else [n for n, c in self.list_topics().items() if c.compacted]
+        out: dict[str, CompactionStats] = {}
+        for name in names:
+            stats = self.compact(name, now_ms=now_ms)
+            if full_vacuum:
+                self.vacuum(name, stats)
+            out[name] = stats
+        return out
+
+    def vacuum(self, topic: str, stats: CompactionStats | None = None) -> CompactionStats:
+        """Rewrite a topic file without free pages, switching it to incremental auto-vacuum.
+
+        A no-op for files already in incremental mode with nothing free. Appends to this
+        topic wait while it runs (the whole file is rewritten in one transaction).
+        """
+        self._require_writer("vacuum")
+        t = self._topic(topic)
+        stats = stats or CompactionStats(topic=topic)
         with t.clock:
+            with t.wlock:
+                conn = self._wconn(t)
+                if stats.bytes_before is None:
+                    stats.bytes_before = file_bytes(t.path)
+                needed = auto_vacuum(conn) != AUTO_VACUUM_INCREMENTAL or free_pages(conn) > 0
+            if needed:
+                try:
+                    vacuum_full(conn, t.wlock)
+                except sqlite3.Error as exc:
+                    raise self._db_error(exc, t.path, t.name) from None
+                stats.full_vacuum = True
+            stats.bytes_after = file_bytes(t.path)
+        return stats
+
+    def _compact_topic(self, t: _Topic, now: int, pacer: Pacer) -> CompactionStats:
+        stats = CompactionStats(topic=t.name)
+        if not t.config.compacted:
+            return stats
+        with t.clock:
+            stats.bytes_before = file_bytes(t.path)
             dirty = t.dirty
             due: list[int] = []
             for p in range(t.config.partitions):
-                nd = self._compact_partition(t, p, now, stats)
+                nd = self._compact_partition(t, p, now, stats, pacer)
                 if nd is not None:
                     due.append(nd)
             t.dirty = max(0, t.dirty - dirty)
             t.kept = stats.kept
             t.next_due_ms = min(due) if due else None
-        self.last_compaction[topic] = stats
+            self.last_compaction[t.name] = stats
+            self._reclaim(t, pacer)
+            stats.bytes_after = file_bytes(t.path)
         return stats
 
-    def _compact_partition(self, t: _Topic, p: int, now: int, stats: CompactionStats) -> int | None:
+    def _reclaim(self, t: _Topic, pacer: Pacer) -> None:
+        """Give free pages back (incremental auto-vacuum files only; caller holds t.clock)."""
+        with t.wlock:
+            conn = self._wconn(t)
+            try:
+                if auto_vacuum(conn) != AUTO_VACUUM_INCREMENTAL or free_pages(conn) * _PAGE_SIZE < _RECLAIM_MIN_BYTES:
+                    return
+            except sqlite3.Error as exc:
+                raise self._db_error(exc, t.path, t.name) from None
+        try:
+            reclaim(conn, t.wlock, pacer.step)
+        except sqlite3.Error as exc:
+            raise self._db_error(exc, t.path, t.name) from None
+
+    def _scan(self, conn: sqlite3.Connection, t: _Topic, p: int, start: int, end: int) -> Iterator[
+            tuple[int, int, int, bytes, bytes, int]]:
+        """Stored batches of partition `p` with start <= base < end, a few per short read transaction.
+
+        Never one long read transaction: that would stop WAL checkpoints (the WAL would grow
+        by everything compaction rewrites, and freed pages could not be given back).
+        """
+        sql = _BATCH_SELECT.format(p=p) + " WHERE base >= ? AND base < ? ORDER BY base LIMIT ?"
+        while start < end:
+            try:
+                rows = conn.execute(sql, (start, end, _COMPACT_SCAN_BATCHES)).fetchall()
+            except sqlite3.Error as exc:
+                raise self._db_error(exc, t.path, t.name, p, start) from None
+            if not rows:
+                return
+            yield from rows
+            start = rows[-1][1] + 1  # past the last batch's last offset: batches rewritten meanwhile start below
+
+    def _compact_partition(self, t: _Topic, p: int, now: int, stats: CompactionStats, pacer: Pacer) -> int | None:
         retention = t.config.delete_retention_ms
         with t.wlock:
             self._wconn(t)
             assert t.ends is not None
             end = t.ends[p]
-        # Pass 1, on a private read snapshot (appends continue): the latest offset of each key.
+        # Pass 1, on short private read snapshots (appends continue): the latest offset of each
+        # key below the horizon: the first record younger than min_compaction_lag_ms (by its
+        # timestamp, as Kafka does), or the end. Records from the horizon on stay as they are
+        # and supersede nothing.
+        cutoff = now - self._min_lag_ms if self._min_lag_ms else None
+        horizon = end
+        lag_due: int | None = None  # when the record at the horizon becomes compactable
         scan = self._open_topic_file(t, writer=False)
         try:
             latest: dict[bytes | None, int] = {}
-            seen: dict[int, int] = {}
+            for n_rows, row in enumerate(self._scan(scan, t, p, 0, end), 1):
+                d, keys, _, _ = self._verified(t, p, row)
+                if cutoff is not None and max(d.timestamps) > cutoff:
+                    young = next(i for i, ts in enumerate(d.timestamps) if ts > cutoff)
+                    horizon = d.offsets[young]
+                    lag_due = d.timestamps[young] + self._min_lag_ms
+                    latest.update(zip(keys[:young], d.offsets[:young], strict=True))
+                    break
+                latest.update(zip(keys, d.offsets, strict=True))
+                if n_rows % _COMPACT_SCAN_BATCHES == 0:
+                    pacer.step()
             try:
-                for row in scan.execute(_BATCH_SELECT.format(p=p) + " WHERE base < ? ORDER BY base", (end,)):
-                    d, keys, _, _ = self._verified(t, p, row)
-                    latest.update(zip(keys, d.offsets, strict=True))
-                seen = dict(scan.execute("SELECT offset, seen_ms FROM tombstones WHERE partition = ?", (p,)))
+                seen = dict(scan.execute("SELECT offset, seen_ms FROM tombstones WHERE partition = ? AND offset < ?",
+                                         (p, horizon)))
             except sqlite3.Error as exc:
                 raise self._db_error(exc, t.path, t.name, p) from None
             latest.pop(None, None)  # keyless records (never in compacted topics) are kept
@@ -966,7 +1096,7 @@ class EmbeddedLog(Log):
             deletes: list[int] = []
             out: list[tuple[int, int | None, bytes | None, bytes, int, int]] = []  # off,key,val,head,ts,crc
             inserts: list[Batch] = []
-            pending = 0
+            pending = pending_bytes = 0
 
             def flush_out() -> None:
                 if out:
@@ -995,58 +1125,58 @@ class EmbeddedLog(Log):
                         raise self._db_error(exc, t.path, t.name, p) from None
                 deletes.clear()
                 inserts.clear()
+                pacer.step()
 
-            try:
-                for row in scan.execute(_BATCH_SELECT.format(p=p) + " WHERE base < ? ORDER BY base", (end,)):
-                    base, n = row[0], row[2]
-                    d, keys, values, heads = self._verified(t, p, row)
-                    offsets = d.offsets
-                    lat = [latest.get(k, o) if k is not None else o for k, o in zip(keys, offsets, strict=True)]
-                    has_tombs = -1 in d.vlen
-                    if lat == offsets and not has_tombs:
-                        kept += n
-                        if n * 2 >= self._batch_records:
-                            flush_out()  # keep this batch as it is; merged output must not span it
+            for row in self._scan(scan, t, p, 0, horizon):
+                base, n = row[0], row[2]
+                d, keys, values, heads = self._verified(t, p, row)
+                offsets = d.offsets
+                lat = [latest.get(k, o) if k is not None and o < horizon else o
+                       for k, o in zip(keys, offsets, strict=True)]
+                has_tombs = -1 in d.vlen
+                if lat == offsets and not has_tombs:
+                    kept += n
+                    if n * 2 >= self._batch_records:
+                        flush_out()  # keep this batch as it is; merged output must not span it
+                        continue
+                    keep = range(n)
+                else:
+                    keep_list = []
+                    for i, (o, lo, vl) in enumerate(zip(offsets, lat, d.vlen, strict=True)):
+                        if lo != o:
+                            removed += 1
                             continue
-                        keep = range(n)
-                    else:
-                        keep_list = []
-                        for i, (o, lo, vl) in enumerate(zip(offsets, lat, d.vlen, strict=True)):
-                            if lo != o:
+                        if vl < 0 and o < horizon:
+                            first = seen.get(o, now)
+                            if now >= first + retention:
                                 removed += 1
+                                tomb_removed += 1
                                 continue
-                            if vl < 0:
-                                first = seen.get(o, now)
-                                if now >= first + retention:
-                                    removed += 1
-                                    tomb_removed += 1
-                                    continue
-                                keep_seen[o] = first
-                            keep_list.append(i)
-                        keep = keep_list  # type: ignore[assignment]
-                        kept += len(keep_list)
-                        if len(keep_list) == n and n * 2 >= self._batch_records:
-                            flush_out()
-                            continue
-                    deletes.append(base)
-                    ts = d.timestamps
-                    crcs = d.crcs
-                    for i in keep:
-                        out.append((offsets[i], keys[i], values[i], heads[i], ts[i], crcs[i]))  # type: ignore[arg-type]
-                        if len(out) >= self._batch_records:
-                            flush_out()
-                    pending += n
-                    if pending >= _COMPACT_CHUNK_RECORDS:
-                        commit_chunk()
-                        pending = 0
-                commit_chunk()
-            except sqlite3.Error as exc:
-                raise self._db_error(exc, t.path, t.name, p) from None
+                            keep_seen[o] = first
+                        keep_list.append(i)
+                    keep = keep_list  # type: ignore[assignment]
+                    kept += len(keep_list)
+                    if len(keep_list) == n and n * 2 >= self._batch_records:
+                        flush_out()
+                        continue
+                deletes.append(base)
+                ts = d.timestamps
+                crcs = d.crcs
+                for i in keep:
+                    out.append((offsets[i], keys[i], values[i], heads[i], ts[i], crcs[i]))  # type: ignore[arg-type]
+                    if len(out) >= self._batch_records:
+                        flush_out()
+                pending += n
+                pending_bytes += len(row[4])
+                if pending >= _COMPACT_CHUNK_RECORDS or pending_bytes >= _COMPACT_CHUNK_BYTES:
+                    commit_chunk()
+                    pending = pending_bytes = 0
+            commit_chunk()
             with t.wlock:
                 conn = self._wconn(t)
                 try:
                     conn.execute("BEGIN IMMEDIATE")
-                    conn.execute("DELETE FROM tombstones WHERE partition = ?", (p,))
+                    conn.execute("DELETE FROM tombstones WHERE partition = ? AND offset < ?", (p, horizon))
                     conn.executemany("INSERT INTO tombstones VALUES (?, ?, ?)",
                                      [(p, o, s) for o, s in keep_seen.items()])
                     conn.execute("COMMIT")
@@ -1060,7 +1190,8 @@ class EmbeddedLog(Log):
         stats.kept += kept
         stats.tombstones_removed += tomb_removed
         stats.per_partition[p] = removed
-        return min((s + retention for s in keep_seen.values()), default=None)
+        dues = [s + retention for s in keep_seen.values()] + ([lag_due] if lag_due is not None else [])
+        return min(dues, default=None)
 
     def _verified(self, t: _Topic, p: int, row: tuple[int, int, int, bytes, bytes, int]) -> tuple[
             Any, list[bytes | None], list[bytes | None], list[bytes]]:
@@ -1082,26 +1213,68 @@ class EmbeddedLog(Log):
                 path=str(t.path), topic=t.name, partition=p, offset=d.offsets[bad])
         return d, keys, values, heads
 
-    def _background(self, interval: float) -> None:
-        while not self._stop.wait(interval):
-            for t in [t for t in list(self._topics.values()) if t.config.compacted]:
-                if self._stop.is_set():
+    # --- the maintenance thread: requests from other processes, background compaction ----------
+    def _maintain(self, interval: float | None) -> None:
+        """Serve `kappaflow log compact` requests; with `interval`, compact dirty topics on our own."""
+        poll = min(_REQUEST_POLL_S, interval) if interval is not None else _REQUEST_POLL_S
+        next_auto = time.monotonic() + interval if interval is not None else None
+        while not self._stop.wait(poll):
+            self._serve_requests()
+            if next_auto is not None and interval is not None and time.monotonic() >= next_auto:
+                self._background_pass()
+                next_auto = time.monotonic() + interval
+
+    def _serve_requests(self) -> None:
+        control = self._control
+        if control is None:
+            return
+        try:
+            if not control.changed():
+                return
+            requests = control.take()
+        except LogError as exc:
+            if not self._closed:
+                _log.warning("embedded log %s: cannot read compaction requests: %s", self._path, exc)
+            return
+        for req in requests:
+            self.serve(req, control)
+
+    def serve(self, req: CompactionRequest, control: ControlChannel) -> None:
+        """Run one compaction request and write its result back (any error is the request's result)."""
+        started = time.monotonic()
+        try:
+            stats = self.compact_all(req.topic, full_vacuum=req.full_vacuum)
+        except Exception as exc:  # the requester prints it; the writer goes on
+            with contextlib.suppress(LogError):
+                control.fail(req.id, f"{type(exc).__name__}: {exc}")
+            return
+        result = {"writer_pid": os.getpid(), "seconds": round(time.monotonic() - started, 3),
+                  "topics": {name: st.to_dict() for name, st in stats.items()}}
+        with contextlib.suppress(LogError):
+            control.finish(req.id, result)
+
+    def _background_pass(self) -> None:
+        """Compact each compact-policy topic whose dirty share or tombstone clock says so, paced."""
+        pacer = Pacer(_BACKGROUND_SHARE, self._stop)
+        for t in [t for t in list(self._topics.values()) if t.config.compacted]:
+            if self._stop.is_set():
+                return
+            now = _now_ms()
+            dirty = t.dirty > 0 and t.dirty >= _MIN_DIRTY_RATIO * t.kept
+            if not dirty and (t.next_due_ms is None or now < t.next_due_ms):
+                continue
+            try:
+                self._compact_topic(t, now, pacer)
+            except UnknownTopicError:
+                continue
+            except Exception as exc:  # surface it, keep serving the other topics
+                if self._closed:
                     return
-                now = _now_ms()
-                dirty = t.dirty > 0 and t.dirty >= _MIN_DIRTY_RATIO * t.kept
-                if not dirty and (t.next_due_ms is None or now < t.next_due_ms):
-                    continue
-                try:
-                    self.compact(t.name, now_ms=now)
-                except UnknownTopicError:
-                    continue
-                except Exception as exc:  # surface it, keep serving the other topics
-                    if self._closed:
-                        return
-                    _log.exception("background compaction of topic %r in %s failed", t.name, self._path)
-                    self.background_errors.append(exc)
-                    t.dirty, t.next_due_ms = 0, None  # retried after the next append, not every tick
-            self.compaction_runs += 1
+                _log.exception("background compaction of topic %r in %s failed", t.name, self._path)
+                self.background_errors.append(exc)
+                t.dirty, t.next_due_ms = 0, None  # retried after the next append, not every tick
+            self._serve_requests()  # a waiting `log compact` goes before the next topic
+        self.compaction_runs += 1
 
     # --- lifecycle ------------------------------------------------------------------------
     def close(self) -> None:
@@ -1119,6 +1292,9 @@ class EmbeddedLog(Log):
                 if conn is not None:
                     with contextlib.suppress(sqlite3.Error):
                         conn.close()
+        if self._control is not None:
+            self._control.close()
+            self._control = None
         if self._lock_fd is not None:
             os.close(self._lock_fd)  # releases the flock
             self._lock_fd = None

@@ -40,7 +40,8 @@ def _write_config(tmp: Path, name: str, dsn: str, log_url: str, client: str | No
                   chunk_rows: int = 250) -> Path:
     path = tmp / "kappaflow.toml"
     path.write_text(
-        f'[log]\nurl = "{log_url}"\npartitions = 3\n\n'
+        # every streamed event is counted below: the capture's background compaction stays off
+        f'[log]\nurl = "{log_url}"\npartitions = 3\ncompact_interval_s = 0\n\n'
         f'[sources.{name}]\nkind = "postgres"\ndsn = "{dsn}"\ntables = {orjson.dumps(TABLES).decode()}\n'
         f"snapshot_chunk_rows = {chunk_rows}\nheartbeat_interval_s = 0.5\n"
         + (f'\n[log.kafka]\nclient = "{client}"\n' if client else "")
