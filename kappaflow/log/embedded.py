@@ -95,6 +95,7 @@ from kappaflow.log.embedded_control import CompactionRequest, ControlChannel
 from kappaflow.log.embedded_space import (
     AUTO_VACUUM_INCREMENTAL,
     Pacer,
+    Stopped,
     auto_vacuum,
     file_bytes,
     free_pages,
@@ -972,10 +973,16 @@ class EmbeddedLog(Log):
         (see `embedded_space`); without it such files only reuse their free pages.
         """
         self._require_writer("compact")
+        now = _now_ms() if now_ms is None else now_ms
+        if type(now) is not int:
+            raise ValidationError(f"compact now_ms: expected an int, got {now_ms!r}")
+        return self._compact_all(topic, full_vacuum, now, Pacer())
+
+    def _compact_all(self, topic: str | None, full_vacuum: bool, now: int, pacer: Pacer) -> dict[str, CompactionStats]:
         names = [topic] if topic is not None else [n for n, c in self.list_topics().items() if c.compacted]
         out: dict[str, CompactionStats] = {}
         for name in names:
-            stats = self.compact(name, now_ms=now_ms)
+            stats = self._compact_topic(self._topic(name), now, pacer)
             if full_vacuum:
                 self.vacuum(name, stats)
             out[name] = stats
@@ -1243,7 +1250,11 @@ class EmbeddedLog(Log):
         """Run one compaction request and write its result back (any error is the request's result)."""
         started = time.monotonic()
         try:
-            stats = self.compact_all(req.topic, full_vacuum=req.full_vacuum)
+            stats = self._compact_all(req.topic, req.full_vacuum, _now_ms(), Pacer(1.0, self._stop))
+        except Stopped:  # closing: the next writer runs it
+            with contextlib.suppress(LogError):
+                control.requeue(req.id)
+            return
         except Exception as exc:  # the requester prints it; the writer goes on
             with contextlib.suppress(LogError):
                 control.fail(req.id, f"{type(exc).__name__}: {exc}")
@@ -1265,6 +1276,8 @@ class EmbeddedLog(Log):
                 continue
             try:
                 self._compact_topic(t, now, pacer)
+            except Stopped:
+                return
             except UnknownTopicError:
                 continue
             except Exception as exc:  # surface it, keep serving the other topics
@@ -1296,5 +1309,7 @@ class EmbeddedLog(Log):
             self._control.close()
             self._control = None
         if self._lock_fd is not None:
+            with contextlib.suppress(OSError):
+                os.ftruncate(self._lock_fd, 0)  # no pid: nobody mistakes this process for the writer now
             os.close(self._lock_fd)  # releases the flock
             self._lock_fd = None

@@ -145,6 +145,10 @@ class ControlChannel:
         self._run("UPDATE requests SET state = 'done', done_ms = ?, result = ? WHERE id = ?",
                   (time.time_ns() // 1_000_000, orjson.dumps(result).decode(), request_id))
 
+    def requeue(self, request_id: int) -> None:
+        """Back to pending (the writer is closing): the next writer runs it."""
+        self._run("UPDATE requests SET state = 'pending', writer_pid = NULL WHERE id = ?", (request_id,))
+
     def fail(self, request_id: int, error: str) -> None:
         self._run("UPDATE requests SET state = 'failed', done_ms = ?, error = ? WHERE id = ?",
                   (time.time_ns() // 1_000_000, error, request_id))

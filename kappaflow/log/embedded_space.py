@@ -27,8 +27,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-__all__ = ["AUTO_VACUUM_INCREMENTAL", "Pacer", "auto_vacuum", "checkpoint", "file_bytes", "free_pages", "reclaim",
-           "vacuum_full"]
+__all__ = ["AUTO_VACUUM_INCREMENTAL", "Pacer", "Stopped", "auto_vacuum", "checkpoint", "file_bytes", "free_pages",
+           "reclaim", "vacuum_full"]
 
 AUTO_VACUUM_INCREMENTAL = 2
 _STEP_PAGES = 256  # pages moved per vacuum transaction (4 MiB with 16 KiB pages)
@@ -54,12 +54,17 @@ def free_pages(conn: sqlite3.Connection) -> int:
     return int(conn.execute("PRAGMA freelist_count").fetchone()[0])
 
 
+class Stopped(Exception):
+    """Raised by :meth:`Pacer.step` once the log is closing: the work stops between two units."""
+
+
 class Pacer:
     """Keeps background work to a share of wall time, so it never starves the writer's appends.
 
     Call :meth:`step` after each unit of work: it sleeps long enough that the work done
     since the previous call is at most ``share`` of the elapsed time. ``share=1`` never sleeps.
-    ``stop`` (an Event) cuts a sleep short when the log closes.
+    ``stop`` (an Event, set when the log closes) makes the next step raise :class:`Stopped`,
+    so closing a writer never waits for a whole compaction (every unit is its own transaction).
     """
 
     def __init__(self, share: float = 1.0, stop: threading.Event | None = None) -> None:
@@ -76,6 +81,8 @@ class Pacer:
                 self.stop.wait(pause)
             else:
                 time.sleep(pause)
+        if self.stop is not None and self.stop.is_set():
+            raise Stopped
         self._mark = time.monotonic()
 
 

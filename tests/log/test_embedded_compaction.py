@@ -167,11 +167,16 @@ import sys
 import kappaflow.log.embedded as embedded
 from kappaflow.log.embedded import EmbeddedLog
 
-embedded._COMPACT_CHUNK_RECORDS = 300  # many chunk transactions: the kill lands between or inside them
+embedded._COMPACT_CHUNK_RECORDS = 300  # many chunk transactions
+wanted, chunks = int(sys.argv[2]), 0
 step = embedded.Pacer.step
 def announce(self):
+    global chunks
     if sys._getframe(1).f_code.co_name == "commit_chunk":  # a chunk of rewritten batches committed
-        print("chunk", flush=True)
+        chunks += 1
+        if chunks == wanted:
+            print("chunk", flush=True)
+            sys.stdin.readline()  # killed here, or told to go on and killed a moment later
     step(self)
 embedded.Pacer.step = announce
 with EmbeddedLog(sys.argv[1], batch_records=64) as log:
@@ -200,22 +205,21 @@ def test_kill_9_mid_compaction_loses_nothing_and_shows_nothing_twice(tmp_path: P
         if key not in latest or latest[key] < pos:
             latest[key] = pos
     partial = 0
-    for trial in range(4):
-        proc = subprocess.Popen([sys.executable, "-c", _COMPACTOR, str(path)], stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, text=True)
-        assert proc.stdout is not None and proc.stderr is not None
-        wanted = rnd.randint(1, 6)
-        seen = 0
-        for line in proc.stdout:
-            seen += line.strip() == "chunk"
-            if seen >= wanted or line.strip() == "done":
-                break
+    for trial in range(6):
+        proc = subprocess.Popen([sys.executable, "-c", _COMPACTOR, str(path), str(rnd.randint(1, 3))],
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        assert proc.stdin is not None and proc.stdout is not None and proc.stderr is not None
+        line = proc.stdout.readline().strip()
+        if line == "chunk" and trial % 2:  # odd trials: let it go on, kill it inside the next chunks
+            proc.stdin.write("go\n")
+            proc.stdin.flush()
+            time.sleep(rnd.uniform(0.0, 0.02))
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait(60)
         err = proc.stderr.read()
-        proc.stdout.close()
-        proc.stderr.close()
-        assert seen, f"trial {trial}: the compactor never started a chunk: {err}"
+        for f in (proc.stdin, proc.stdout, proc.stderr):
+            f.close()
+        assert line in ("chunk", "done"), f"trial {trial}: the compactor failed: {line!r} {err}"
         with EmbeddedLog(path) as log:  # reopens as the writer: the lock died with the process
             assert log.end_offsets("t") == ends, f"trial {trial}: end offsets moved"
             recs = read_all(log, "t")
@@ -299,3 +303,31 @@ def test_a_request_left_by_a_dead_writer_is_run_by_the_next_one(tmp_path: Path) 
         assert result is not None and result["topics"]["t"]["removed"] == 150
     finally:
         channel.close()
+
+
+def test_closing_the_writer_does_not_wait_for_a_background_compaction(tmp_path: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    import kappaflow.log.embedded as embedded
+
+    monkeypatch.setattr(embedded, "_COMPACT_CHUNK_RECORDS", 200)  # a long, paced compaction: many chunks
+    with EmbeddedLog(tmp_path, batch_records=50) as log:
+        latest = _fill(log, "t", keys=300, rounds=30)
+    started = threading.Event()
+    step = embedded.Pacer.step
+
+    def noting_step(self: embedded.Pacer) -> None:
+        started.set()
+        step(self)
+
+    monkeypatch.setattr(embedded.Pacer, "step", noting_step)
+    log = EmbeddedLog(tmp_path, batch_records=50, compact_interval_s=0.01)
+    try:
+        _wait_for(started.is_set, 60, "the background compaction to start")
+    finally:
+        log.close()  # stops it between two chunks (each chunk is its own transaction)
+    with EmbeddedLog(tmp_path, read_only=True) as reader:
+        left = [r for rs in read_all(reader, "t").values() for r in rs]
+    assert len(left) > 300, "the compaction ran to its end before close returned"
+    with EmbeddedLog(tmp_path) as log:
+        log.compact("t")
+        assert _stored(log, "t") == latest
