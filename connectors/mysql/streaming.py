@@ -62,7 +62,8 @@ class StreamStart:
 
 @dataclass(slots=True)
 class RowsItem:
-    """mysql-replication's rows (dicts with ``values``/``none_sources``, or ``before_*``/``after_*``)."""
+    """mysql-replication's rows (dicts with ``values``/``none_sources``, or ``before_*``/``after_*``),
+    or with ``json`` the compiled decoder's (JSON-form images; ``(before, after)`` for updates)."""
 
     state: TableState
     op: Op
@@ -72,7 +73,7 @@ class RowsItem:
     first_row: int  # row index (within the transaction) of rows[0]
     gtid: str | None
     ts_ms: int
-    json: bool = False  # rows already in JSON form (rowdecoder.py), no none_sources
+    json: bool = False  # rows already in JSON form (rowdecoder.py)
 
 
 @dataclass(slots=True)

@@ -25,7 +25,7 @@ passes the highest tail no further check is needed.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable
+from collections.abc import Sequence
 from typing import Any
 
 import orjson
@@ -140,21 +140,25 @@ class ChangeBatcher:
         self.events += 1
         self.last_position = pos
 
-    def add_rows(self, state: TableState, op: Op, rows: Iterable[dict[str, Any]], file: str, tpos: int,
+    def add_rows(self, state: TableState, op: Op, rows: Sequence[Any], file: str, tpos: int,
                  index: int, gtid: str | None, server_id: int, ts_ms: int, now: int,
                  touched: set[tuple[Any, ...]] | None = None, json_rows: bool = False) -> int:
         """The changes of one binlog rows event, encoded on the fast path; returns the next row index.
 
-        Values go from mysql-replication's form straight to their JSON form, and the bytes are
-        built from pre-serialised pieces around one ``orjson.dumps`` per row image; the result
-        is exactly what ``EventCodec.encode_value``/``encode_key`` make of the equivalent
-        ``ChangeEvent`` (``tests/connectors/mysql/test_writer.py`` checks it). The binlog is
-        parsed in pure Python, so every microsecond per change here is a few percent of the budget.
+        ``rows``: mysql-replication's rows (dicts with ``values``/``none_sources``, or
+        ``before_*``/``after_*``), or with ``json_rows`` what ``RowDecoder.decode_rows`` gives:
+        row images already in JSON form, ``(before, after)`` pairs for an update. Values go
+        from mysql-replication's form straight to their JSON form, and the bytes are built from
+        pre-serialised pieces around one ``orjson.dumps`` per row image; the result is exactly
+        what ``EventCodec.encode_value``/``encode_key`` make of the equivalent ``ChangeEvent``
+        (``tests/connectors/mysql/test_mysql_writer.py`` checks it). The binlog is parsed in pure
+        Python, so every microsecond per change here is a few percent of the budget.
         ``touched`` collects the JSON-form key tuples (for the watermark snapshot).
         """
+        if not json_rows:
+            rows = _library_rows_to_json(state.json_converter(self.codec.decimal_mode), op, rows)
         topic = state.topic
         keycols = state.key
-        to_json = _already_json if json_rows else state.json_converter(self.codec.decimal_mode)
         dumps = orjson.dumps
         fq = dumps(file)
         g = b"null" if gtid is None else dumps(gtid)
@@ -171,32 +175,28 @@ class ChangeBatcher:
         single = keycols[0] if len(keycols) == 1 else None
         opb = _OPB[op]
         oph = _OPS[op]
+        delete = op is Op.DELETE
+        value = b'{"before":%b,"after":%b,"source":%b%d%b%d%b},"op":"%b","ts_ms":%d,"transaction":null}'
         n = 0
+        last = -1  # row index of the last change appended
         for r in rows:
             if op is Op.UPDATE:
-                jb = to_json(r["before_values"], r.get("before_none_sources"))
-                ja = to_json(r["after_values"], r.get("after_none_sources"))
-                if single is not None:
-                    if jb[single] != ja[single]:
-                        index, n = self._key_change(state, jb, ja, head, tail, ph_head, ph_tail, index, n, append,
-                                                    now, touched, file, tpos, gtid, server_id)
-                        continue
-                elif any(jb[k] != ja[k] for k in keycols):
-                    index, n = self._key_change(state, jb, ja, head, tail, ph_head, ph_tail, index, n, append, now,
-                                                touched, file, tpos, gtid, server_id)
+                jb, krow = r
+                if (jb[single] != krow[single]) if single is not None else any(jb[k] != krow[k] for k in keycols):
+                    index, n = self._key_change(state, jb, krow, head, tail, ph_head, ph_tail, index, n, append,
+                                                now, touched, file, tpos, gtid, server_id)
                     continue
-                krow = ja
-                before, after = dumps(jb), dumps(ja)
-            elif op is Op.CREATE:
-                krow = to_json(r["values"], r.get("none_sources"))
-                before, after = b"null", dumps(krow)
+                before, after = dumps(jb), dumps(krow)
             else:
-                krow = to_json(r["values"], r.get("none_sources"))
-                before, after = dumps(krow), b"null"
+                krow = r
+                if delete:
+                    before, after = dumps(krow), b"null"
+                else:
+                    before, after = b"null", dumps(krow)
             i = index
             index += 1
             if single is not None:
-                kv = (krow[single],)
+                kv: tuple[Any, ...] = (krow[single],)
                 kb = dumps({single: kv[0]})
             else:
                 kv = tuple(krow[k] for k in keycols)
@@ -208,15 +208,15 @@ class ChangeBatcher:
                 self.skipped += 1
                 continue
             ph = (POSITION_HEADER, b"%b%d%b" % (ph_head, i, ph_tail))
-            append(TrustedRecord(kb, b'{"before":%b,"after":%b,"source":%b%d%b%d%b},"op":"%b","ts_ms":%d,'
-                                     b'"transaction":null}' % (before, after, head, i, tail, i, ph_tail, opb, now),
-                                 (oph, ph)))
+            append(TrustedRecord(kb, value % (before, after, head, i, tail, i, ph_tail, opb, now), (oph, ph)))
             n += 1
-            if op is Op.DELETE:
+            if delete:
                 append(TrustedRecord(kb, None, (oph, ph)))
                 n += 1
             self.events += 1
-            self._last = (file, tpos, i, gtid, server_id)
+            last = i
+        if last >= 0:
+            self._last = (file, tpos, last, gtid, server_id)
         self.buffered += n
         return index
 
@@ -336,8 +336,12 @@ class ChangeBatcher:
 _OPB = {o: o.value.encode() for o in Op}
 
 
-def _already_json(values: dict[str, Any], none_sources: Any) -> dict[str, Any]:
-    return values
+def _library_rows_to_json(to_json: Any, op: Op, rows: Sequence[dict[str, Any]]) -> list[Any]:
+    """mysql-replication's rows -> what ``RowDecoder.decode_rows`` gives (JSON-form images; pairs for updates)."""
+    if op is Op.UPDATE:
+        return [(to_json(r["before_values"], r.get("before_none_sources")),
+                 to_json(r["after_values"], r.get("after_none_sources"))) for r in rows]
+    return [to_json(r["values"], r.get("none_sources")) for r in rows]
 
 
 def _source_parts(version: str, source: str, db: str, table: str, ts_ms: int, server_id: int, gtid: bytes,
