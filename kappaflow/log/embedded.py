@@ -1020,11 +1020,13 @@ class EmbeddedLog(Log):
             stats.bytes_before = file_bytes(t.path)
             dirty = t.dirty
             due: list[int] = []
+            head = 0  # records left out as younger than min_compaction_lag_ms: still dirty
             for p in range(t.config.partitions):
-                nd = self._compact_partition(t, p, now, stats, pacer)
+                nd, young = self._compact_partition(t, p, now, stats, pacer)
+                head += young
                 if nd is not None:
                     due.append(nd)
-            t.dirty = max(0, t.dirty - dirty)
+            t.dirty = max(0, t.dirty - dirty) + head
             t.kept = stats.kept
             t.next_due_ms = min(due) if due else None
             self.last_compaction[t.name] = stats
@@ -1064,7 +1066,9 @@ class EmbeddedLog(Log):
             yield from rows
             start = rows[-1][1] + 1  # past the last batch's last offset: batches rewritten meanwhile start below
 
-    def _compact_partition(self, t: _Topic, p: int, now: int, stats: CompactionStats, pacer: Pacer) -> int | None:
+    def _compact_partition(self, t: _Topic, p: int, now: int, stats: CompactionStats,
+                           pacer: Pacer) -> tuple[int | None, int]:
+        """Compact partition `p`: (when its oldest kept tombstone expires, how many offsets the lag left out)."""
         retention = t.config.delete_retention_ms
         with t.wlock:
             self._wconn(t)
@@ -1076,7 +1080,6 @@ class EmbeddedLog(Log):
         # and supersede nothing.
         cutoff = now - self._min_lag_ms if self._min_lag_ms else None
         horizon = end
-        lag_due: int | None = None  # when the record at the horizon becomes compactable
         scan = self._open_topic_file(t, writer=False)
         try:
             latest: dict[bytes | None, int] = {}
@@ -1085,7 +1088,6 @@ class EmbeddedLog(Log):
                 if cutoff is not None and max(d.timestamps) > cutoff:
                     young = next(i for i, ts in enumerate(d.timestamps) if ts > cutoff)
                     horizon = d.offsets[young]
-                    lag_due = d.timestamps[young] + self._min_lag_ms
                     latest.update(zip(keys[:young], d.offsets[:young], strict=True))
                     break
                 latest.update(zip(keys, d.offsets, strict=True))
@@ -1197,8 +1199,7 @@ class EmbeddedLog(Log):
         stats.kept += kept
         stats.tombstones_removed += tomb_removed
         stats.per_partition[p] = removed
-        dues = [s + retention for s in keep_seen.values()] + ([lag_due] if lag_due is not None else [])
-        return min(dues, default=None)
+        return min((s + retention for s in keep_seen.values()), default=None), end - horizon
 
     def _verified(self, t: _Topic, p: int, row: tuple[int, int, int, bytes, bytes, int]) -> tuple[
             Any, list[bytes | None], list[bytes | None], list[bytes]]:
