@@ -968,9 +968,10 @@ class EmbeddedLog(Log):
                     now_ms: int | None = None) -> dict[str, CompactionStats]:
         """Compact one topic or every compact-policy topic, then give the space back.
 
-        ``full_vacuum``: a file created without incremental auto-vacuum (an older log) is
-        rewritten once by a full VACUUM, which blocks appends to that topic while it runs
-        (see `embedded_space`); without it such files only reuse their free pages.
+        ``full_vacuum``: every free page goes back (`vacuum`); a file created without
+        incremental auto-vacuum (an older log) is rewritten once by a full VACUUM, which blocks
+        appends to that topic while it runs (see `embedded_space`). Without it such files only
+        reuse their free pages, and incremental files keep up to a few MiB free.
         """
         self._require_writer("compact")
         now = _now_ms() if now_ms is None else now_ms
@@ -989,10 +990,12 @@ class EmbeddedLog(Log):
         return out
 
     def vacuum(self, topic: str, stats: CompactionStats | None = None) -> CompactionStats:
-        """Rewrite a topic file without free pages, switching it to incremental auto-vacuum.
+        """Give every free page of a topic file back to the file system.
 
-        A no-op for files already in incremental mode with nothing free. Appends to this
-        topic wait while it runs (the whole file is rewritten in one transaction).
+        An incremental auto-vacuum file frees them in short steps (appends go on). A file
+        created without auto-vacuum (an older log) is rewritten once by a full VACUUM, which
+        switches it to incremental mode; appends to the topic wait while that runs (the whole
+        file is rewritten in one transaction).
         """
         self._require_writer("vacuum")
         t = self._topic(topic)
@@ -1002,13 +1005,15 @@ class EmbeddedLog(Log):
                 conn = self._wconn(t)
                 if stats.bytes_before is None:
                     stats.bytes_before = file_bytes(t.path)
-                needed = auto_vacuum(conn) != AUTO_VACUUM_INCREMENTAL or free_pages(conn) > 0
-            if needed:
-                try:
+                incremental = auto_vacuum(conn) == AUTO_VACUUM_INCREMENTAL
+            try:
+                if incremental:
+                    reclaim(conn, t.wlock)
+                else:
                     vacuum_full(conn, t.wlock)
-                except sqlite3.Error as exc:
-                    raise self._db_error(exc, t.path, t.name) from None
-                stats.full_vacuum = True
+                    stats.full_vacuum = True
+            except sqlite3.Error as exc:
+                raise self._db_error(exc, t.path, t.name) from None
             stats.bytes_after = file_bytes(t.path)
         return stats
 
