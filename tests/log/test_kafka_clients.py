@@ -226,15 +226,22 @@ def test_broker_stopped_mid_produce_loses_and_doubles_nothing(client: str) -> No
                 outcome["error"] = exc
 
         writer = threading.Thread(target=run, daemon=True)
-        with open_log(url, client=client) as watcher:
+        watcher = open_log(url, client=client)
+        assert broker.proc is not None
+        try:
             writer.start()
             deadline = time.monotonic() + 60
             while sum(watcher.end_offsets(topic).values()) <= len(first):  # the append is under way
                 assert writer.is_alive(), f"the append ended before the broker was stopped: {outcome}"
                 assert time.monotonic() < deadline, "the append never reached the broker"
                 time.sleep(0.005)
-        assert broker.proc is not None
-        os.kill(broker.proc.pid, signal.SIGSTOP)
+            # freeze at once: closing the watcher first gave the fast client time to finish the append
+            os.kill(broker.proc.pid, signal.SIGSTOP)
+            assert writer.is_alive(), f"the append ended before the broker was stopped: {outcome}"
+        except BaseException:
+            os.kill(broker.proc.pid, signal.SIGCONT)
+            watcher.close()
+            raise
         try:
             started = time.monotonic()
             writer.join(90)
@@ -242,6 +249,7 @@ def test_broker_stopped_mid_produce_loses_and_doubles_nothing(client: str) -> No
             assert not writer.is_alive(), "the append hung on a stopped broker"
         finally:
             os.kill(broker.proc.pid, signal.SIGCONT)
+            watcher.close()
         error = outcome.get("error")
         assert isinstance(error, LogError), f"expected a LogError, got {error!r}"
         assert error.transient and f"of {len(big)} records acknowledged" in str(error), error
