@@ -3,8 +3,10 @@ follow latency from a commit in the source table to the row being visible in the
 
     .venv/bin/python bench/replay.py [--events 1000000] [--keys 100000] [--samples 200]
 
-Measured (Spark start-up and a small warm-up replay excluded; each rate is events / the
-whole ``replay()`` call: plan, shadow table, build, swap):
+Measured (Spark start-up and a small warm-up replay excluded; each rate is change events /
+the whole ``replay()`` call: plan, shadow table, build, swap). Change events are the
+inserts, updates and deletes written; the log also holds one tombstone per delete
+(``log_records``), which is not an event and not counted in the rates:
 
 - ``declarative_events_per_s``: latest row per key (``orders`` -> view keyed by ``id``);
 - ``grouped_events_per_s``: count + sum by ``customer_id`` (1,000 groups, retraction-aware);
@@ -170,7 +172,7 @@ def copy_to_kafka(log_path: Path, bootstrap: str) -> None:
                     dst.append_quiet(topic, chunk, partition=p)
 
 
-def kafka_replay(spark: Any, log_path: Path, warm_path: Path, dsn: str, work: Path, records: int) -> float:
+def kafka_replay(spark: Any, log_path: Path, warm_path: Path, dsn: str, work: Path, events: int) -> float:
     """`declarative_events_per_s` with the log in Kafka, read by the confluent client (warm-up excluded)."""
     from kappaflow.projections.replay import replay
     from kappaflow.projections.runtime import Runtime
@@ -180,21 +182,24 @@ def kafka_replay(spark: Any, log_path: Path, warm_path: Path, dsn: str, work: Pa
     with TansuBroker().start() as broker:
         t0 = time.perf_counter()
         copy_to_kafka(log_path, broker.bootstrap)
-        copy_to_kafka(warm_path, broker.bootstrap)
+        warm = warm_path.exists()  # no warm-up log with --warmup-events 0
+        if warm:
+            copy_to_kafka(warm_path, broker.bootstrap)
         log(f"copied the log into Kafka in {time.perf_counter() - t0:.1f}s")
         rt = Runtime(spark, f"kafka://{broker.bootstrap}", PostgresSink(dsn), log_options={"client": "confluent"},
                      checkpoint_dir=work / "ckpt-kafka")
         try:
-            replay(projections("warm")[0], rt)  # warm-up: executors open their Kafka clients
+            if warm:
+                replay(projections("warm")[0], rt)  # warm-up: executors open their Kafka clients
             latest = projections("bench")[0]
             t = time.perf_counter()
             res = replay(latest, rt)
             secs = time.perf_counter() - t
         finally:
             rt.close()
-    log(f"{latest.name} from Kafka: {res.rows} rows from {records} log records in {secs:.2f}s "
-        f"-> {records / secs:,.0f}/s")
-    return records / secs
+    log(f"{latest.name} from Kafka: {res.rows} rows from {events} change events in {secs:.2f}s "
+        f"-> {events / secs:,.0f} events/s")
+    return events / secs  # change events, like declarative_events_per_s (tombstones are no events)
 
 
 def copy_baseline(dsn: str, view: str) -> float:
@@ -415,6 +420,8 @@ def main() -> None:
     ap.add_argument("--skip-follow", action="store_true")
     ap.add_argument("--skip-cli", action="store_true", help="skip timing `kappaflow replay` as a command")
     ap.add_argument("--skip-kafka", action="store_true", help="skip kafka_replay_events_per_s")
+    ap.add_argument("--warmup-events", type=int, default=200_000,
+                    help="events of the warm-up log replayed (unmeasured) before measuring; 0: no warm-up")
     args = ap.parse_args()
 
     from kappaflow.projections.replay import replay
@@ -433,7 +440,9 @@ def main() -> None:
         log_path = work / "log"
         t0 = time.perf_counter()
         gen = generate(log_path, args.events, args.keys)
-        generate(log_path.with_name("warm"), 200_000, 20_000, topic_source="warm")
+        if args.warmup_events:
+            generate(log_path.with_name("warm"), args.warmup_events, max(1, args.warmup_events // 10),
+                     topic_source="warm")
         log(f"generated {gen} in {time.perf_counter() - t0:.1f}s")
 
         spark = spark_session(args.master)
@@ -447,11 +456,12 @@ def main() -> None:
         }
         # warm-up on a smaller log (JVM JIT of the JSON parser and codegen, Python workers and
         # their imports): part of start-up, not measured. A cold first replay is ~2-3x slower.
-        warm = Runtime(spark, str(log_path.with_name("warm")), PostgresSink(dsn))
-        for _ in range(2):
-            for p in projections("warm"):
-                replay(p, warm)
-        warm.close()
+        if args.warmup_events:
+            warm = Runtime(spark, str(log_path.with_name("warm")), PostgresSink(dsn))
+            for _ in range(2):
+                for p in projections("warm"):
+                    replay(p, warm)
+            warm.close()
 
         rt = Runtime(spark, str(log_path), PostgresSink(dsn), checkpoint_dir=work / "ckpt")
         latest, grouped, custom = projections("bench")
@@ -463,11 +473,13 @@ def main() -> None:
             t = time.perf_counter()
             res = replay(proj, rt)
             secs = time.perf_counter() - t
-            result[key] = round(gen["records"] / secs)
-            result[key.replace("_events_per_s", "_seconds")] = round(secs, 2)
+            # change events, not log records: a delete's tombstone is not an event
+            result[key] = round(gen["events"] / secs)
+            result[key.replace("_events_per_s", "_seconds")] = round(secs, 3)
             log(
-                f"{proj.name}: {res.rows} rows from {gen['records']} log records in {secs:.2f}s "
-                f"-> {gen['records'] / secs:,.0f}/s (build {res.build_seconds:.2f}s)"
+                f"{proj.name}: {res.rows} rows from {gen['events']} change events ({gen['records']} log records "
+                f"with tombstones) in {secs:.2f}s -> {gen['events'] / secs:,.0f} events/s "
+                f"(build {res.build_seconds:.2f}s)"
             )
         result["copy_baseline_rows_per_s"] = round(copy_baseline(dsn, latest.name))
         rt.close()
@@ -475,7 +487,7 @@ def main() -> None:
             from kappaflow.log import kafka_client
 
             if kafka_client("confluent").installed:
-                rate = kafka_replay(spark, log_path, log_path.with_name("warm"), dsn, work, gen["records"])
+                rate = kafka_replay(spark, log_path, log_path.with_name("warm"), dsn, work, gen["events"])
                 result["kafka_replay_events_per_s"] = round(rate)
                 result["kafka_replay_vs_declarative"] = round(rate / result["declarative_events_per_s"], 3)
         if not args.skip_follow:
