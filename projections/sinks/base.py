@@ -6,7 +6,9 @@ Every sink keeps the same guarantees:
    ``_kf_version`` (int64: the log position that produced the row) and ``_kf_deleted``
    (bool: the key must be removed). A row whose version is not greater than the stored
    version of that key has no effect, so retries, replays and duplicate delivery are
-   exactly-once in effect.
+   exactly-once in effect. A delete leaves its version behind as the stored one (a
+   tombstone: PostgreSQL keeps it 24 h or until a newer upsert, Redis ``tombstone_ttl_s``,
+   search servers ``index.gc_deletes``), so an older upsert does not bring the row back.
 2. **Positions.** ``write(..., positions=...)`` also stores the consumed log positions
    (next offset to read per topic/partition). Transactional sinks store them atomically
    with the rows; the others store them after the rows (the version guard makes the

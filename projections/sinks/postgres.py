@@ -9,13 +9,20 @@ Layout in the views database:
 - grouped projections also keep keyed state (the current contributing row per source
   key) in ``"kappaflow"."state__<schema>__<view>"`` so an update that moves a row between
   groups, or a delete, can retract its old contribution (see ``apply_grouped``);
+- deleted keys: ``"kappaflow"."deleted__<schema>__<view>"`` holds the key and version of
+  every delete that removed (or found absent) a row, so an older upsert arriving after
+  the delete has no effect (without it, a deleted row would leave no version behind and
+  any older write would bring it back). An entry goes when a newer upsert of its key
+  lands, or after ``TOMBSTONE_RETENTION_S`` (24 h, like the Redis sink's tombstones and
+  Kafka's ``delete.retention.ms``); a replay starts with none;
 - ``kappaflow.projection_positions`` and ``kappaflow.projections`` (Alembic branch
   ``projections``), created on first use.
 
 A write (``write``) is ONE transaction: ``COPY`` the batch into a temporary staging
 table, ``INSERT ... SELECT ... ON CONFLICT (key) DO UPDATE ... WHERE excluded._kf_version >
-view._kf_version`` for upserts, a ``DELETE ... USING staging`` guarded the same way for
-deletes, then the positions (never moved backwards). A swap renames the shadow over the
+view._kf_version`` (and newer than a recorded delete of the key) for upserts, a
+``DELETE ... USING staging`` guarded the same way for deletes plus their record in the
+deleted-keys table, then the positions (never moved backwards). A swap renames the shadow over the
 live table in one transaction (with a short ``lock_timeout`` and retries so a long reader
 never queues everyone else behind the swap); readers see the old table until the commit
 and the new one after, never an empty one.
@@ -28,6 +35,7 @@ from __future__ import annotations
 
 import hashlib
 import io
+import logging
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -83,6 +91,12 @@ STATE_KEY = "_kf_key"
 SWAP_LOCK_TIMEOUT_MS = 2000
 SWAP_ATTEMPTS = 30
 CHANGES_BASE = "kappaflow: group changes complete since watermark "
+TOMBSTONE_RETENTION_S = 86_400
+"""How long a delete's version guards its key against older upserts (see the module docstring)."""
+TOMBSTONE_PRUNE_EVERY_S = 60.0
+DELETED_AT = "_kf_deleted_at"
+
+log = logging.getLogger(__name__)
 
 _MIGRATED: set[str] = set()
 _MIGRATE_LOCK = threading.Lock()
@@ -263,6 +277,7 @@ class PostgresSink(Sink):
         except psycopg.Error as exc:
             raise _sink_error("connecting to the views database", exc) from None
         self._staging: dict[tuple[str, str], str] = {}
+        self._pruned: dict[tuple[str, str], float] = {}
 
     def config(self) -> PostgresSinkConfig:
         return PostgresSinkConfig(self.dsn, self.default_schema)
@@ -289,6 +304,16 @@ class PostgresSink(Sink):
         included), which mirrors of the view (search, Redis) read to find what changed."""
         base = f"groups__{self._schema(target.view)}__{target.view.name}"
         return physical_name(base, "" if not target.shadow else "__" + target.name.rsplit("__kf_", 1)[-1])
+
+    def deleted_table(self, target: Target) -> str:
+        """The deleted keys of a target: key columns, the delete's version and when it was recorded."""
+        base = f"deleted__{self._schema(target.view)}__{target.view.name}"
+        return physical_name(base, "" if not target.shadow else "__" + target.name.rsplit("__kf_", 1)[-1])
+
+    def _deleted_rel(self, target: Target) -> Any:
+        from psycopg import sql
+
+        return sql.SQL("{}.{}").format(_q(KF_SCHEMA), _q(self.deleted_table(target)))
 
     def _changes_rel(self, target: Target) -> Any:
         from psycopg import sql
@@ -358,9 +383,37 @@ class PostgresSink(Sink):
         )
         self.conn.execute(sql.SQL("CREATE SCHEMA IF NOT EXISTS {}").format(_q(self._schema(view))))
         self.conn.execute(sql.SQL("CREATE TABLE {} ({})").format(self._rel(view, name), sql.SQL(", ").join(cols)))
+        target = Target(view, name, shadow=name != view.name)
+        self._create_deleted(view, target)
         group = view.options.get("group")
         if group:
-            self._create_state(view, Target(view, name, shadow=name != view.name), group)
+            self._create_state(view, target, group)
+
+    def _create_deleted(self, view: ViewSpec, target: Target) -> None:
+        """The deleted-keys table of `target` (see ``deleted_table``)."""
+        from psycopg import sql
+
+        key_cols = [sql.SQL("{} {} NOT NULL").format(_q(k), sql.SQL(pg_type(view.column(k).type))) for k in view.key]
+        rel = self._deleted_rel(target)
+        tag = f"{self.deleted_table(target)}{time.time_ns()}"
+        pk_name = "kf_pk_" + hashlib.sha1(f"dk{tag}".encode()).hexdigest()[:16]
+        ix_name = "kf_ix_" + hashlib.sha1(f"da{tag}".encode()).hexdigest()[:16]
+        self.conn.execute(sql.SQL("CREATE SCHEMA IF NOT EXISTS {}").format(_q(KF_SCHEMA)))
+        self.conn.execute(sql.SQL("DROP TABLE IF EXISTS {}").format(rel))
+        self.conn.execute(
+            sql.SQL(
+                "CREATE TABLE {} ({}, {} bigint NOT NULL, {} timestamptz NOT NULL DEFAULT now(), "
+                "CONSTRAINT {} PRIMARY KEY ({}))"
+            ).format(
+                rel,
+                sql.SQL(", ").join(key_cols),
+                _q(VERSION),
+                _q(DELETED_AT),
+                _q(pk_name),
+                sql.SQL(", ").join(_q(k) for k in view.key),
+            )
+        )
+        self.conn.execute(sql.SQL("CREATE INDEX {} ON {} ({})").format(_q(ix_name), rel, _q(DELETED_AT)))
 
     def check_schema(self, view: ViewSpec, table: str | None = None) -> None:
         """Raise ViewSchemaMismatch naming every difference between `table` and `view`."""
@@ -408,6 +461,10 @@ class PostgresSink(Sink):
                     self._create_table(view, view.name)
             else:
                 self.check_schema(view)
+                live = Target(view, view.name)
+                if self._table_columns(KF_SCHEMA, self.deleted_table(live)) is None:
+                    with self.conn.transaction():  # a view built before deleted keys were kept
+                        self._create_deleted(view, live)
                 if view.options.get("group"):
                     live = Target(view, view.name)
                     self._check_state(live)
@@ -440,6 +497,7 @@ class PostgresSink(Sink):
         self.conn.execute(sql.SQL("DROP TABLE IF EXISTS {}").format(self._rel(target.view, target.name)))
         self.conn.execute(sql.SQL("DROP TABLE IF EXISTS {}").format(self._state_rel(target)))
         self.conn.execute(sql.SQL("DROP TABLE IF EXISTS {}").format(self._changes_rel(target)))
+        self.conn.execute(sql.SQL("DROP TABLE IF EXISTS {}").format(self._deleted_rel(target)))
         self.conn.execute(
             f'DELETE FROM "{KF_SCHEMA}"."{POSITIONS}" WHERE projection = %s AND target = %s',
             (target.view.projection, target.label),
@@ -469,6 +527,12 @@ class PostgresSink(Sink):
                     self.conn.execute(sql.SQL("DROP TABLE IF EXISTS {}").format(self._rel(view, view.name)))
                     self.conn.execute(
                         sql.SQL("ALTER TABLE {} RENAME TO {}").format(self._rel(view, shadow.name), _q(view.name))
+                    )
+                    self.conn.execute(sql.SQL("DROP TABLE IF EXISTS {}").format(self._deleted_rel(live)))
+                    self.conn.execute(
+                        sql.SQL("ALTER TABLE IF EXISTS {} RENAME TO {}").format(
+                            self._deleted_rel(shadow), _q(self.deleted_table(live))
+                        )
                     )
                     if view.options.get("group"):
                         self.conn.execute(sql.SQL("DROP TABLE IF EXISTS {}").format(self._state_rel(live)))
@@ -581,34 +645,61 @@ class PostgresSink(Sink):
                         k=sql.SQL(", ").join(keys), s=_q(stg), v=_q(VERSION)
                     )
                     sets = [sql.SQL("{c} = excluded.{c}").format(c=_q(c)) for c in allcols if c not in view.key]
+                    drel = self._deleted_rel(target)
+                    # Deleted keys guard only when there are any (the common batch pays one probe).
+                    guarded = self.conn.execute(sql.SQL("SELECT EXISTS (SELECT 1 FROM {})").format(drel)).fetchone()
+                    fields = {
+                        "rel": rel,
+                        "drel": drel,
+                        "cols": sql.SQL(", ").join(_q(c) for c in allcols),
+                        "latest": latest,
+                        "d": _q(DELETED),
+                        "k": sql.SQL(", ").join(keys),
+                        "sk": sql.SQL(", ").join(sql.SQL("s.{}").format(k) for k in keys),
+                        "sets": sql.SQL(", ").join(sets),
+                        "v": _q(VERSION),
+                        "at": _q(DELETED_AT),
+                        "vmatch": sql.SQL(" AND ").join(sql.SQL("v.{k} = s.{k}").format(k=k) for k in keys),
+                        "tmatch": sql.SQL(" AND ").join(sql.SQL("t.{k} = s.{k}").format(k=k) for k in keys),
+                    }
+                    not_deleted = (
+                        sql.SQL(" AND NOT EXISTS (SELECT 1 FROM {drel} t WHERE {tmatch} AND t.{v} >= s.{v})").format(
+                            **fields
+                        )
+                        if guarded and guarded[0]
+                        else sql.SQL("")
+                    )
                     up = self.conn.execute(
                         sql.SQL(
-                            "INSERT INTO {rel} AS v ({cols}) SELECT {cols} FROM ({latest}) s WHERE NOT s.{d} "
+                            "INSERT INTO {rel} AS v ({cols}) SELECT {cols} FROM ({latest}) s WHERE NOT s.{d}{nd} "
                             "ON CONFLICT ({k}) DO UPDATE SET {sets} WHERE excluded.{v} > v.{v}"
-                        ).format(
-                            rel=rel,
-                            cols=sql.SQL(", ").join(_q(c) for c in allcols),
-                            latest=latest,
-                            d=_q(DELETED),
-                            k=sql.SQL(", ").join(keys),
-                            sets=sql.SQL(", ").join(sets),
-                            v=_q(VERSION),
-                        )
+                        ).format(nd=not_deleted, **fields)
                     )
                     res.upserted = max(up.rowcount, 0)
+                    if guarded and guarded[0] and res.upserted:
+                        # a newer upsert supersedes the key's delete: it guards no more
+                        self.conn.execute(
+                            sql.SQL(
+                                "DELETE FROM {drel} t USING ({latest}) s WHERE NOT s.{d} AND {tmatch} AND s.{v} > t.{v}"
+                            ).format(**fields)
+                        )
                     if pc.any(batch.column(DELETED)).as_py():
                         dl = self.conn.execute(
                             sql.SQL(
-                                "DELETE FROM {rel} AS v USING ({latest}) s WHERE s.{d} AND {match} AND s.{v} > v.{v}"
-                            ).format(
-                                rel=rel,
-                                latest=latest,
-                                d=_q(DELETED),
-                                v=_q(VERSION),
-                                match=sql.SQL(" AND ").join(sql.SQL("v.{k} = s.{k}").format(k=_q(k)) for k in view.key),
-                            )
+                                "DELETE FROM {rel} AS v USING ({latest}) s WHERE s.{d} AND {vmatch} AND s.{v} > v.{v}"
+                            ).format(**fields)
                         )
                         res.deleted = max(dl.rowcount, 0)
+                        # Record each delete that is not stale (no row of its key at or above its version
+                        # is left), so an older upsert arriving later cannot bring the row back.
+                        self.conn.execute(
+                            sql.SQL(
+                                "INSERT INTO {drel} AS t ({k}, {v}) SELECT {sk}, s.{v} FROM ({latest}) s "
+                                "WHERE s.{d} AND NOT EXISTS (SELECT 1 FROM {rel} v WHERE {vmatch}) "
+                                "ON CONFLICT ({k}) DO UPDATE SET {v} = excluded.{v}, {at} = now() "
+                                "WHERE excluded.{v} > t.{v}"
+                            ).format(**fields)
+                        )
                     res.skipped = batch.num_rows - res.upserted - res.deleted
                 if positions:
                     self._store_positions(target, positions)
@@ -617,7 +708,27 @@ class PostgresSink(Sink):
             if isinstance(exc, SinkError) or not isinstance(exc, Exception):
                 raise
             raise _sink_error(f"writing {batch.num_rows} rows to {self.relation(target)}", exc) from None
+        self._prune_deleted(target)
         return res
+
+    def _prune_deleted(self, target: Target) -> None:
+        """Forget deleted keys older than ``TOMBSTONE_RETENTION_S`` (at most once a minute per target)."""
+        from psycopg import sql
+
+        key = (self._schema(target.view), target.name)
+        now = time.monotonic()
+        if now - self._pruned.get(key, -TOMBSTONE_PRUNE_EVERY_S) < TOMBSTONE_PRUNE_EVERY_S:
+            return
+        self._pruned[key] = now
+        try:
+            self.conn.execute(
+                sql.SQL("DELETE FROM {} WHERE {} < now() - make_interval(secs => %s)").format(
+                    self._deleted_rel(target), _q(DELETED_AT)
+                ),
+                (TOMBSTONE_RETENTION_S,),
+            )
+        except Exception as exc:  # housekeeping: the next write tries again
+            log.warning("pruning the deleted keys of %s failed: %s", self.relation(target), exc)
 
     def load(self, target: Target, batches: Iterable[pa.Table | pa.RecordBatch]) -> int:
         """COPY straight into a fresh shadow, in one transaction and one COPY: keys are

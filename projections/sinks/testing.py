@@ -185,6 +185,28 @@ class SinkContract:
         self.write(sink, t, view, [contract_row(2, 12, name="back")])  # re-insert after delete
         assert sink.fetch(t, [(2,)])[(2,)]["name"] == "back"
 
+    def test_a_delete_is_not_undone_by_an_older_upsert(self, sink: Sink, view: ViewSpec) -> None:
+        """After a delete there is no row to hold the version, yet the delete's version still
+        guards the key: an upsert that is not newer has no effect (it would resurrect the row)."""
+        t = sink.ensure(view)
+        self.write(sink, t, view, [contract_row(1, 10, name="v10"), contract_row(4, 10, name="v10")])
+        self.write(sink, t, view, [contract_row(1, 12, deleted=True)])
+        self.write(sink, t, view, [contract_row(1, 11, name="v11")])  # older than the delete
+        self.write(sink, t, view, [contract_row(1, 12, name="v12")])  # as old as the delete
+        assert sink.fetch(t, [(1,)]) == {}, "an older upsert brought a deleted row back"
+        # a delete of a key the view never held guards it too
+        self.write(sink, t, view, [contract_row(2, 20, deleted=True)])
+        self.write(sink, t, view, [contract_row(2, 5, name="v5")])
+        # in one batch: the newer delete wins over the older upsert of the same key
+        self.write(sink, t, view, [contract_row(3, 31, deleted=True), contract_row(3, 30, name="v30")])
+        assert set(self.state(sink, t, view)) == {4}
+        assert sink.count(t) == 1, "deleted keys must not count as rows"
+        # a newer upsert after the delete brings the key back, and the delete guards no more
+        self.write(sink, t, view, [contract_row(1, 13, name="v13")])
+        self.write(sink, t, view, [contract_row(1, 14, name="v14")])
+        assert sink.fetch(t, [(1,)])[(1,)]["name"] == "v14"
+        assert set(self.state(sink, t, view)) == {1, 4}
+
     # -- positions -------------------------------------------------------------------------
     def test_positions_are_stored_with_writes_and_never_go_back(self, sink: Sink, view: ViewSpec) -> None:
         t = sink.ensure(view)

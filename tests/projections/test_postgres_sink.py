@@ -178,3 +178,58 @@ def test_a_transient_failure_in_a_connections_first_grouped_apply_does_not_break
     (k,) = [k for k, r in w.rows.items() if r["created_at"] == row["created_at"]]
     w.rows[k]["amount"] += 1
     assert view_rows(pg_dsn, totals.name, "customer_id, n, total, last, statuses") == totals_reference(w.rows)
+
+
+def _deleted_keys(dsn: str, sink: PostgresSink, target: Any) -> dict[int, int]:
+    with psycopg.connect(dsn) as c:
+        rows = c.execute(f'SELECT id, _kf_version FROM kappaflow."{sink.deleted_table(target)}"').fetchall()
+    return dict(rows)
+
+
+def test_deleted_keys_are_kept_until_a_newer_upsert_or_the_retention_and_move_with_a_swap(pg_dsn: str) -> None:
+    """How the PostgreSQL sink keeps a delete's version (the contract case is in SinkContract)."""
+    from kappaflow.projections.sinks import postgres as pgmod
+
+    view = contract_view("kf_deleted_keys")
+    with PostgresSink(pg_dsn) as sink:
+        t = sink.ensure(view)
+        sink.write(t, batch_from_rows(view, [contract_row(i, 10) for i in range(1, 4)]))
+        sink.write(t, batch_from_rows(view, [contract_row(1, 11, deleted=True), contract_row(2, 11, deleted=True),
+                                             contract_row(3, 9, deleted=True)]))  # 3: a stale delete
+        assert _deleted_keys(pg_dsn, sink, t) == {1: 11, 2: 11}
+        sink.write(t, batch_from_rows(view, [contract_row(1, 12)]))  # newer: key 1 is back, unguarded
+        assert _deleted_keys(pg_dsn, sink, t) == {2: 11}
+        # past the retention the delete guards no more (pruned at the next write)
+        with psycopg.connect(pg_dsn) as c:
+            c.execute(f'UPDATE kappaflow."{sink.deleted_table(t)}" SET _kf_deleted_at = now() - '
+                      f"make_interval(secs => {pgmod.TOMBSTONE_RETENTION_S + 60})")
+        sink._pruned.clear()
+        sink.write(t, batch_from_rows(view, [contract_row(9, 1)]))
+        assert _deleted_keys(pg_dsn, sink, t) == {}
+        # a rebuild: the shadow's deleted keys become the live ones at the swap
+        shadow = sink.begin_shadow(view)
+        sink.load(shadow, [batch_from_rows(view, [contract_row(5, 20)])])
+        sink.write(shadow, batch_from_rows(view, [contract_row(5, 21, deleted=True)]))
+        live = sink.swap(shadow)
+        assert _deleted_keys(pg_dsn, sink, live) == {5: 21}
+        sink.write(live, batch_from_rows(view, [contract_row(5, 20, name="old")]))
+        assert sink.fetch(live, [(5,)]) == {}
+        sink.drop(live)
+        with psycopg.connect(pg_dsn) as c:
+            assert c.execute("SELECT to_regclass(%s)", (f'kappaflow."{sink.deleted_table(live)}"',)).fetchone() == (
+                None,
+            )
+
+
+def test_a_view_built_before_deleted_keys_were_kept_gets_them_at_ensure(pg_dsn: str) -> None:
+    view = contract_view("kf_old_view")
+    with PostgresSink(pg_dsn) as sink:
+        t = sink.ensure(view)
+        sink.write(t, batch_from_rows(view, [contract_row(1, 10)]))
+        with psycopg.connect(pg_dsn) as c:  # what a view made by an earlier version looks like
+            c.execute(f'DROP TABLE kappaflow."{sink.deleted_table(t)}"')
+    with PostgresSink(pg_dsn) as sink:
+        t = sink.ensure(view)
+        sink.write(t, batch_from_rows(view, [contract_row(1, 12, deleted=True)]))
+        sink.write(t, batch_from_rows(view, [contract_row(1, 11)]))
+        assert sink.fetch(t, [(1,)]) == {}
