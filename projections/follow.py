@@ -181,8 +181,14 @@ class Follower:
             return str(root / f"g{generation}")
         return str(root / self.sink_name / f"g{generation}")
 
+    def _fence(self) -> None:
+        """The batch connection's writes carry the lock holder's fencing token (lease stores): once the
+        lease is lost or taken over, the store refuses them (see ``Sink.fence``)."""
+        self.sink.fence(self.spec.name, self._lock_sink.lock_fence(self.spec.name))
+
     def _start_query(self, *, first: bool = False, fresh: bool = False) -> None:
         rt, spec, plan, sink = self.rt, self.spec, self.plan, self.sink
+        self._fence()
         created = sink.live(plan.view) is None
         self.target = sink.ensure(plan.view)
         if first:
@@ -360,6 +366,7 @@ class Follower:
                 f"projection {spec.name!r}: the {self.sink_name} sink lost the lock while the store was down, "
                 "and another process holds it now"
             )
+        self._fence()
         log.warning("follower %s: rebuilding the view from the log", self.name)
         rebuild(self.plan, self.rt, {self.sink_name: self.sink})
         self.rebuilds += 1

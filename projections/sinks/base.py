@@ -302,6 +302,19 @@ class Sink(abc.ABC):
         """Whether anyone holds `projection`'s lock, read without taking it (``kappaflow status``
         reports a projection as following when its lock is held)."""
 
+    def lock_fence(self, projection: str) -> str | None:
+        """The fencing token of `projection`'s lock while THIS sink holds it (lease stores: the
+        lease's ``"<generation>:<random>"``), None when not held or when the store's lock needs
+        no fence (a PostgreSQL advisory lock dies with its session)."""
+        return None
+
+    def fence(self, projection: str, token: str | None) -> None:  # noqa: B027 - optional
+        """Fence this sink's writes to `projection`'s views with `token` (the lock holder's
+        ``lock_fence``): from now on they are refused (``LockLostError``) once the lock no longer
+        holds that token, i.e. after the holder's lease expired or was taken over. A sink that
+        takes the lock itself fences its own writes; ``config()`` carries the fences to the
+        sinks executors open. ``None`` removes the fence."""
+
     def close(self) -> None:  # noqa: B027 - optional
         """Release connections."""
 

@@ -7,7 +7,8 @@ Keys (``kf`` is the configurable ``prefix``)
 * ``kf:{view}:{build}`` — the build's marker hash: ``format``, ``created_ms``, the view's
   columns and the stored positions (``p:{topic}:{partition}`` -> next offset to read).
 * ``kf:~lock:{projection}`` — the projection lock (``try_lock``): a lease renewed in the
-  background, expiring ``lock_ttl_s`` after its holder died.
+  background, expiring ``lock_ttl_s`` after its holder died. Its value is the holder's
+  fencing token ``<generation>:<random>``; ``kf:~lockgen:{projection}`` counts generations.
 * ``kf:{view}:{build}:{key}`` — one view row. ``value_format="json"`` (default): a JSON
   string ``{"_kf_v":<version>,<the row's columns>}``; ``"hash"``: a hash of the row's
   columns (text; NULLs omitted; nested values as JSON) plus ``_kf_v``. ``{key}`` is the
@@ -32,6 +33,12 @@ Deletes write a tombstone ``{"_kf_v":N,"_kf_deleted":true}`` that expires after
 ``tombstone_ttl_s`` (default 24 h, like the log's ``delete.retention.ms``): it keeps the
 delete's version so an older write arriving later cannot resurrect the row. :func:`get`
 and the sink's reads treat a tombstone as absent. ``ttl_s`` optionally expires rows.
+
+Fencing: a sink that holds the projection's lock (or was given the holder's token with
+``fence``) sends the lock key and its token with every script call (writes, positions, the
+pointer switch); the script refuses the call (``KFFENCED`` -> :class:`LockLostError`) unless
+the lock still holds that token. The check and the write are one atomic script, so a writer
+whose lease expired during a partition, or was taken over, cannot write after that moment.
 
 Each script call first checks that the build's marker exists: after the server lost its
 data (restart without persistence, FLUSHALL, failover to an empty replica) the sink never
@@ -73,6 +80,7 @@ from kappaflow.projections.sinks._rows import (
     MAX_VERSION,
     Change,
     Lease,
+    LockLostError,
     RowDecoder,
     SinkStateLostError,
     check_batch,
@@ -106,10 +114,22 @@ _RETRYABLE = ("BUSY", "LOADING", "OOM", "TRYAGAIN", "MASTERDOWN", "READONLY")
 
 __all__ = ["RedisSink", "RedisSinkConfig", "RedisSinkOptions", "SinkStateLostError", "get", "get_many"]
 
+# Every script that changes a view ends its ARGV with the fence: the lock key ('' = unfenced)
+# and the writer's token; the call is refused unless the lock holds that token.
+_FENCE = r"""
+local fk, ft = ARGV[#ARGV - 1], ARGV[#ARGV]
+if fk ~= '' then
+  local cur = redis.call('GET', fk)
+  if cur ~= ft then
+    return redis.error_reply('KFFENCED ' .. fk .. ' holds ' .. (cur or 'nothing') .. ', the writer has ' .. ft)
+  end
+end
+"""
+
 # KEYS[1] = the build marker, KEYS[2..] = row keys.
 # ARGV[1] = row TTL in ms ("0": none), ARGV[2] = tombstone TTL in ms, ARGV[3] = number of upserts
-# (they come first), ARGV[4..] = one value per row key (upserts, then tombstones).
-_WRITE_JSON = r"""
+# (they come first), ARGV[4..] = one value per row key (upserts, then tombstones), then the fence.
+_WRITE_JSON = _FENCE + r"""
 if redis.call('EXISTS', KEYS[1]) == 0 then
   return redis.error_reply('KFLOST the build marker ' .. KEYS[1] .. ' is missing')
 end
@@ -137,8 +157,8 @@ return {ups, dels, stale}
 """
 
 # KEYS as above. ARGV[1] = row TTL ms, ARGV[2] = tombstone TTL ms, then per row key:
-# version, n (number of field/value pairs; -1 = tombstone), then 2n field/value strings.
-_WRITE_HASH = r"""
+# version, n (number of field/value pairs; -1 = tombstone), then 2n field/value strings; the fence.
+_WRITE_HASH = _FENCE + r"""
 if redis.call('EXISTS', KEYS[1]) == 0 then
   return redis.error_reply('KFLOST the build marker ' .. KEYS[1] .. ' is missing')
 end
@@ -169,20 +189,20 @@ end
 return {ups, dels, stale}
 """
 
-# KEYS[1] = marker; ARGV = field/value pairs of positions; a position never moves backwards.
-_STORE_POSITIONS = r"""
+# KEYS[1] = marker; ARGV = field/value pairs of positions, then the fence; a position never moves backwards.
+_STORE_POSITIONS = _FENCE + r"""
 if redis.call('EXISTS', KEYS[1]) == 0 then
   return redis.error_reply('KFLOST the build marker ' .. KEYS[1] .. ' is missing')
 end
-for i = 1, #ARGV, 2 do
+for i = 1, #ARGV - 2, 2 do
   local cur, v = redis.call('HGET', KEYS[1], ARGV[i]), ARGV[i + 1]
   if (not cur) or #v > #cur or (#v == #cur and v > cur) then redis.call('HSET', KEYS[1], ARGV[i], v) end
 end
 return 1
 """
 
-# KEYS[1] = pointer, KEYS[2] = the new build's marker; ARGV[1] = build id. Returns the old build.
-_SWITCH = r"""
+# KEYS[1] = pointer, KEYS[2] = the new build's marker; ARGV[1] = build id, then the fence. Returns the old build.
+_SWITCH = _FENCE + r"""
 if redis.call('EXISTS', KEYS[2]) == 0 then
   return redis.error_reply('KFLOST the build marker ' .. KEYS[2] .. ' is missing')
 end
@@ -191,7 +211,15 @@ redis.call('SET', KEYS[1], ARGV[1])
 return old
 """
 
-# Leases: KEYS[1] = the lock key, ARGV[1] = the holder's token, ARGV[2] = TTL in ms.
+# Leases: KEYS[1] = the lock key, KEYS[2] = its generation counter; ARGV[1] = a random id, ARGV[2] = TTL
+# in ms. Takes a free lock for the next generation; returns the fencing token '<generation>:<id>' or false.
+_TAKE = r"""
+if redis.call('EXISTS', KEYS[1]) == 1 then return false end
+local t = redis.call('INCR', KEYS[2]) .. ':' .. ARGV[1]
+redis.call('SET', KEYS[1], t, 'PX', ARGV[2])
+return t
+"""
+# KEYS[1] = the lock key, ARGV[1] = the holder's token, ARGV[2] = TTL in ms.
 _RENEW = r"""
 if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('PEXPIRE', KEYS[1], ARGV[2]) end
 return 0
@@ -224,12 +252,19 @@ return out
 """
 
 
+def _fenced(what: str, text: str) -> LockLostError:
+    """KFFENCED from a script: this writer's lease on the projection lock is gone."""
+    detail = text[len("KFFENCED "):]
+    return LockLostError(f"redis sink: {what} refused: this writer no longer holds the projection lock ({detail}); "
+                         "its lease expired or was taken over, so it must not write")
+
+
 def _sha1(text: str) -> str:
     return hashlib.sha1(text.encode()).hexdigest()
 
 
 _SCRIPTS = {"json": _WRITE_JSON, "hash": _WRITE_HASH, "positions": _STORE_POSITIONS, "switch": _SWITCH,
-            "read": _READ, "renew": _RENEW, "release": _RELEASE}
+            "read": _READ, "take": _TAKE, "renew": _RENEW, "release": _RELEASE}
 _SHAS = {name: _sha1(src) for name, src in _SCRIPTS.items()}
 
 
@@ -289,9 +324,13 @@ class RedisSinkConfig(SinkConfig):
 
     url: str
     options: Mapping[str, Any] = field(default_factory=dict)
+    fences: Mapping[str, str] = field(default_factory=dict)  # projection -> the lock holder's token
 
     def open(self) -> RedisSink:
-        return RedisSink(self.url, options=dict(self.options))
+        sink = RedisSink(self.url, options=dict(self.options))
+        for projection, token in self.fences.items():
+            sink.fence(projection, token)
+        return sink
 
 
 class RedisSink(Sink):
@@ -315,6 +354,7 @@ class RedisSink(Sink):
                               f"{self.options.prefix!r}")
         self._sleep: Callable[[float], None] = time.sleep
         self._leases: dict[str, Lease] = {}
+        self._fences: dict[str, str] = {}
         self.rejected_in_load: list[tuple[tuple[Any, ...], str]] = []
 
     @classmethod
@@ -327,7 +367,7 @@ class RedisSink(Sink):
     def config(self) -> RedisSinkConfig:
         if self._url is None:
             raise SinkError("redis sink: config() needs a sink opened from a URL, not a client object")
-        return RedisSinkConfig(self._url, self.options.model_dump())
+        return RedisSinkConfig(self._url, self.options.model_dump(), dict(self._fences))
 
     def close(self) -> None:
         for name in list(self._leases):
@@ -343,27 +383,53 @@ class RedisSink(Sink):
 
     def try_lock(self, projection: str) -> bool:
         """Take the projection's lock if free: a lease (``lock_ttl_s``) renewed in the background, so a
-        holder killed with -9 releases it when the lease runs out."""
+        holder killed with -9 releases it when the lease runs out. Each take is a new generation; the
+        lease's token fences this sink's writes to the projection's views (see the module docstring)."""
         if projection in self._leases:
             return False
-        key, token = self._lock_key(projection), secrets.token_hex(16)
+        key = self._lock_key(projection)
+        gen_key = f"{self.options.prefix}:~lockgen:{projection}"
         ttl_ms = int(self.options.lock_ttl_s * 1000)
-        if not self._retrying("take lock", lambda: self.client.set(key, token, nx=True, px=ttl_ms)):
+        sent = time.monotonic()
+        raw = self._retrying("take lock", lambda: _evalsha(
+            self.client, "take", [key, gen_key], [secrets.token_hex(16), ttl_ms]))
+        if not raw:
             return False
+        token = _s(raw)
         self._leases[projection] = Lease(
             f"redis:{projection}", self.options.lock_ttl_s,
             renew=lambda: bool(_evalsha(self.client, "renew", [key], [token, ttl_ms])),
-            release=lambda: _evalsha(self.client, "release", [key], [token]))
+            release=lambda: _evalsha(self.client, "release", [key], [token]), token=token, taken_at=sent)
+        self._fences[projection] = token
         return True
 
     def unlock(self, projection: str) -> None:
         lease = self._leases.pop(projection, None)
         if lease is not None:
+            if self._fences.get(projection) == lease.token:
+                del self._fences[projection]
             lease.release()
 
     def holds_lock(self, projection: str) -> bool:
         lease = self._leases.get(projection)
-        return lease is not None and not lease.lost
+        return lease is not None and lease.held
+
+    def lock_fence(self, projection: str) -> str | None:
+        lease = self._leases.get(projection)
+        return lease.token if lease is not None and lease.held else None
+
+    def fence(self, projection: str, token: str | None) -> None:
+        if token is None:
+            self._fences.pop(projection, None)
+        else:
+            self._fences[projection] = token
+
+    def _fence_args(self, view: ViewSpec) -> tuple[bytes, bytes]:
+        """The fence every view-changing script call ends with: (lock key, token), or ('', '')."""
+        token = self._fences.get(view.projection)
+        if token is None:
+            return b"", b""
+        return self._lock_key(view.projection).encode(), token.encode()
 
     def is_locked(self, projection: str) -> bool:
         return bool(self._retrying("read lock", lambda: self.client.exists(self._lock_key(projection))))
@@ -418,6 +484,8 @@ class RedisSink(Sink):
                 error: Exception = exc
             except redis.ResponseError as exc:
                 text = str(exc)
+                if text.startswith("KFFENCED"):
+                    raise _fenced(what, text) from None
                 if text.startswith("KFLOST"):
                     raise SinkStateLostError(f"redis sink: {text[7:]} (the server lost its data?); re-read "
                                              f"positions and replay") from None
@@ -542,7 +610,8 @@ class RedisSink(Sink):
         view = shadow.view
         build = shadow.name.rsplit(":", 1)[1]
         old = self._retrying("switch pointer", lambda: _evalsha(
-            self.client, "switch", [self.pointer_key(view), self.marker_key(view, build)], [build]))
+            self.client, "switch", [self.pointer_key(view), self.marker_key(view, build)],
+            [build, *self._fence_args(view)]))
         if old is not None and _s(old) != build:
             self._drop_build(view, _s(old))
         return Target(view, self.base(view))
@@ -614,6 +683,7 @@ class RedisSink(Sink):
         marker = self.marker_key(view, build).encode()
         prefix = f"{self.base(view)}:{build}:".encode()
         head = b"".join(b"$%d\r\n%s\r\n" % (len(a), a) for a in (_ms(opts.ttl_s), _ms(opts.tombstone_ttl_s)))
+        fence = b"".join(b"$%d\r\n%s\r\n" % (len(a), a) for a in self._fence_args(view))
         lead = b"$7\r\nEVALSHA\r\n$40\r\n%s\r\n" % _SHAS["json"].encode()
         marker_resp = b"$%d\r\n%s\r\n" % (len(marker), marker)
         max_keys, max_bytes, max_value, max_key = opts.batch_keys, opts.batch_bytes, opts.max_value_bytes, \
@@ -628,8 +698,9 @@ class RedisSink(Sink):
         def call() -> bytes:
             nkeys = b"%d" % (n + 1)
             u = b"%d" % nu
-            return b"".join([b"*%d\r\n" % (2 * n + 7), lead, b"$%d\r\n%s\r\n" % (len(nkeys), nkeys), marker_resp,
-                             *up_keys, *del_keys, head, b"$%d\r\n%s\r\n" % (len(u), u), *up_vals, *del_vals])
+            return b"".join([b"*%d\r\n" % (2 * n + 9), lead, b"$%d\r\n%s\r\n" % (len(nkeys), nkeys), marker_resp,
+                             *up_keys, *del_keys, head, b"$%d\r\n%s\r\n" % (len(u), u), *up_vals, *del_vals,
+                             fence])
 
         for key, ks, row, v in changes:
             if ks is None:
@@ -678,6 +749,7 @@ class RedisSink(Sink):
         marker = self.marker_key(view, build).encode()
         prefix = f"{self.base(view)}:{build}:".encode()
         head = [_ms(opts.ttl_s), _ms(opts.tombstone_ttl_s)]
+        fence = list(self._fence_args(view))
         sha = _SHAS["hash"].encode()
         keys: list[bytes] = []
         args: list[bytes] = []
@@ -708,10 +780,10 @@ class RedisSink(Sink):
                 args += [b"%d" % v, b"%d" % (len(fields) // 2), *fields]
                 size += len(rkey) + sum(len(f) for f in fields)
             if len(keys) >= opts.batch_keys or size >= opts.batch_bytes:
-                yield _resp([b"EVALSHA", sha, b"%d" % (len(keys) + 1), marker, *keys, *head, *args])
+                yield _resp([b"EVALSHA", sha, b"%d" % (len(keys) + 1), marker, *keys, *head, *args, *fence])
                 keys, args, size = [], [], 0
         if keys:
-            yield _resp([b"EVALSHA", sha, b"%d" % (len(keys) + 1), marker, *keys, *head, *args])
+            yield _resp([b"EVALSHA", sha, b"%d" % (len(keys) + 1), marker, *keys, *head, *args, *fence])
 
     def _send(self, calls: Iterable[bytes], opts: RedisSinkOptions, result: WriteResult) -> None:
         """Pipeline the script calls, `pipeline_depth` in flight. Calls not acknowledged when an error
@@ -769,6 +841,8 @@ class RedisSink(Sink):
                         conn.send_command("SCRIPT", "LOAD", _SCRIPTS[opts.value_format])
                         conn.read_response()
                         continue
+                    if text.startswith("KFFENCED"):
+                        raise _fenced("writing rows", text) from None
                     if text.startswith("KFLOST"):
                         raise SinkStateLostError(f"redis sink: {text[7:]} (the server lost its data, or the build "
                                                  f"was dropped); re-read positions and replay") from None
@@ -905,6 +979,7 @@ class RedisSink(Sink):
         args: list[Any] = []
         for (topic, partition), offset in sorted(positions.items()):
             args += [f"p:{topic}:{partition}", int(offset)]
+        args += self._fence_args(view)
         self._retrying("store positions", lambda: _evalsha(
             self.client, "positions", [self.marker_key(view, build)], args))
 

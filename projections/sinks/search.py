@@ -45,6 +45,14 @@ through an alias with ``require_alias`` for the same reason.
 The projection lock (``try_lock``, one replay or follow at a time) is a lease document in
 the positions index, created only if absent and renewed by compare-and-set (``if_seq_no``);
 a holder killed with -9 stops renewing and the lease can be taken over after ``lock_ttl_s``.
+Every take is a new generation (``generation`` in the document, kept when a holder releases
+it); the holder's token ``<generation>:<random>`` fences writes. A search server cannot make
+a bulk request conditional on another document, so the fence is checked by the writer right
+before each bulk request, positions write and alias swap: a holder checks that its own lease
+has not run out (it stops trusting it ``lease_margin`` before it expires), another writer
+given the token (``fence``, e.g. a follower's batch connection) reads the lease document and
+trusts it until that expiry (less the margin). A writer whose lease ran out, or was taken
+over, is refused with :class:`LockLostError` before it sends anything more.
 
 Flavors
 -------
@@ -78,12 +86,15 @@ from kappaflow.projections.sinks._rows import (
     MAX_VERSION,
     Change,
     Lease,
+    LockLostError,
     RowDecoder,
     SinkStateLostError,
     check_batch,
     encode_json,
+    fence_generation,
     iter_changes,
     key_str,
+    lease_margin,
     log_rejected,
     sort_key,
 )
@@ -623,10 +634,14 @@ class SearchSinkConfig(SinkConfig):
     flavor: Flavor = "opensearch"
     options: Mapping[str, Any] = field(default_factory=dict)
     client_options: Mapping[str, Any] = field(default_factory=dict)
+    fences: Mapping[str, str] = field(default_factory=dict)  # projection -> the lock holder's token
 
     def open(self) -> SearchSink:
-        return SearchSink(self.url, flavor=self.flavor, options=dict(self.options),
+        sink = SearchSink(self.url, flavor=self.flavor, options=dict(self.options),
                           client_options=dict(self.client_options))
+        for projection, token in self.fences.items():
+            sink.fence(projection, token)
+        return sink
 
 
 @dataclass
@@ -660,6 +675,8 @@ class SearchSink(Sink):
         self._sleep: Callable[[float], None] = time.sleep
         self._positions_ready = False
         self._leases: dict[str, Lease] = {}
+        self._fences: dict[str, str] = {}
+        self._fence_until: dict[str, float] = {}  # projection -> monotonic time the lease doc was read valid to
         self.rejected_in_load: list[tuple[tuple[Any, ...], str]] = []
 
     @classmethod
@@ -672,7 +689,8 @@ class SearchSink(Sink):
     def config(self) -> SearchSinkConfig:
         if self._url is None:
             raise SinkError("search sink: config() needs a sink opened from a URL, not a client object")
-        return SearchSinkConfig(self._url, self.flavor, self.options.model_dump(), self._client_options)
+        return SearchSinkConfig(self._url, self.flavor, self.options.model_dump(), self._client_options,
+                                dict(self._fences))
 
     def close(self) -> None:
         for name in list(self._leases):
@@ -685,18 +703,21 @@ class SearchSink(Sink):
     # --- the projection lock (one replay or follow at a time) ---------------------------
     def try_lock(self, projection: str) -> bool:
         """Take the projection's lock if free: a lease document in the positions index, created only if
-        absent and renewed with compare-and-set in the background; an expired lease (its holder was
-        killed) is taken over."""
+        absent and renewed with compare-and-set in the background; an expired or released lease is taken
+        over for the next generation, whose token fences this sink's writes (see the module docstring)."""
         if projection in self._leases:
             return False
         self._ensure_positions_index()
         index, doc_id = self.options.positions_index, f"~lock:{projection}"
         ttl = self.options.lock_ttl_s
-        token = secrets.token_hex(16)
+        rand = secrets.token_hex(16)
+        state: dict[str, Any] = {"generation": 1}
 
-        def doc() -> dict[str, Any]:
-            return {"lock": projection, "token": token, "expires_ms": int((time.time() + ttl) * 1000)}
+        def doc(expires: bool = True) -> dict[str, Any]:
+            return {"lock": projection, "token": f"{state['generation']}:{rand}", "generation": state["generation"],
+                    "expires_ms": int((time.time() + ttl) * 1000) if expires else 0}
 
+        sent = time.monotonic()
         try:
             seq = self._retrying("take lock", lambda: self.client.put_doc_cas(index, doc_id, doc(), create=True))
         except _HttpError as exc:
@@ -705,14 +726,18 @@ class SearchSink(Sink):
             held = self._call("read lock", lambda: self.client.get_doc_meta(index, doc_id))
             if held is not None and held[0].get("expires_ms", 0) > time.time() * 1000:
                 return False
-            try:  # expired (or vanished meanwhile): take it over, unless someone else is faster
+            if held is not None:
+                state["generation"] = int(held[0].get("generation") or fence_generation(held[0].get("token"))) + 1
+            sent = time.monotonic()
+            try:  # expired, released (or vanished meanwhile): take it over, unless someone else is faster
                 seq = self._retrying("take over lock", lambda: self.client.put_doc_cas(
                     index, doc_id, doc(), create=held is None, seq=None if held is None else held[1:]))
             except _HttpError as exc2:
                 if exc2.status == 409:
                     return False
                 raise SinkError(f"search sink: taking the lock of {projection!r}: {exc2}") from None
-        state = {"seq": seq}
+        state["seq"] = seq
+        token = f"{state['generation']}:{rand}"
 
         def renew() -> bool:
             try:
@@ -724,22 +749,64 @@ class SearchSink(Sink):
                 raise
 
         def release() -> None:
+            # released, not deleted: the document keeps the generation, so the next holder's is higher
             try:
-                self.client.delete_doc_cas(index, doc_id, state["seq"])
+                self.client.put_doc_cas(index, doc_id, doc(expires=False), seq=state["seq"])
             except (_HttpError, _Unavailable) as exc:
                 log.warning("search sink: releasing the lock of %s: %s (it expires on its own)", projection, exc)
 
-        self._leases[projection] = Lease(f"search:{projection}", ttl, renew, release)
+        self._leases[projection] = Lease(f"search:{projection}", ttl, renew, release, token=token, taken_at=sent)
+        self._fences[projection] = token
         return True
 
     def unlock(self, projection: str) -> None:
         lease = self._leases.pop(projection, None)
         if lease is not None:
+            if self._fences.get(projection) == lease.token:
+                del self._fences[projection]
             lease.release()
 
     def holds_lock(self, projection: str) -> bool:
         lease = self._leases.get(projection)
-        return lease is not None and not lease.lost
+        return lease is not None and lease.held
+
+    def lock_fence(self, projection: str) -> str | None:
+        lease = self._leases.get(projection)
+        return lease.token if lease is not None and lease.held else None
+
+    def fence(self, projection: str, token: str | None) -> None:
+        self._fence_until.pop(projection, None)
+        if token is None:
+            self._fences.pop(projection, None)
+        else:
+            self._fences[projection] = token
+
+    def _check_fence(self, view: ViewSpec, what: str) -> None:
+        """Refuse (LockLostError) a write to a fenced projection's view once its lease is gone."""
+        projection = view.projection
+        token = self._fences.get(projection)
+        if token is None:
+            return
+        gen = fence_generation(token)
+        lease = self._leases.get(projection)
+        if lease is not None and lease.token == token:
+            if lease.held:
+                return
+            raise LockLostError(f"search sink: {what} refused: this writer's lease on the lock of projection "
+                                f"{projection!r} (generation {gen}) ran out or was lost; it must not write")
+        if time.monotonic() < self._fence_until.get(projection, 0.0):
+            return
+        index, doc_id = self.options.positions_index, f"~lock:{projection}"
+        held = self._call("read lock", lambda: self.client.get_doc_meta(index, doc_id))
+        now_ms = time.time() * 1000
+        doc = held[0] if held is not None else {}
+        if doc.get("token") != token or doc.get("expires_ms", 0) <= now_ms:
+            now = (f"generation {doc.get('generation')} holds it" if doc.get("token") != token and doc
+                   else "it expired" if doc else "it is gone")
+            raise LockLostError(f"search sink: {what} refused: the lock of projection {projection!r} is no longer "
+                                f"held with this writer's token (generation {gen}; {now}); it must not write")
+        remaining = (doc["expires_ms"] - now_ms) / 1000 - lease_margin(self.options.lock_ttl_s)
+        self._fence_until[projection] = time.monotonic() + max(0.0, remaining)
 
     def is_locked(self, projection: str) -> bool:
         self._ensure_positions_index()
@@ -991,6 +1058,7 @@ class SearchSink(Sink):
         old = sorted(self._call("read alias", lambda: self.client.get_alias(name=alias)))
         actions: list[dict[str, Any]] = [{"remove": {"index": o, "alias": alias}} for o in old if o != index]
         actions.append({"add": {"index": index, "alias": alias}})
+        self._check_fence(view, f"swapping alias {alias!r}")
         self._call("swap alias", lambda: self.client.update_aliases(actions))
         for o in old:
             if o != index and o.startswith(self._index_prefix(view)):
@@ -1104,6 +1172,7 @@ class SearchSink(Sink):
         delay = opts.backoff_initial_s
         attempt = 0
         while lines:
+            self._check_fence(target.view, f"writing into {target.name!r}")
             body = b"".join(lines)
             try:
                 resp = self._retrying("bulk request", lambda body=body: self.client.bulk(body), opts)  # type: ignore[misc]
@@ -1259,6 +1328,7 @@ class SearchSink(Sink):
         merged = self._get_positions(index)
         for tp, offset in positions.items():
             merged[tp] = max(int(offset), merged.get(tp, 0))
+        self._check_fence(target.view, f"storing the positions of {index!r}")
         self._put_positions(target.view, index, merged)
 
     # --- convenience -------------------------------------------------------------------

@@ -112,6 +112,12 @@ def test_replay_then_follow_in_every_sink_and_refused_rows_dead_lettered(
         _history(w, range(5, 80), 2, bad=frozenset({70}))
         group = FollowerGroup(proj, rt, trigger="0.2s").start()
         try:
+            # each lease store's follower writes fenced with the token its lock holds in the store
+            held = {"redis": rt.sinks["redis"].client.get(f"kf:~lock:{proj.name}").decode(),  # type: ignore[attr-defined]
+                    "search": rt.sinks["search"].client.get_doc_meta(  # type: ignore[attr-defined]
+                        "kappaflow-positions", f"~lock:{proj.name}")[0]["token"]}
+            for kind, token in held.items():
+                assert group[kind].sink.config().fences == {proj.name: token}, kind
             assert group.wait_for(lambda g: g.caught_up(), timeout=120), "followers did not catch up"
         finally:
             group.stop()
