@@ -177,10 +177,29 @@ class Source:
 class Event:
     """One change event as a custom fold sees it (values decoded to Python types).
 
-    ``op``: "c" create, "u" update, "d" delete, "r" snapshot read. ``row`` is ``after``
-    (or ``before`` for a delete). ``position`` is the source position dict
-    (``source.kf_pos``); (``topic``, ``partition``, ``offset``) is the log position.
-    Tombstones and truncates are not delivered to custom folds.
+    What ``apply`` gets, by what happened in the source table:
+
+    - insert: ``op="c"`` (``"r"`` when read by the initial snapshot), ``after`` = the row,
+      ``before`` None;
+    - update: ``op="u"``, ``after`` = the new row; ``before`` = the old row when the source
+      logs it (PostgreSQL ``REPLICA IDENTITY FULL``, MySQL ``binlog_row_image=FULL``), else
+      None. An update that changes the table's primary key arrives as a delete of the old key
+      and an insert of the new one;
+    - delete: ``op="d"``, ``after`` None, ``before`` = the deleted row: the whole row with
+      ``REPLICA IDENTITY FULL`` / MySQL's full row image, only the key columns under
+      PostgreSQL's default replica identity (a fold keyed by other columns needs FULL);
+    - TRUNCATE: one ``op="d"`` event per row it removed, ``before`` = the row as the log last
+      held it (always the whole row), ``truncate`` True, ``position`` the truncate's; rows of
+      one truncate come in key order. Logs written before kappaflow recorded these deletes
+      hold only tombstones for a truncate, which reach no fold.
+
+    Not delivered: tombstones (the delete before each one carried the change) and the
+    truncate's own ``op="t"`` marker (its deletes carry the rows). Event topics
+    (``Source(events=True)``): ``op="c"``, ``after`` = the domain event object.
+
+    ``row`` is ``after`` (or ``before`` for a delete). ``position`` is the source position
+    dict (``source.kf_pos``); (``topic``, ``partition``, ``offset``) is the log position;
+    ``key`` the record key's columns.
     """
 
     topic: str
@@ -193,6 +212,8 @@ class Event:
     ts_ms: int | None
     position: dict[str, Any] | None = None
     source: dict[str, Any] | None = None
+    truncate: bool = False
+    """True for the deletes a TRUNCATE produced (one per removed row)."""
 
     @property
     def row(self) -> dict[str, Any] | None:

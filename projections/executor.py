@@ -229,7 +229,7 @@ class _Folder:
         op = obj.get("op")
         if op not in ("c", "u", "d", "r"):
             if op == "t":
-                return None  # truncate markers: the tombstones that follow carry the deletes
+                return None  # truncate markers: the deletes that follow carry the removed rows
             raise ValueError(f"op: expected one of c, u, d, r, t, got {op!r}")
         dec = self.row_dec[topic]
         before = obj.get("before")
@@ -242,7 +242,8 @@ class _Folder:
         if k is None and key is not None:
             k = self._key_dict(topic, key)
         src = obj.get("source") or {}
-        return Event(topic, partition, offset, op, k, before, after, obj.get("ts_ms"), src.get("kf_pos"), src)
+        return Event(topic, partition, offset, op, k, before, after, obj.get("ts_ms"), src.get("kf_pos"), src,
+                     obj.get("kf_truncate") is True)
 
     def _key_dict(self, topic: str, key: bytes) -> Any:
         kobj = orjson.loads(key)
@@ -502,7 +503,8 @@ class _Folder:
                             if after is not None:
                                 after = dec(after)
                             src = obj.get("source") or {}
-                            ev = Event(t, p, o, op, kd, before, after, obj.get("ts_ms"), src.get("kf_pos"), src)
+                            ev = Event(t, p, o, op, kd, before, after, obj.get("ts_ms"), src.get("kf_pos"), src,
+                                       obj.get("kf_truncate") is True)
                         except Exception as exc:
                             dead(t, p, o, rk, f"malformed change event: {type(exc).__name__}: {exc}")
                             continue

@@ -490,8 +490,9 @@ class Plan:
                 krow = F.coalesce(kj["payload"], F.struct(*[kj[c].alias(c) for c in schema.key]))
                 kconv = converted_row(krow, schema.key_schema())
                 vk = [kconv[mapping[k]].cast(self.view_key_types[k]).alias(k) for k in self.spec.key]
+                # not tombstones, nor truncate markers (op header; the deletes after them carry the rows)
                 frames.append(
-                    raw.where(F.col("value").isNotNull()).select(
+                    raw.where(F.col("value").isNotNull() & (F.col("op").isNull() | (F.col("op") != "t"))).select(
                         F.col("topic").alias("_kf_topic"),
                         F.col("partition").alias("_kf_partition"),
                         F.col("offset").alias("_kf_offset"),

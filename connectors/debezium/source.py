@@ -3,9 +3,10 @@
 Projections then consume ``<source>.<db|schema>.<table>`` exactly like the topics kappaflow's
 own connectors write: same key (``{"id": 1}``), same value (kappaflow's envelope with
 ``source.kf_pos``; decimals as strings by default), a tombstone after every delete, ``op=t``
-markers plus tombstones for a truncate. What Debezium writes besides change events is skipped or
-routed (see ``decode.py``); a record that cannot be decoded goes to ``<source>.__dead_letter``
-with the reason and its Kafka position (topic, partition, offset), and the rest goes on.
+markers plus a delete (the row the log last held) and a tombstone per key for a truncate. What
+Debezium writes besides change events is skipped or routed (see ``decode.py``); a record that
+cannot be decoded goes to ``<source>.__dead_letter`` with the reason and its Kafka position
+(topic, partition, offset), and the rest goes on.
 
 Commit order (the same as the database connectors, ``connectors/writer.py``):
 
@@ -29,14 +30,13 @@ from kappaflow.connectors.base import OP_HEADER, POSITION_HEADER, CaptureSummary
 from kappaflow.connectors.debezium.decode import DebeziumDecoder, Decoded
 from kappaflow.connectors.debezium.kafka_input import DebeziumInput
 from kappaflow.connectors.offsets import OffsetStore
+from kappaflow.connectors.truncate import TRUNCATE_KEY, live_rows, truncate_records
 from kappaflow.connectors.writer import Batch, CaptureWriter, FaultHook
 from kappaflow.errors import ConfigError, KappaflowError, SourceError, ValidationError
 from kappaflow.events import EventCodec, Op
 from kappaflow.log.base import CleanupPolicy, Log, Record, TopicConfig
 
 __all__ = ["TRUNCATE_KEY", "DebeziumSource"]
-
-TRUNCATE_KEY = b"{}"
 
 
 class DebeziumSource(Connector):
@@ -111,14 +111,9 @@ class DebeziumSource(Connector):
         if ev.op is Op.TRUNCATE:
             self._flush(batch, writer, None)
             writer.drain()
-            for p in range(n):
-                recs: list[Record] = [TrustedRecord(TRUNCATE_KEY, value, (oph, ph))]
-                live: set[bytes] = set()
-                for rec in self.log.iter_partition(topic, p):
-                    if rec.key is None or rec.key == TRUNCATE_KEY:
-                        continue
-                    (live.discard if rec.value is None else live.add)(rec.key)
-                recs.extend(TrustedRecord(k, None, (oph, ph)) for k in sorted(live))
+            for p in range(n):  # marker, then each live row's delete and tombstone (connectors/truncate.py)
+                recs = truncate_records(value, live_rows(self.log, topic, p), (oph, ph),
+                                        ((OP_HEADER, b"d"), ph), (oph, ph))
                 self._add(topic, recs, p)
             return
         if ev.key is None:

@@ -10,8 +10,9 @@ Record layout (the same as every kappaflow connector, and Debezium's):
 - an update that changes the primary key becomes a delete (+ tombstone) of the old key
   and a create of the new one, like Debezium;
 - ``TRUNCATE TABLE`` becomes, in every partition of the table's topic, an ``op=t`` marker
-  (key ``{}``) followed by tombstones for every key that partition holds, so the compacted
-  topic is empty like the table (the PostgreSQL connector does the same);
+  (key ``{}``) followed by a delete carrying the row the log last held and a tombstone for
+  every key that partition holds, so consumers see each removed row and the compacted topic
+  is empty like the table (``connectors/truncate.py``; the PostgreSQL connector does the same);
 - schema records go to ``<source>.__schema`` (compacted, key ``"db.table"``, value
   ``TableSchema.to_dict()`` plus ``table``, ``kf_pos``, ``ts_ms``, ``change`` and ``ddl``; a
   dropped table gets a tombstone), the layout the PostgreSQL connector writes.
@@ -33,6 +34,7 @@ import orjson
 from kappaflow.connectors.base import OP_HEADER, POSITION_HEADER, TrustedRecord
 from kappaflow.connectors.mysql.schema_tracking import TableState
 from kappaflow.connectors.offsets import OffsetStore
+from kappaflow.connectors.truncate import TRUNCATE_KEY, live_rows, truncate_records
 from kappaflow.connectors.writer import Batch, CaptureWriter, FaultHook
 from kappaflow.errors import SourceError
 from kappaflow.events import ChangeEvent, EventCodec, Op, Position, Snapshot, SourceInfo, TableSchema
@@ -42,7 +44,6 @@ from kappaflow.log.partitioner import partition_for
 
 __all__ = ["TRUNCATE_KEY", "ChangeBatcher", "key_of", "make_source", "now_ms"]
 
-TRUNCATE_KEY = b"{}"
 _OPS = {o: (OP_HEADER, o.value.encode()) for o in Op}
 
 
@@ -264,21 +265,13 @@ class ChangeBatcher:
         self._last_position = pos
 
     def add_truncate(self, state: TableState, event: ChangeEvent, pos: Position) -> None:
-        """The op=t marker and the tombstones of every live key, per partition (see the module docstring).
+        """The op=t marker, then a delete (the row as the log last held it) and a tombstone for every
+        live key, per partition (``connectors/truncate.py``).
 
-        The caller must have flushed and drained first: the keys are read from the log.
+        The caller must have flushed and drained first: the rows are read from the log.
         """
         topic = state.topic
         n = self.ensure_topic(topic)
-        live: list[set[bytes]] = [set() for _ in range(n)]
-        for p in range(n):
-            for rec in self.log.iter_partition(topic, p):
-                if rec.key is None or rec.key == TRUNCATE_KEY:
-                    continue
-                if rec.value is None:
-                    live[p].discard(rec.key)
-                else:
-                    live[p].add(rec.key)
         value = self.codec.encode_value(event, state.schema)
         ph = (POSITION_HEADER, orjson.dumps(pos.to_dict()))
         op_t = _OPS[Op.TRUNCATE]
@@ -286,9 +279,10 @@ class ChangeBatcher:
             if self._max_tail is not None and self._already_written(topic, None, pos, p):
                 self.skipped += 1
                 continue
-            self._add(topic, p, TrustedRecord(TRUNCATE_KEY, value, (op_t, ph)))
-            for k in sorted(live[p]):
-                self._add(topic, p, TrustedRecord(k, None, (op_t, ph)))
+            recs = truncate_records(value, live_rows(self.log, topic, p), (op_t, ph), (_OPS[Op.DELETE], ph),
+                                    (op_t, ph))
+            for rec in recs:
+                self._add(topic, p, rec)
         self.events += 1
         self.last_position = pos
 

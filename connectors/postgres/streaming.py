@@ -63,6 +63,7 @@ from kappaflow.connectors.postgres.replication import (
     parse_keepalive,
 )
 from kappaflow.connectors.postgres.rows import TOAST_ROW_MIN, TableCodec
+from kappaflow.connectors.truncate import TRUNCATE_KEY, live_rows, truncate_records
 from kappaflow.errors import SourceError, ValidationError
 from kappaflow.events import PgPosition
 from kappaflow.log.partitioner import partition_for
@@ -81,7 +82,6 @@ _OP_T = ("kf.op", b"t")
 _HEADERS_C = (_OP_C,)
 _HEADERS_U = (_OP_U,)
 _HEADERS_D = (_OP_D,)
-_TRUNCATE_KEY = b"{}"
 _MISSING: Any = object()
 
 
@@ -610,11 +610,14 @@ class PgStreamingSource(StreamingSource):
 
     # -- TRUNCATE ------------------------------------------------------------------------------------
     def _truncate(self, msg: Truncate) -> None:
-        """op=t marker in every partition, then tombstones for every key the topic holds.
+        """op=t marker in every partition, then a delete (the row as the log last held it) and a
+        tombstone for every key the topic holds (``connectors/truncate.py``).
 
         The marker tells consumers "everything before this in this partition is gone"; the
-        tombstones make the compacted topic empty like the table. Both go into each partition
-        in one append (all-or-nothing per partition), so the duplicate check stays exact.
+        deletes carry the removed rows to consumers keyed by other columns; the tombstones make
+        the compacted topic empty like the table. A partition's records go in one append
+        (all-or-nothing per partition), so the duplicate check stays exact; partitions are
+        flushed one at a time, so only one partition's rows are held in memory.
         """
         cap = self.cap
         codecs = [tc for relid in msg.relids if (tc := self.rels.get(relid)) is not None]
@@ -635,15 +638,6 @@ class PgStreamingSource(StreamingSource):
             sort_key = (self.tx_lsn, 1, idx)
             topic = tc.topic
             nparts = cap.topic_partitions.get(topic) or cap._ensure_topic(topic)
-            live: list[set[bytes]] = [set() for _ in range(nparts)]
-            for p in range(nparts):
-                for rec in cap.log.iter_partition(topic, p):
-                    if rec.key is None or rec.key == _TRUNCATE_KEY:
-                        continue
-                    if rec.value is None:
-                        live[p].discard(rec.key)
-                    else:
-                        live[p].add(rec.key)
             dco = self.dco.get(topic, 0) + 1
             self.dco[topic] = dco
             value = (b'{"before":null,"after":null,"source":%s%d,"snapshot":false}},"op":"t","ts_ms":%d,'
@@ -655,11 +649,11 @@ class PgStreamingSource(StreamingSource):
                 if self.dedup and tail is not None and sort_key <= tail:
                     self.duplicates += 1
                     continue
-                recs = [TrustedRecord(_TRUNCATE_KEY, value, (_OP_T, *pos))]
-                recs.extend(TrustedRecord(k, None, (_OP_T, *pos)) for k in sorted(live[p])
-                            if partition_for(k, nparts) == p)
+                live = {k: v for k, v in live_rows(cap.log, topic, p).items() if partition_for(k, nparts) == p}
+                recs = truncate_records(value, live, (_OP_T, *pos), (_OP_D, *pos), (_OP_T, *pos))
                 cap.pending.truncates.append((topic, p, recs))
                 cap.pending.count += len(recs)
+                cap.flush(self.offset, token=None)
             if tc.toast_state is not None:
                 tc.toast_state.clear()
             self.events += 1
@@ -685,7 +679,7 @@ class PgStreamingSource(StreamingSource):
         nparts = cap.topic_partitions.get(tc.topic) or cap._ensure_topic(tc.topic)
         for p in range(nparts):
             for rec in cap.log.iter_partition(tc.topic, p):
-                if rec.key is None or rec.key == _TRUNCATE_KEY:
+                if rec.key is None or rec.key == TRUNCATE_KEY:
                     continue
                 if rec.value is None:
                     state.pop(rec.key, None)

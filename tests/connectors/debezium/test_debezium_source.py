@@ -149,10 +149,14 @@ def test_debezium_topics_decode_like_kappaflows_own_capture(mariadb_server: Any,
         src = DebeziumSource(name="dbz", log=log, bootstrap=kafka_broker.bootstrap, topics=topics, partitions=1)
         summary = src.run(until_caught_up=True)
         assert summary.events == 6
-        # the truncate: an op=t marker, then the tombstone of every key the topic held
-        pg = [(r.key, None if r.value is None else orjson.loads(r.value)["op"])
-              for r in log.iter_partition("dbz.public.customers", 0)]
-        assert pg == [(b'{"id":1}', "r"), (b"{}", "t"), (b'{"id":1}', None)]
+        # the truncate: an op=t marker, then for every key the topic held its delete (the row the
+        # log last held, flagged kf_truncate, at the truncate's position) and its tombstone
+        recs_pg = list(log.iter_partition("dbz.public.customers", 0))
+        pg = [(r.key, None if r.value is None else orjson.loads(r.value)["op"]) for r in recs_pg]
+        assert pg == [(b'{"id":1}', "r"), (b"{}", "t"), (b'{"id":1}', "d"), (b'{"id":1}', None)]
+        snap, marker, delete = (orjson.loads(r.value) for r in recs_pg[:3])
+        assert delete["before"] == snap["after"] and delete["after"] is None and delete["kf_truncate"] is True
+        assert delete["source"] == marker["source"]
         assert _decoded(log, "dbz", f"{db}.customers") == own_customers
         assert _decoded(log, "dbz", f"{db}.products") == own_products
         assert own_products[0][3]["seen"] == dt.datetime(2024, 1, 2, 3, 4, 5, 654321, tzinfo=dt.UTC)

@@ -49,6 +49,10 @@ def test_inserts_updates_deletes_truncate(mariadb_server: Any, mariadb_db: str, 
     truncs = [d for d in docs if d["op"] == "t"]
     assert len(truncs) == 2  # one marker per partition, same position
     assert truncs[0]["source"]["kf_pos"] == truncs[1]["source"]["kf_pos"]
+    # every row the table held comes back as a delete carrying the row, at the truncate's position
+    removed = [d for d in docs if d.get("kf_truncate")]
+    assert sorted((d["before"]["id"], d["before"]["v"]) for d in removed) == [(2, "B"), (4, "d"), (5, "e"), (30, "c")]
+    assert all(d["op"] == "d" and d["after"] is None and d["source"] == truncs[0]["source"] for d in removed)
     assert {orjson.loads(k)["id"] for k in mh.compacted(embedded_log, topic)} == {9}
     assert mh.table_rows(mariadb_server, db, "t") == [{"id": 9, "v": "z"}]
 

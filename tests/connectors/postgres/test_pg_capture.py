@@ -154,6 +154,20 @@ def test_inserts_updates_deletes_truncate_identity_and_commit_order(pg_dsn: str,
     truncs = [r for r in records(any_log, tb) if r.key == b"{}"]
     assert len(truncs) == any_log.partitions(tb)
     assert all(dict(r.headers)["kf.op"] == b"t" for r in truncs)
+    # ... each followed, in its partition, by a delete of every row b held (the row as the log last held
+    # it, at the truncate's position, flagged kf_truncate) and that key's tombstone
+    for p in range(any_log.partitions(tb)):
+        part = list(any_log.iter_partition(tb, p))
+        at = next(i for i, r in enumerate(part) if r.key == b"{}")
+        after = part[at + 1:]
+        removed = [r for r in after if r.value is not None and orjson.loads(r.value).get("kf_truncate")]
+        assert [r.key for r in after[:2 * len(removed)]] == [k for r in removed for k in (r.key, r.key)]
+        assert all(r.value is None for r in after[1:2 * len(removed):2])
+        assert all(record_position(r) == record_position(part[at]) for r in after[:2 * len(removed)])
+    removed_rows = sorted((orjson.loads(r.value)["op"], orjson.loads(r.value)["before"]["id"],
+                           orjson.loads(r.value)["before"]["v"]) for r in records(any_log, tb)
+                          if r.value is not None and orjson.loads(r.value).get("kf_truncate"))
+    assert removed_rows == [("d", 1, "changed"), ("d", 3, "b3"), ("d", 4, "b4"), ("d", 5, "b5")]
     assert compacted(any_log, ta) == table_state(pg_dsn, "public.a", source_name)
     assert compacted(any_log, tb) == table_state(pg_dsn, "public.b", source_name)
     assert list(compacted(any_log, tb)) == [b'{"id":7}']
