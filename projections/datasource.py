@@ -10,8 +10,10 @@ Usable from any PySpark code::
           .load())
 
 Columns: ``topic string, partition int, offset bigint, key binary, value binary,
-timestamp timestamp, op string`` (``op`` from the record's ``kf.op`` header, NULL
-when absent; ``value`` is NULL for a tombstone).
+timestamp timestamp, op string, superseded int`` (``op`` from the record's ``kf.op``
+header, NULL when absent; ``value`` is NULL for a tombstone; ``superseded``: with
+``latestPerKey``, how many earlier records of the same key in the range this one replaced,
+else 0, so ``count(*) + sum(superseded)`` is the number of records read).
 
 Options
 - ``log`` (required): the log URL (``open_log`` syntax); ``kafka.<name>`` options are
@@ -31,7 +33,8 @@ Options
   `kappaflow.ledger.personal`. No secrets in the option: a password comes from the environment.
 - ``latestPerKey``: ``true`` yields only the last record of each key within each Spark
   partition (what compaction keeps); with one Spark partition per log partition that is
-  each key's latest record, all a latest-row or group-by fold needs.
+  each key's latest record, all a latest-row or group-by fold needs. ``superseded`` counts
+  the records each one replaced.
 
 Why a Python data source: both log backends (embedded SQLite and Kafka) are read by
 kappaflow's own ``Log`` contract, so the same code path feeds Spark on a laptop and on
@@ -43,6 +46,7 @@ from __future__ import annotations
 
 import json
 import threading
+from collections import Counter
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -58,7 +62,10 @@ from pyspark.sql.types import StructType
 from kappaflow.errors import ConfigError, LogError
 
 FORMAT = "kappaflow"
-SCHEMA_DDL = "topic string, partition int, offset bigint, key binary, value binary, timestamp timestamp, op string"
+SCHEMA_DDL = (
+    "topic string, partition int, offset bigint, key binary, value binary, timestamp timestamp, op string, "
+    "superseded int"
+)
 ARROW_SCHEMA = pa.schema(
     [
         ("topic", pa.string()),
@@ -68,6 +75,7 @@ ARROW_SCHEMA = pa.schema(
         ("value", pa.binary()),
         ("timestamp", pa.timestamp("us", tz="UTC")),
         ("op", pa.string()),
+        ("superseded", pa.int32()),
     ]
 )
 READ_CHUNK = 20_000
@@ -337,7 +345,10 @@ def _op_of(headers: Any) -> str | None:
     return op
 
 
-def _batch(topic: str, partition: int, cols: Columns) -> pa.RecordBatch:
+_ZERO = pa.scalar(0, pa.int32())
+
+
+def _batch(topic: str, partition: int, cols: Columns, superseded: list[int] | None = None) -> pa.RecordBatch:
     offsets, keys, values, ts, heads = cols
     n = len(offsets)
     return pa.RecordBatch.from_arrays(
@@ -349,6 +360,7 @@ def _batch(topic: str, partition: int, cols: Columns) -> pa.RecordBatch:
             pa.array(values, pa.binary()),
             pa.array([x * 1000 for x in ts], pa.timestamp("us", tz="UTC")),
             pa.array([_op_of(h) for h in heads], pa.string()),
+            pa.repeat(_ZERO, n) if superseded is None else pa.array(superseded, pa.int32()),
         ],
         schema=ARROW_SCHEMA,
     )
@@ -371,7 +383,9 @@ def read_range(
         return
     latest: dict[Any, tuple[int, Any, int, Any]] = {}
     keyless: list[tuple[int, Any, Any, int, Any]] = []
+    seen: Counter[Any] = Counter()  # records per key (C-level counting), for `superseded`
     for offsets, keys, values, ts, heads in _chunks(log, rng, chunk):
+        seen.update(keys)
         if None in keys:
             keyless += [
                 (o, None, v, t, h) for o, k, v, t, h in zip(offsets, keys, values, ts, heads, strict=True) if k is None
@@ -389,7 +403,7 @@ def read_range(
             [r[3] for r in part],
             [r[4] for r in part],
         )
-        yield _batch(rng.topic, rng.partition, out)
+        yield _batch(rng.topic, rng.partition, out, [0 if r[1] is None else seen[r[1]] - 1 for r in part])
 
 
 def _first(r: tuple[Any, ...]) -> Any:

@@ -174,6 +174,29 @@ def _spans(end: Offsets, start: Offsets | None = None) -> list[int]:
     return [o - (start or {}).get(t, {}).get(p, 0) for t, parts in end.items() for p, o in parts.items()]
 
 
+def _read_metrics() -> list[Any]:
+    """Records read through a raw log frame: rows, plus the records ``latestPerKey`` folded into them."""
+    return [F.count(F.lit(1)).alias("rows"), F.coalesce(F.sum("superseded"), F.lit(0)).alias("superseded")]
+
+
+class _ReadCounter:
+    """Counts the records a build actually reads: after compaction the offset span of a partition
+    counts records that are gone, which inflated replay's events and events/s."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.observations: list[Observation] = []
+
+    def __call__(self, df: DataFrame, topic: str) -> DataFrame:
+        obs = Observation(f"kf_read_{self.name}_{topic}_{time.monotonic_ns()}")
+        self.observations.append(obs)
+        return df.observe(obs, *_read_metrics())
+
+    @property
+    def records(self) -> int:
+        return sum(int(o.get.get("rows") or 0) + int(o.get.get("superseded") or 0) for o in self.observations)
+
+
 def build(
     plan: Plan, rt: Runtime, target: Target, end: Offsets, *, dead_letters: bool = True, sink: Sink | None = None
 ) -> BuildResult:
@@ -188,8 +211,10 @@ def build(
     sink = sink or rt.sink
     cfg = sink.config()
     rows_df: DataFrame | None = None
-    res = BuildResult(events=total)
+    res = BuildResult()
     obs = Observation(f"kf_build_{spec.name}_{time.monotonic_ns()}")
+    counted = _ReadCounter(spec.name)
+    read_by_workers: Any = None  # the direct fold reads the log itself: an accumulator counts its records
     dead: list[dict[str, Any]] = []
     if isinstance(spec.fold, CustomFold):
         in_place = plan.fold_in_place
@@ -197,11 +222,13 @@ def build(
         if in_place:
             # One Spark task per log partition reads and folds it directly (see executor._run_direct).
             ranges = [(r.topic, r.partition, r.start, r.end) for r in plan_ranges({}, end, None)]
+            read_by_workers = rt.spark.sparkContext.accumulator(0)
             job = replace(
                 _fold_job(plan, version, sorted_input=False),
                 log_url=rt.log_url,
                 log_options=dict(rt.log_options),
                 key_columns=_key_columns(plan),
+                records_read=read_by_workers,
             )
             src = rt.spark.createDataFrame(
                 rt.spark.sparkContext.parallelize(ranges or [("", 0, 0, 0)], max(1, len(ranges))),
@@ -209,7 +236,7 @@ def build(
             )
             folded = src.mapInArrow(make_folder(job), fold_output_type(plan))
         else:
-            raws = {t: rt.raw(t, "earliest", end, split) for t in spec.topics}
+            raws = {t: counted(rt.raw(t, "earliest", end, split), t) for t in spec.topics}
             ev = plan.custom_events(raws)
             parts = int(rt.spark.conf.get("spark.sql.shuffle.partitions") or 4)
             folded = plan.sorted_for_fold(ev, parts).mapInArrow(
@@ -223,7 +250,9 @@ def build(
         raws = {
             t: rt.raw(t, "earliest", end, None if deduped else LATEST_SPLIT, latest_per_key=True) for t in spec.topics
         }
-        ev = plan.all_events(raws).observe(obs, F.count(F.when(F.col("_kf_bad"), 1)).alias("bad"))
+        ev = plan.all_events({t: counted(df, t) for t, df in raws.items()}).observe(
+            obs, F.count(F.when(F.col("_kf_bad"), 1)).alias("bad")
+        )
         rows = plan.rows(plan.latest(ev, deduped=deduped))
         if isinstance(spec.fold, LatestFold):
             rows_df = rows
@@ -249,6 +278,7 @@ def build(
             plan, sink.kind, [(bytes(d["key"]).decode(), d["offset"], d["reason"]) for d in refused], rows_df
         )
     res.dead_letters = _dead_letter(rt, plan, dead) if dead_letters else len(dead)
+    res.events = int(read_by_workers.value) if read_by_workers is not None else counted.records
     res.seconds = time.monotonic() - t0
     return res
 
@@ -305,7 +335,7 @@ def apply_batch(
         metrics = plan._cached(
             ("metrics", t, partitions[t]),
             lambda t=t: (
-                [F.count(F.lit(1)).alias("events")]
+                _read_metrics()
                 + [F.max(F.when(F.col("partition") == p, F.col("offset"))).alias(f"p{p}") for p in range(partitions[t])]
             ),
         )
@@ -374,7 +404,8 @@ def apply_batch(
         dead += _collect_bad(plan, {t: (df.where(cond) if cond is not None else df) for t, df in raws.items()})
     res.dead_letters = _dead_letter(rt, plan, dead)
     changed = {k: v for k, v in after.items() if before.get(k) != v}
-    res.events = sum(v - before.get(k, 0) for k, v in changed.items())  # log records consumed
+    # log records consumed (read), not offsets passed: compaction leaves gaps in the offsets
+    res.events = sum(int(o.get.get("rows") or 0) + int(o.get.get("superseded") or 0) for o in observations)
     wm = watermark(after)
     if isinstance(spec.fold, GroupFold):
         w = _with_retry("applying the batch", lambda: sink.apply_grouped(target, tbl, wm, changed))

@@ -142,6 +142,7 @@ class FoldJob:
     log_options: dict[str, Any] | None = None
     key_columns: dict[str, tuple[str, ...]] | None = None  # topic -> source column per view key
     event_topics: frozenset[str] = frozenset()  # topics whose values are domain events (no envelope)
+    records_read: Any = None  # direct reads: a Spark accumulator of the log records read
 
 
 _MISSING = object()
@@ -468,6 +469,7 @@ class _Folder:
         dead = self._dead
         loads = orjson.loads
         ops = frozenset(("c", "u", "d", "r"))
+        read = 0
         for b in ranges:
             for t, p, start, end in zip(*(b.column(i).to_pylist() for i in range(4)), strict=True):
                 if end <= start:
@@ -478,6 +480,7 @@ class _Folder:
                 dec = self.row_dec[t]
                 kdec = self.key_dec.get(t)
                 for offsets, keys, values, _ts, _heads in _chunks(log, LogRange(t, p, start, end), READ_CHUNK):
+                    read += len(offsets)
                     for o, rk, v in zip(offsets, keys, values, strict=True):
                         if v is None:
                             continue  # tombstone: the delete event before it carried the change
@@ -544,6 +547,8 @@ class _Folder:
                                     new.setdefault(n, kv)
                         rows[k] = new
                         lasts[k] = (t, p, o, rk)
+        if self.job.records_read is not None:
+            self.job.records_read.add(read)
         for k, row in rows.items():
             self._finish_key(None, row, lasts.get(k))
             if len(self.out) >= EMIT_CHUNK:
