@@ -59,7 +59,9 @@ from kappaflow.projections.api import CustomFold, Projection, ProjectionSpec
 from kappaflow.projections.engine import BatchResult, ProjectionBusy, apply_batch, nest, prepare
 from kappaflow.projections.mirror import is_mirror, sync
 from kappaflow.projections.replay import _record, as_spec
+from kappaflow.projections.schema_watch import NeedsRebuild, SchemaWatch, mark_needs_rebuild
 from kappaflow.projections.sinks._rows import SinkStateLostError
+from kappaflow.projections.sinks.base import ViewSchemaMismatch
 
 log = logging.getLogger("kappaflow.projections")
 
@@ -148,6 +150,7 @@ class Follower:
         rt = self.rt
         spec = self.spec
         self.plan = prepare(spec, rt)
+        self._schemas = SchemaWatch(self.plan, rt)
         base = rt.sink_for(spec.name, self.sink_name)
         # Own sink (connection): followers in one process run their batches concurrently.
         self.sink = base.config().open()
@@ -190,12 +193,21 @@ class Follower:
         rt, spec, plan, sink = self.rt, self.spec, self.plan, self.sink
         self._fence()
         created = sink.live(plan.view) is None
-        self.target = sink.ensure(plan.view)
+        try:
+            self.target = sink.ensure(plan.view)
+        except ViewSchemaMismatch as exc:  # e.g. a source table changed while nothing followed it
+            mark_needs_rebuild(rt, spec.name, str(exc))
+            raise
         if first:
             reg = None
             if rt.dsn:
                 with rt.registry() as r:
                     reg = r.get(spec.name)
+            if reg is not None and not created and reg.needs_rebuild:
+                raise NeedsRebuild(
+                    f"projection {spec.name!r} needs a rebuild before it can be followed ({reg.needs_rebuild}); "
+                    f"run `kappaflow replay {spec.class_path or spec.name}`"
+                )
             if reg is not None and not created and reg.fingerprint != spec.fingerprint():
                 raise ConfigError(
                     f"projection {spec.name!r} changed since its view was built (definition fingerprint differs); "
@@ -256,6 +268,7 @@ class Follower:
     def _batch(self, df: DataFrame, batch_id: int) -> None:
         try:
             self._check_lock()
+            self._schemas.check()  # a source schema change the view cannot take stops the follower
             spec = self.spec
             before = self.sink.read_positions(self.target)
             raws = (

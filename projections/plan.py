@@ -97,6 +97,7 @@ class Plan:
     row_columns: tuple[str, ...] = ()  # source columns of the (common) row struct
     state_columns: tuple[ViewColumn, ...] = ()  # grouped: columns kept per source key
     view_key_types: dict[str, DataType] = field(default_factory=dict)
+    whole_rows: bool = False  # the fold receives whole source rows (apply()): any column change reaches it
     # Column expressions are built once and reused for every batch: each builder call is a
     # py4j round trip, and a follow micro-batch would otherwise pay hundreds of them.
     _memo: dict[Any, Any] = field(default_factory=dict, repr=False)
@@ -208,7 +209,8 @@ class Plan:
         if missing:
             raise ConfigError(f"{where}: 'key' column(s) {missing} are not in 'schema' ({names})")
         cols = tuple(ViewColumn(f.name, f.dataType, f.name not in spec.key) for f in struct.fields)
-        plan = cls(spec, schemas, ViewSpec(spec.view, spec.name, spec.key, cols, spec.namespace, spec.view_options()))
+        plan = cls(spec, schemas, ViewSpec(spec.view, spec.name, spec.key, cols, spec.namespace, spec.view_options()),
+                   whole_rows=True)
         plan.view_key_types = {k: struct[k].dataType for k in spec.key}
         for src in spec.sources:
             mapping = dict(src.key or {k: k for k in spec.key})

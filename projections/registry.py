@@ -3,7 +3,9 @@
 One row per projection with a live view: where the view is, its key and columns, the
 topics it reads, the definition's fingerprint and a generation number that changes
 whenever a new live table appears (replay swap, or follow creating the view), so a
-follower never resumes from a Spark checkpoint written against an older table.
+follower never resumes from a Spark checkpoint written against an older table; and
+``needs_rebuild``, why the view must be rebuilt before it can be followed again (set by a
+follower that met a source schema change the view cannot take, cleared by the next build).
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ class Registered:
     generation: int
     replayed_at: Any
     updated_at: Any
+    needs_rebuild: str | None = None
 
     @property
     def view(self) -> ViewSpec:
@@ -62,12 +65,13 @@ class Registry:
 
     _COLS = (
         "name, kind, view_schema, view_table, key_columns, columns, topics, class_path, fingerprint, "
-        "generation, replayed_at, updated_at"
+        "generation, replayed_at, updated_at, needs_rebuild"
     )
 
     def _row(self, r: tuple[Any, ...]) -> Registered:
         cols = r[5] if isinstance(r[5], dict) else orjson.loads(r[5])
-        return Registered(r[0], r[1], r[2], r[3], list(r[4]), cols, list(r[6]), r[7], r[8], int(r[9]), r[10], r[11])
+        return Registered(r[0], r[1], r[2], r[3], list(r[4]), cols, list(r[6]), r[7], r[8], int(r[9]), r[10], r[11],
+                          r[12])
 
     def get(self, name: str) -> Registered | None:
         r = self.conn.execute(f"SELECT {self._COLS} FROM {TABLE} WHERE name = %s", (name,)).fetchone()
@@ -99,8 +103,10 @@ class Registry:
         new_generation: bool,
         replayed: bool,
     ) -> int:
-        """Insert or update a projection's row; returns its generation."""
+        """Insert or update a projection's row; returns its generation. A new generation (a view built
+        from the log as it is now) clears ``needs_rebuild``."""
         gen_expr = "p.generation + 1" if new_generation else "p.generation"
+        rebuild_expr = "NULL" if new_generation else "p.needs_rebuild"
         r = self.conn.execute(
             f"""
             INSERT INTO {TABLE} AS p (name, kind, view_schema, view_table, key_columns, columns, topics, class_path,
@@ -110,7 +116,7 @@ class Registry:
                 view_table = excluded.view_table, key_columns = excluded.key_columns, columns = excluded.columns,
                 topics = excluded.topics, class_path = coalesce(excluded.class_path, p.class_path),
                 fingerprint = excluded.fingerprint,
-                generation = {gen_expr},
+                generation = {gen_expr}, needs_rebuild = {rebuild_expr},
                 replayed_at = coalesce(excluded.replayed_at, p.replayed_at), updated_at = now()
             RETURNING generation
             """,
@@ -128,6 +134,10 @@ class Registry:
             ),
         ).fetchone()
         return int(r[0]) if r else 1
+
+    def mark_needs_rebuild(self, name: str, reason: str) -> None:
+        """Record why `name`'s view must be rebuilt (``kappaflow status`` shows it until a replay)."""
+        self.conn.execute(f"UPDATE {TABLE} SET needs_rebuild = %s, updated_at = now() WHERE name = %s", (reason, name))
 
     def forget(self, name: str) -> None:
         self.conn.execute(f"DELETE FROM {TABLE} WHERE name = %s", (name,))

@@ -64,10 +64,18 @@ class ProjectionStatus:
     partitions: list[PartitionLag] = field(default_factory=list)
     following: bool = False
     sinks: list[SinkStatus] = field(default_factory=list)
+    needs_rebuild: str | None = None  # why the view must be rebuilt (a follower stopped on it)
 
     @property
     def lag(self) -> int:
         return sum(p.lag for p in self.partitions)
+
+    @property
+    def state(self) -> str:
+        """"needs rebuild" (never healthy, whatever the positions say), "following" or "stopped"."""
+        if self.needs_rebuild:
+            return "needs rebuild"
+        return "following" if self.following else "stopped"
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -80,6 +88,8 @@ class ProjectionStatus:
             "replayed_at": str(self.replayed_at) if self.replayed_at else None,
             "updated_at": str(self.updated_at) if self.updated_at else None,
             "following": self.following,
+            "state": self.state,
+            "needs_rebuild": self.needs_rebuild,
             "lag": self.lag,
             "partitions": [
                 {"topic": p.topic, "partition": p.partition, "position": p.position, "end": p.end, "lag": p.lag}
@@ -124,6 +134,7 @@ def projection_status(rt: Runtime, name: str | None = None) -> list[ProjectionSt
                     first.partitions,
                     first.following,
                     per_sink,
+                    e.needs_rebuild,
                 )
             )
     return out

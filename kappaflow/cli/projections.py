@@ -266,7 +266,7 @@ def list_projections(ctx: typer.Context) -> None:
             s.view,
             f"{s.rows:,}" if s.rows is not None else "?",
             f"{s.lag:,}",
-            "yes" if s.following else "no",
+            "needs rebuild" if s.needs_rebuild else "yes" if s.following else "no",
             str(s.replayed_at or "-")[:19],
         )
     console.print(table if rows else "no projections yet: run `kappaflow replay module:Class`")
@@ -290,12 +290,16 @@ def status(
         console.print_json(json.dumps([s.to_dict() for s in rows], default=str))
         return
     for s in rows:
-        table = Table(title=f"{s.name} ({s.kind}) -> {s.view}")
+        title = f"{s.name} ({s.kind}) -> {s.view}"
+        if s.needs_rebuild:
+            title += f"\nNEEDS REBUILD: {s.needs_rebuild}"
+        table = Table(title=title)
         for c in ("sink", "rows", "following", "topic", "partition", "position", "end", "lag"):
             table.add_column(c)
         for st in s.sinks:
+            following = "needs rebuild" if s.needs_rebuild else ("yes" if st.following else "no")
             head = [st.sink, f"{st.rows:,}" if st.rows is not None else "?",
-                    "error: " + st.error[:60] if st.error else ("yes" if st.following else "no")]
+                    "error: " + st.error[:60] if st.error else following]
             for i, p in enumerate(st.partitions or [None]):
                 cells = head if i == 0 else ["", "", ""]
                 if p is None:
