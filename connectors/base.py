@@ -208,6 +208,11 @@ class CaptureSummary:
     started_at: float = field(default_factory=time.time)
     elapsed_s: float = 0.0
     per_topic: dict[str, int] = field(default_factory=dict)
+    transactions: int = 0  # source transactions durable in the log
+    # source commit -> log append of the last durable transaction, or the heartbeat round trip when idle
+    source_lag_ms: float | None = None
+    # snapshot progress per table: "schema.table" -> [rows read, estimated rows]
+    snapshot_tables: dict[str, list[int]] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)

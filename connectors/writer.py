@@ -44,6 +44,8 @@ class Batch:
     token: Any = None
     creates: list[tuple[str, TopicConfig]] = field(default_factory=list)
     records: int = 0
+    transactions: int = 0  # source transactions completed by this batch (metrics)
+    commit_ts_ms: int | None = None  # source commit time of the batch's last transaction (source lag)
 
     def add(self, topic: str, records: list[Record], partition: int | None = None) -> None:
         if records:
@@ -72,6 +74,9 @@ class CaptureWriter:
         self.batches_written = 0
         self.append_seconds = 0.0
         self.per_topic: dict[str, int] = {}
+        # The run's summary: step 4 counts the batch's transactions there and measures the source lag
+        # (commit at the source -> durable in the log), per batch, off the per-row path.
+        self.summary: Any = None
         self._thread: threading.Thread | None = None
         if threaded:
             self._queue: queue.Queue[Any] = queue.Queue(maxsize=max(1, depth))
@@ -161,6 +166,11 @@ class CaptureWriter:
         self.append_seconds += time.perf_counter() - t0
         self.records_written += batch.records
         self.batches_written += 1
+        summary = self.summary
+        if summary is not None:
+            summary.transactions += batch.transactions
+            if batch.commit_ts_ms is not None:
+                summary.source_lag_ms = max(0.0, time.time() * 1000 - batch.commit_ts_ms)
         with self._cond:  # step 4
             if batch.token is not None:
                 self._durable = batch.token

@@ -357,11 +357,45 @@ class SparkConfig(_Model):
         return check_spark_level(v)
 
 
+class MetricsConfig(_Model):
+    """``[metrics]``: the ``/metrics`` endpoint of capture, follow and the ledger relay, and the history
+    they keep for the status page. One process per port: give each service its own
+    (``--metrics-port`` or ``KAPPAFLOW_METRICS__PORT``)."""
+
+    port: int | None = Field(None, ge=0, le=65_535)  # None: no endpoint; 0: any free port (logged)
+    host: str = "127.0.0.1"  # 0.0.0.0 to let a Prometheus on another host scrape it
+    probe_interval_s: float = Field(5.0, gt=0)  # source-side figures (retained WAL) read at most this often
+    history: bool = True  # keep a sample every history_interval_s in the views database (status page plots)
+    history_interval_s: float = Field(10.0, ge=1)
+    history_retention_s: float = Field(3600.0, ge=60)
+
+
+class HealthConfig(_Model):
+    """``[health]``: thresholds of ``kappaflow status --check`` (and of doctor's retained WAL warning)."""
+
+    max_lag_seconds: float = Field(300.0, ge=0)
+    max_retained_wal_bytes: int = Field(1 << 30, ge=0)
+    max_dead_letters: int = Field(0, ge=0)
+    # projections that must be followed in every sink holding their view ("*": every registered one)
+    followers: list[str] = Field(default_factory=lambda: ["*"])
+
+
+class UiConfig(_Model):
+    """``[ui]``: where ``kappaflow ui`` serves the status page (localhost unless configured)."""
+
+    host: str = "127.0.0.1"
+    port: int = Field(8050, ge=0, le=65_535)
+    refresh_s: int = Field(10, ge=1)
+
+
 class Settings(_Model):
     log: LogConfig = Field(default_factory=LogConfig)
     spark: SparkConfig = Field(default_factory=SparkConfig)
     views: ViewsConfig = Field(default_factory=ViewsConfig)
     ledger: LedgerConfig = Field(default_factory=LedgerConfig)
+    metrics: MetricsConfig = Field(default_factory=MetricsConfig)
+    health: HealthConfig = Field(default_factory=HealthConfig)
+    ui: UiConfig = Field(default_factory=UiConfig)
     sources: dict[str, SourceConfig] = Field(default_factory=dict)
     profile: dict[str, dict[str, Any]] = Field(default_factory=dict, exclude=True)
 
@@ -473,5 +507,5 @@ def _env_overrides(env: dict[str, str]) -> dict[str, Any]:
         for part in path[:-1]:
             node = node.setdefault(part, {})
         leaf = path[-1]
-        node[leaf] = value.split(",") if leaf in ("tables", "topics") else value
+        node[leaf] = value.split(",") if leaf in ("tables", "topics", "followers") else value
     return out

@@ -74,7 +74,9 @@ class FollowStats:
     deleted: int = 0
     dead_letters: int = 0
     last_batch_at: float = 0.0
+    last_batch_s: float = 0.0  # how long the last batch took (metrics: batch duration histogram)
     positions: dict[tuple[str, int], int] = field(default_factory=dict)
+    read: dict[str, int] = field(default_factory=dict)  # offsets the batches moved past, per topic
 
 
 def parse_trigger(text: str) -> str:
@@ -266,6 +268,7 @@ class Follower:
         log.info("follower %s: took the projection lock again", self.name)
 
     def _batch(self, df: DataFrame, batch_id: int) -> None:
+        started = time.monotonic()
         try:
             self._check_lock()
             self._schemas.check()  # a source schema change the view cannot take stops the follower
@@ -277,13 +280,21 @@ class Follower:
                 else {spec.topics[0]: df}
             )
             res = apply_batch(self.plan, self.rt, self.target, raws, before, sink=self.sink, deduped_input=True)
-            self._count(res)
+            self._count(res, started, before)
         except BaseException as exc:
             self.error = exc
             raise
 
-    def _count(self, res: BatchResult) -> None:
+    def _count(self, res: BatchResult, started: float | None = None,
+               before: dict[tuple[str, int], int] | None = None) -> None:
         s = self.stats
+        if started is not None:
+            s.last_batch_s = time.monotonic() - started
+        if before is not None:  # a mirror copies the PostgreSQL view: it reads no log
+            for (t, p), at in res.positions.items():
+                moved = at - before.get((t, p), 0)
+                if moved > 0:
+                    s.read[t] = s.read.get(t, 0) + moved
         s.batches += 1
         s.events += res.events
         s.upserted += res.upserted
@@ -445,13 +456,17 @@ class Follower:
             return False
         return message.startswith(("Waiting for", "Processing new data"))
 
+    def partition_lag(self) -> dict[tuple[str, int], tuple[int, int]]:
+        """(stored position, log end) per topic partition of the projection."""
+        ends = self.rt.end_offsets(self.spec.topics)
+        pos = self._lock_sink.read_positions(self.target)  # not the batch connection (may be mid-transaction)
+        return {(t, p): (min(pos.get((t, p), 0), e), e) for t, parts in ends.items() for p, e in parts.items()}
+
     def lag(self) -> tuple[int, int]:
         """(stored position, log end), each summed over the projection's topic partitions;
         their difference is the number of records the view has not consumed yet."""
-        ends = self.rt.end_offsets(self.spec.topics)
-        pos = self._lock_sink.read_positions(self.target)  # not the batch connection (may be mid-transaction)
-        at = sum(min(pos.get((t, p), 0), e) for t, parts in ends.items() for p, e in parts.items())
-        return at, sum(e for parts in ends.values() for e in parts.values())
+        parts = self.partition_lag()
+        return sum(at for at, _ in parts.values()), sum(e for _, e in parts.values())
 
     def caught_up(self) -> bool:
         """True when the stored positions reach the log's current end."""
@@ -480,6 +495,7 @@ class _MirrorLoop:
     def _run(self) -> None:
         f = self.follower
         while not self._stop.is_set():
+            started = time.monotonic()
             try:
                 f._check_lock()
                 res = sync(f.plan, f.rt, f._pg, f.sink, f.target)
@@ -487,7 +503,7 @@ class _MirrorLoop:
                 f.error = self._exc = exc
                 return
             if res is not None:
-                f._count(res)
+                f._count(res, started)
             f._failures = 0
             self._synced = True
             self._stop.wait(self.interval)

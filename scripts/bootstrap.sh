@@ -21,6 +21,17 @@ if ! command -v docker-compose >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command 
   (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq docker-compose) >/dev/null 2>&1 \
     || echo "bootstrap: could not install docker-compose; tests/compose will fail" >&2
 fi
+# Monitoring tests: a real Prometheus server scrapes kappaflow's /metrics, and the status page is checked in
+# headless Chromium driven through chromedriver (Debian packages; the tests skip, saying why, without them).
+missing=()
+command -v prometheus >/dev/null 2>&1 || missing+=(prometheus)
+command -v chromium >/dev/null 2>&1 || missing+=(chromium)
+command -v chromedriver >/dev/null 2>&1 || missing+=(chromium-driver)
+if [ ${#missing[@]} -gt 0 ] && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+  echo "bootstrap: installing ${missing[*]} (Debian packages) for the monitoring tests" >&2
+  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}") \
+    >/dev/null 2>&1 || echo "bootstrap: could not install ${missing[*]}; tests/monitoring will skip those tests" >&2
+fi
 if ! command -v java >/dev/null 2>&1; then
   echo "bootstrap: Java 17+ is required by Spark (apt-get install openjdk-17-jre-headless)" >&2
   exit 1

@@ -128,6 +128,8 @@ class CaptureEngine:
         self._last_save = time.monotonic()
         self._saved = offset.to_dict()
         self._events_base = offset.events
+        self._txs = 0  # transactions since the last hand-over and the last one's commit time (metrics)
+        self._commit_ts_ms: int | None = None
         # watermark snapshot: keys changed in the stream, per table, in this window and the previous one
         self.touched: dict[tuple[str, str], set[tuple[Any, ...]]] | None = None
         self.touched_prev: dict[tuple[str, str], set[tuple[Any, ...]]] = {}
@@ -213,6 +215,8 @@ class CaptureEngine:
             assert isinstance(item, CommitItem)
             self.resume = (item.file, item.next_pos, item.gtid)
             self._txn = None
+            self._txs += 1
+            self._commit_ts_ms = item.ts_ms
             if self.writer.buffered >= self.batch_records or \
                     time.monotonic() - self._last_flush >= self.flush_interval_s:
                 self.checkpoint()
@@ -220,8 +224,13 @@ class CaptureEngine:
             self._schema(item)
         elif cls is DdlItem:
             self._ddl(item)
-        elif cls is TickItem and (self.writer.buffered or time.monotonic() - self._last_save >= self.heartbeat_s):
-            self.checkpoint()
+        elif cls is TickItem:
+            # the server's heartbeat: the capture is at the end of the binlog, nothing is waiting
+            summary = self.writer.writer.summary
+            if summary is not None and not self.writer.buffered and self.writer.writer.pending == 0:
+                summary.source_lag_ms = 0.0
+            if self.writer.buffered or time.monotonic() - self._last_save >= self.heartbeat_s:
+                self.checkpoint()
 
     def _rows(self, item: RowsItem) -> None:
         state = item.state
@@ -284,7 +293,8 @@ class CaptureEngine:
             o.last_position = w.last_position.to_dict()
         d = o.to_dict()
         if w.buffered or force_save or d != self._saved:
-            w.flush(d)
+            w.flush(d, transactions=self._txs, commit_ts_ms=self._commit_ts_ms)
+            self._txs, self._commit_ts_ms = 0, None
             self._saved = d
             self._last_save = time.monotonic()
         if drain:
@@ -547,7 +557,7 @@ class MySQLConnector(Connector):
             return s
         o = engine.offset
         return dataclasses.replace(s, events=engine.writer.events, records=engine.writer.records,
-                                   position=f"{o.file}:{o.pos}")
+                                   position=f"{o.file}:{o.pos}", per_topic=dict(engine.writer.writer.per_topic))
 
     # -- setup -------------------------------------------------------------------------
     def _resolve_tables(self, conn: Any, strict: bool = True) -> list[tuple[str, str]]:
@@ -623,6 +633,7 @@ class MySQLConnector(Connector):
                                replica_server_id=self.server_id, batch_records=self.batch_records,
                                flush_interval_s=self.flush_interval_s, heartbeat_s=self.heartbeat_s,
                                offsets=offsets, threaded=self.threaded_writer, fault=self.fault)
+        engine.writer.writer.summary = summary  # transactions and source lag, counted per batch
         for db, t in tables:
             engine.writer.ensure_topic(tracker.topic(db, t))
             engine.refresh_hints(db, t)  # what the binlog cannot tell (MariaDB JSON columns)

@@ -306,9 +306,12 @@ class ChangeBatcher:
         return True
 
     # -- flushing ----------------------------------------------------------------------
-    def flush(self, offset: dict[str, Any] | None, token: Any = None) -> None:
-        """Hand the pending records (schema records first) and then the offset to the writer."""
-        batch = Batch(creates=self._creates, offset=offset, token=token)
+    def flush(self, offset: dict[str, Any] | None, token: Any = None, *, transactions: int = 0,
+              commit_ts_ms: int | None = None) -> None:
+        """Hand the pending records (schema records first) and then the offset to the writer
+        (``transactions``/``commit_ts_ms``: counted and measured by the writer, see ``Batch``)."""
+        batch = Batch(creates=self._creates, offset=offset, token=token, transactions=transactions,
+                      commit_ts_ms=commit_ts_ms)
         schema = self._pending.pop((self.schema_topic, None), None)
         if schema:
             batch.add(self.schema_topic, schema)

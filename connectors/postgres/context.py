@@ -125,6 +125,8 @@ class PgCapture:
             self._load_mapped_tails(mapper)
         self.writer = CaptureWriter(log, self.offsets, self.source, threaded=self._writer_threaded,
                                     fault=self.fault)
+        self.writer.summary = self.summary
+        self.summary.per_topic = self.writer.per_topic  # live counts for metrics (copied at the end)
 
     def _load_mapped_tails(self, mapper: RecordMapper) -> None:
         """The order of the last mapped record in every partition of the mapper's topics."""
@@ -243,11 +245,16 @@ class PgCapture:
         return True
 
     # -- flushing ------------------------------------------------------------------------------
-    def flush(self, offset: PgOffset | None, token: Any = None) -> None:
-        """Hand the pending records (schema first) and the offset to the writer."""
+    def flush(self, offset: PgOffset | None, token: Any = None, *, transactions: int = 0,
+              commit_ts_ms: int | None = None) -> None:
+        """Hand the pending records (schema first) and the offset to the writer.
+
+        ``transactions`` / ``commit_ts_ms``: the source transactions the batch completes and the
+        commit time of its last one (counted and measured by the writer once durable)."""
         assert self.writer is not None
         p = self.pending
-        batch = Batch(creates=p.creates, offset=None if offset is None else offset.to_dict(), token=token)
+        batch = Batch(creates=p.creates, offset=None if offset is None else offset.to_dict(), token=token,
+                      transactions=transactions, commit_ts_ms=commit_ts_ms)
         batch.add(self.schema_topic, p.schema)
         for topic, recs in p.by_topic.items():
             batch.add(topic, recs)

@@ -128,12 +128,16 @@ class PgSnapshotSource(SnapshotSource):
                 if sk[0] == snap.lsn and sk[1] == 0:
                     snap.next_index = max(snap.next_index, sk[2] + 1)
             todo = [t for t in cap.tables.values() if not snap.tables.setdefault(t.qualified, TableProgress()).done]
+            for name, done_tp in snap.tables.items():  # per-table progress for metrics: [rows, total, done]
+                if done_tp.done:
+                    cap.summary.snapshot_tables[name] = [done_tp.rows, done_tp.rows, 1]
             with SnapshotProgressDisplay(self.progress) as display:
                 for i, info in enumerate(todo):
                     if stop.is_set():
                         break
                     tp = snap.tables[info.qualified]
                     total = info.estimated_rows if info.estimated_rows > 0 else self._count(pg, info)
+                    cap.summary.snapshot_tables[info.qualified] = [tp.rows, total or 0, 0]
                     display.add(info.qualified, total, tp.rows)
                     self._table(pg, info, tp, snap, offset, stop, display, last_table=i == len(todo) - 1)
             self._exec(pg, b"COMMIT")
@@ -268,6 +272,10 @@ class PgSnapshotSource(SnapshotSource):
             offset.events += take - skipped
             if not more:
                 tp.done = True
+            progress = cap.summary.snapshot_tables.get(info.qualified)
+            if progress is not None:  # once per chunk, not per row
+                progress[0] = tp.rows
+                progress[2] = int(tp.done)
             if cap.pending.count >= self.chunk_rows or tp.done:
                 cap.flush(offset)
             display.advance(info.qualified, take, finished=tp.done)

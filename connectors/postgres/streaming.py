@@ -82,6 +82,7 @@ _OP_T = ("kf.op", b"t")
 _HEADERS_C = (_OP_C,)
 _HEADERS_U = (_OP_U,)
 _HEADERS_D = (_OP_D,)
+_SENT = b"sent:"  # heartbeat content: the capture's wall time (ms) when it wrote the heartbeat
 _MISSING: Any = object()
 
 
@@ -112,6 +113,8 @@ class PgStreamingSource(StreamingSource):
         self.prefixes: dict[int, bytes] = {}
         self.dedup = False
         self.complete_end = 0  # end LSN of the last complete transaction in the pending batch
+        self.complete_txs = 0  # transactions completed in the pending batch, and the last one's commit time
+        self.complete_ts_ms: int | None = None
         self.duplicates = 0
         self.events = 0  # events emitted since the last flush (added to the offset and summary there)
         self._where_lsn = -1  # mapped tables: the transaction named in error messages
@@ -169,7 +172,8 @@ class PgStreamingSource(StreamingSource):
                 self.offset.lsn = max(self.offset.lsn, self.idle_candidate)
                 cap.flush(self.offset, token=self.idle_candidate)
             if now >= next_heartbeat:
-                slots.emit_heartbeat(cap.conn, self.slot)
+                # the send time rides along: its round trip is the source lag when idle (_other)
+                slots.emit_heartbeat(cap.conn, self.slot, _SENT.decode() + str(int(time.time() * 1000)))
                 next_heartbeat = now + self.heartbeat_interval_s
             if self.caught_up and not self.in_tx and not cap.pending:
                 writer.drain()
@@ -204,8 +208,10 @@ class PgStreamingSource(StreamingSource):
             cap.flush(self.offset, token=None)
             return
         token = self.complete_end or None
-        cap.flush(self.offset, token=token)
+        cap.flush(self.offset, token=token, transactions=self.complete_txs, commit_ts_ms=self.complete_ts_ms)
         self.complete_end = 0
+        self.complete_txs = 0
+        self.complete_ts_ms = None
 
     def _count_events(self) -> None:
         if self.events:
@@ -356,12 +362,14 @@ class PgStreamingSource(StreamingSource):
 
     def _commit_tx(self, m: bytes) -> None:
         """A Commit message: the offset moves past the transaction (flushed later, in batches)."""
-        _flags, commit_lsn, end_lsn, _ts = _commit(m, 26)
+        _flags, commit_lsn, end_lsn, ts = _commit(m, 26)
         self.in_tx = False
         off = self.offset
         off.lsn = end_lsn
         off.last_commit_lsn = commit_lsn
         self.complete_end = end_lsn
+        self.complete_txs += 1
+        self.complete_ts_ms = (ts + PG_EPOCH_US) // 1000
 
     def _other(self, m: bytes, marker: bytes | None) -> None:
         start = _xlog_start(m, 1)[0]
@@ -375,6 +383,13 @@ class PgStreamingSource(StreamingSource):
         elif isinstance(msg, LogicalMessage) and msg.prefix == self.heartbeat_prefix and not msg.transactional:
             if not self.in_tx:
                 self.idle_candidate = max(self.idle_candidate, msg.lsn)
+                if msg.content.startswith(_SENT) and not self.cap.pending and self.cap.require_writer().pending == 0:
+                    try:
+                        sent = int(msg.content[len(_SENT):])
+                    except ValueError:
+                        sent = None
+                    if sent is not None:  # idle: nothing decoded waits for the log
+                        self.cap.summary.source_lag_ms = max(0.0, time.time() * 1000 - sent)
             if marker is not None and msg.content == marker:
                 self.caught_up = True
         # Origin messages and other applications' logical messages carry nothing kappaflow needs

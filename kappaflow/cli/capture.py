@@ -82,6 +82,38 @@ def source_status(config: Any, log: Log) -> dict[str, Any]:
     return make_connector(config, log).status()
 
 
+class _CaptureMetrics:
+    """The capture's collectors and the source probe its progress lines share (one query per interval)."""
+
+    def __init__(self, settings: Settings, source: Any, connectors: list[Connector]) -> None:
+        from kappaflow.metrics.capture import CaptureCollector
+        from kappaflow.metrics.core import new_registry
+        from kappaflow.metrics.log import LogCollector, embedded_dir
+        from kappaflow.metrics.probes import CachedProbe, open_probe
+
+        self.settings = settings
+        raw = open_probe(source)
+        self.probe = CachedProbe(raw, settings.metrics.probe_interval_s) if raw is not None else None
+        self.collector = CaptureCollector(source, lambda: connectors, probe=self.probe)
+        self.registry = new_registry(self.collector,
+                                     LogCollector(appended=self.collector.appended, log_dir=embedded_dir(settings)))
+
+    @contextmanager
+    def serve(self, port: int | None, say: Callable[[str], None]) -> Iterator[None]:
+        from kappaflow.metrics.process import serve
+
+        try:
+            with serve(self.settings, self.registry, port=port, announce=say):
+                yield
+        finally:
+            if self.probe is not None:
+                self.probe.close()
+
+
+def capture_metrics(settings: Settings, source: Any, connectors: list[Connector]) -> _CaptureMetrics:
+    return _CaptureMetrics(settings, source, connectors)
+
+
 def open_log_for(settings: Settings) -> Log:
     """The configured log (kept as a seam for tests and the runners)."""
     log: Log = settings.open_log()
@@ -113,13 +145,14 @@ def _stop_on_signals(stop: StopSignal, on_signal: Callable[[str], None] | None =
 def capture_command(name: str, until_caught_up: bool = False, config_path: Path | None = None, *,
                     profile: str | None = None, progress: bool | None = None,
                     max_retries: int | None = None, echo: Callable[[str], None] | None = None,
-                    log_every_s: float = 0.0) -> CaptureSummary:
+                    log_every_s: float = 0.0, metrics_port: int | None = None) -> CaptureSummary:
     """Run the capture of source ``name`` from ``kappaflow.toml`` until stopped (or caught up).
 
     Returns the summary of the last run. Raises KappaflowError for terminal failures
     (and for transient ones once ``max_retries`` is exhausted; None retries forever).
     ``log_every_s`` > 0: a timestamped progress line to ``echo`` at that interval
-    (``kappaflow.cli.progress_log``).
+    (``kappaflow.cli.progress_log``). ``metrics_port`` (else ``[metrics] port``): ``/metrics`` there
+    (``kappaflow.metrics.capture``).
     """
     from kappaflow.cli.progress_log import ProgressLog
     settings = Settings.load(config_path, profile=profile)
@@ -132,9 +165,11 @@ def capture_command(name: str, until_caught_up: bool = False, config_path: Path 
     attempt = 0
     delay = 1.0
     current: list[Connector] = []
-    reporter = ProgressLog(source, lambda: current[-1] if current else None, say, interval_s=log_every_s) \
-        if log_every_s > 0 else contextlib.nullcontext()
-    with _stop_on_signals(stop, lambda sig: say(f"{sig}: finishing the current batch, then stopping")), reporter:
+    metrics = capture_metrics(settings, source, current)
+    reporter = ProgressLog(source, lambda: current[-1] if current else None, say, interval_s=log_every_s,
+                           probe=metrics.probe) if log_every_s > 0 else contextlib.nullcontext()
+    with _stop_on_signals(stop, lambda sig: say(f"{sig}: finishing the current batch, then stopping")), \
+            metrics.serve(metrics_port, say), reporter:
         while True:
             log = open_log_for(settings)
             try:
@@ -144,9 +179,11 @@ def capture_command(name: str, until_caught_up: bool = False, config_path: Path 
                 summary = connector.run(stop, until_caught_up=until_caught_up)
                 return summary
             except KappaflowError as exc:
+                metrics.collector.error(exc)
                 if not exc.transient or stop.is_set() or (max_retries is not None and attempt >= max_retries):
                     raise
                 attempt += 1
+                metrics.collector.restart()
                 say(f"{exc} — retrying in {delay:.0f}s (attempt {attempt})")
                 if stop.wait(delay):
                     raise
@@ -165,6 +202,8 @@ def capture(
     log_every: Annotated[float, typer.Option(
         "--log-every", help="Seconds between progress lines (changes/s, position, lag) when stderr is not a "
         "terminal; 0: none.")] = 10.0,
+    metrics_port: Annotated[int | None, typer.Option(
+        "--metrics-port", help="Serve Prometheus metrics on this port (/metrics); default [metrics] port.")] = None,
 ) -> None:
     """Capture a source into the log: consistent snapshot, then streaming; Ctrl-C and kill -9 safe.
 
@@ -180,7 +219,7 @@ def capture(
     summary = capture_command(name, until_caught_up, obj.get("config"), profile=obj.get("profile"),
                               progress=progress, echo=lambda m: err_console.print(stamp(m), markup=False,
                                                                                   highlight=False),
-                              log_every_s=0.0 if terminal else log_every)
+                              log_every_s=0.0 if terminal else log_every, metrics_port=metrics_port)
     took = time.monotonic() - started
     line = (f"{summary.source}: {summary.events:,} events ({summary.snapshot_rows:,} snapshot rows), "
             f"{summary.records:,} records, {summary.duplicates_skipped:,} duplicates skipped; "
@@ -205,10 +244,11 @@ def main(argv: list[str] | None = None) -> None:
         until_caught_up: Annotated[bool, typer.Option("--until-caught-up")] = False,
         progress: Annotated[bool | None, typer.Option("--progress/--no-progress")] = None,
         log_every: Annotated[float, typer.Option("--log-every")] = 10.0,
+        metrics_port: Annotated[int | None, typer.Option("--metrics-port")] = None,
     ) -> None:
         ctx.obj = {"config": config, "profile": profile}
         try:
-            capture(ctx, name, until_caught_up, progress, log_every)
+            capture(ctx, name, until_caught_up, progress, log_every, metrics_port)
         except KappaflowError as exc:
             fail(str(exc), transient=exc.transient)
 

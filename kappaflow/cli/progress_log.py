@@ -21,7 +21,9 @@ from typing import Any
 
 from rich.filesize import decimal
 
-__all__ = ["LAG_PROBES", "ProgressLog", "stamp"]
+from kappaflow.metrics.probes import SourceProbe, SourceReading, open_probe
+
+__all__ = ["ProgressLog", "lag_text", "stamp"]
 
 
 def stamp(line: str) -> str:
@@ -30,65 +32,16 @@ def stamp(line: str) -> str:
 
 
 
-class _PostgresLag:
-    """Bytes of WAL the source's slot has not confirmed yet (what `source status` calls lag_bytes)."""
-
-    def __init__(self, src: Any) -> None:
-        self.slot = src.slot_name
-        self.dsn = src.connect_dsn()
-        self.conn: Any = None
-
-    def __call__(self, position: str | None) -> str | None:
-        from kappaflow.connectors.postgres import slots
-
-        if self.conn is None or self.conn.closed:
-            self.conn = slots.connect(self.dsn, what="reading the slot lag")
-        row = self.conn.execute("SELECT pg_wal_lsn_diff(pg_current_wal_insert_lsn(), confirmed_flush_lsn)::bigint "
-                                "FROM pg_replication_slots WHERE slot_name = %s", (self.slot,)).fetchone()
-        return None if row is None or row[0] is None else decimal(max(0, int(row[0])))
-
-    def close(self) -> None:
-        if self.conn is not None:
-            self.conn.close()
-
-
-class _MySQLLag:
-    """Binlog bytes between the capture's position and the server's (files behind when not the same file)."""
-
-    def __init__(self, src: Any) -> None:
-        from kappaflow.connectors.mysql.server import parse_dsn
-
-        self.args = parse_dsn(src.dsn, src.resolved_password())
-        self.conn: Any = None
-
-    def __call__(self, position: str | None) -> str | None:
-        from kappaflow.connectors.mysql.server import binlog_files, connect, master_status
-
-        if position is None or ":" not in position:
-            return None
-        if self.conn is None or not self.conn.open:
-            self.conn = connect(self.args, what="reading the binlog lag", autocommit=True)
-        with self.conn.cursor() as cur:
-            file, pos = master_status(cur)
-        at_file, _, at_pos = position.partition(":")
-        if at_file == file:
-            return decimal(max(0, pos - int(at_pos)))
-        files = binlog_files(self.conn)
-        behind = len(files) - files.index(at_file) - 1 if at_file in files else "?"
-        return f"{behind} binlog file(s) behind"
-
-    def close(self) -> None:
-        if self.conn is not None:
-            self.conn.close()
-
-
-# Source kind -> how to read its lag (kinds without one print none: a Debezium source's lag is its
-# consumer group's, which Kafka's own tools show).
-LAG_PROBES: dict[str, Callable[[Any], Any]] = {
-    "postgres": _PostgresLag,
-    "ledger": _PostgresLag,
-    "mysql": _MySQLLag,
-}
+def lag_text(reading: SourceReading) -> str | None:
+    """The lag a progress line shows: the slot's unconfirmed WAL, or the binlog bytes not read yet
+    (files behind when the capture is not in the server's current file)."""
+    if reading.unconfirmed_wal_bytes is not None:
+        return decimal(reading.unconfirmed_wal_bytes)
+    if reading.binlog_files_behind:
+        return f"{reading.binlog_files_behind} binlog file(s) behind"
+    if reading.binlog_bytes_behind is not None:
+        return decimal(reading.binlog_bytes_behind)
+    return None
 
 
 class ProgressLog:
@@ -98,15 +51,16 @@ class ProgressLog:
     """
 
     def __init__(self, source: Any, current: Callable[[], Any], write: Callable[[str], None], *,
-                 interval_s: float = 10.0) -> None:
+                 interval_s: float = 10.0, probe: SourceProbe | None = None) -> None:
         self.source = source
         self.current = current
         self.write = write
         self.interval_s = interval_s
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"progress-{source.name}", daemon=True)
-        probe = LAG_PROBES.get(source.kind)
-        self._lag: Any = probe(source) if probe is not None else None
+        # a probe shared with the metrics endpoint is closed by its owner
+        self._owns_probe = probe is None
+        self._lag: SourceProbe | None = open_probe(source) if probe is None else probe
         self._last: tuple[float, int] | None = None
 
     def __enter__(self) -> ProgressLog:
@@ -116,7 +70,7 @@ class ProgressLog:
     def __exit__(self, *exc: object) -> None:
         self._stop.set()
         self._thread.join(timeout=10)
-        if self._lag is not None:
+        if self._lag is not None and self._owns_probe:
             try:
                 self._lag.close()
             except Exception:
@@ -140,7 +94,7 @@ class ProgressLog:
         parts.append(f"position {summary.position or '-'}")
         if self._lag is not None:
             try:
-                lag = self._lag(summary.position)
+                lag = lag_text(self._lag.read(summary.position))
             except Exception:  # a figure for a log line: never worth stopping the capture for
                 lag = "?"
             parts.append(f"lag {lag if lag is not None else '-'}")

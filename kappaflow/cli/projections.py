@@ -134,6 +134,8 @@ def follow(
     max_records: Annotated[int, typer.Option("--max-records", help="Records per micro-batch at most.")] = 200_000,
     checkpoint: Annotated[str | None, typer.Option("--checkpoint", help="Spark checkpoint directory.")] = None,
     sink: SinkOption = None,
+    metrics_port: Annotated[int | None, typer.Option(
+        "--metrics-port", help="Serve Prometheus metrics on this port (/metrics); default [metrics] port.")] = None,
 ) -> None:
     """Keep a view current in each of its sinks (one streaming query per sink); Ctrl-C stops cleanly.
 
@@ -141,6 +143,8 @@ def follow(
     import logging
 
     from kappaflow.cli.follow_progress import FollowProgress
+    from kappaflow.metrics.follow import follow_registry
+    from kappaflow.metrics.process import serve
     from kappaflow.projections.follow import FollowerGroup, parse_trigger
 
     log = logging.getLogger("kappaflow.follow")
@@ -158,18 +162,19 @@ def follow(
             spec, rt, sinks=sink, trigger=trigger, max_records_per_batch=max_records, checkpoint=checkpoint,
         )
         progress = FollowProgress(group)
-        group.start()
-        progress.start()
-        try:
-            group.run_forever()
-        finally:
-            progress.stop()
-            for f in group.followers.values():
-                log.info(
-                    "follower %s stopped: %s batches, %s events%s%s%s", f.name, f.stats.batches,
-                    f"{f.stats.events:,}", f", {f.restarts} restarts" if f.restarts else "",
-                    f", {f.rebuilds} rebuilds" if f.rebuilds else "", ", gave up" if f.failed else "",
-                )
+        with serve(settings(ctx), follow_registry(group, settings(ctx)), port=metrics_port):
+            group.start()
+            progress.start()
+            try:
+                group.run_forever()
+            finally:
+                progress.stop()
+                for f in group.followers.values():
+                    log.info(
+                        "follower %s stopped: %s batches, %s events%s%s%s", f.name, f.stats.batches,
+                        f"{f.stats.events:,}", f", {f.restarts} restarts" if f.restarts else "",
+                        f", {f.rebuilds} rebuilds" if f.rebuilds else "", ", gave up" if f.failed else "",
+                    )
     finally:
         rt.close()
 
