@@ -85,7 +85,8 @@ def source_status(config: Any, log: Log) -> dict[str, Any]:
 class _CaptureMetrics:
     """The capture's collectors and the source probe its progress lines share (one query per interval)."""
 
-    def __init__(self, settings: Settings, source: Any, connectors: list[Connector]) -> None:
+    def __init__(self, settings: Settings, source: Any, connectors: list[Connector], *,
+                 progress_every_s: float = 0.0) -> None:
         from kappaflow.metrics.capture import CaptureCollector
         from kappaflow.metrics.core import new_registry
         from kappaflow.metrics.log import LogCollector, embedded_dir
@@ -93,7 +94,10 @@ class _CaptureMetrics:
 
         self.settings = settings
         raw = open_probe(source)
-        self.probe = CachedProbe(raw, settings.metrics.probe_interval_s) if raw is not None else None
+        every = settings.metrics.probe_interval_s
+        if progress_every_s > 0:  # each progress line shows a fresh figure
+            every = min(every, progress_every_s)
+        self.probe = CachedProbe(raw, every) if raw is not None else None
         self.collector = CaptureCollector(source, lambda: connectors, probe=self.probe)
         self.registry = new_registry(self.collector,
                                      LogCollector(appended=self.collector.appended, log_dir=embedded_dir(settings)))
@@ -110,8 +114,9 @@ class _CaptureMetrics:
                 self.probe.close()
 
 
-def capture_metrics(settings: Settings, source: Any, connectors: list[Connector]) -> _CaptureMetrics:
-    return _CaptureMetrics(settings, source, connectors)
+def capture_metrics(settings: Settings, source: Any, connectors: list[Connector], *,
+                    progress_every_s: float = 0.0) -> _CaptureMetrics:
+    return _CaptureMetrics(settings, source, connectors, progress_every_s=progress_every_s)
 
 
 def open_log_for(settings: Settings) -> Log:
@@ -165,7 +170,7 @@ def capture_command(name: str, until_caught_up: bool = False, config_path: Path 
     attempt = 0
     delay = 1.0
     current: list[Connector] = []
-    metrics = capture_metrics(settings, source, current)
+    metrics = capture_metrics(settings, source, current, progress_every_s=log_every_s)
     reporter = ProgressLog(source, lambda: current[-1] if current else None, say, interval_s=log_every_s,
                            probe=metrics.probe) if log_every_s > 0 else contextlib.nullcontext()
     with _stop_on_signals(stop, lambda sig: say(f"{sig}: finishing the current batch, then stopping")), \

@@ -166,7 +166,8 @@ class CachedProbe(SourceProbe):
 
         with self._lock:
             now = time.monotonic()
-            if now - self._at >= self.min_interval_s:
+            stale = self._reading is not None and self._reading.slot_missing  # not created yet: ask again
+            if stale or now - self._at >= self.min_interval_s:
                 self._at = now
                 try:
                     self._reading, self._error = self.probe.read(position), None
