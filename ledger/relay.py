@@ -52,6 +52,10 @@ class LedgerRelay:
         self._topics: dict[str, int] = {}
         self._reader: TailReader | None = None
         self._forgotten = LogRedactor(ForgottenSubjects(ledger.keys))
+        # counted per append (a run of records), for metrics: events relayed, per topic, last position
+        self.relayed = 0
+        self.per_topic: dict[str, int] = {}
+        self.position = 0
 
     def resume_position(self) -> int:
         """The next ledger position to relay (1 + the highest position found in the log)."""
@@ -95,15 +99,23 @@ class LedgerRelay:
     def _publish(self, events: Iterable[RecordedEvent]) -> None:
         run: list[Record] = []
         run_at: tuple[str, int] | None = None
+        last = self.position
         for e in events:
             topic, record = to_log_record(self.source, e)
             record = self._forgotten.redact(record)
             where = (topic, partition_for(record.key, self._partitions(topic)))
             if run and where != run_at:
                 assert run_at is not None
-                self.log.append(run_at[0], run, partition=run_at[1])
+                self._append(run_at, run)
                 run = []
             run.append(record)
             run_at = where
+            last = e.position
         if run and run_at is not None:
-            self.log.append(run_at[0], run, partition=run_at[1])
+            self._append(run_at, run)
+            self.position = last
+
+    def _append(self, where: tuple[str, int], run: list[Record]) -> None:
+        self.log.append(where[0], run, partition=where[1])
+        self.relayed += len(run)
+        self.per_topic[where[0]] = self.per_topic.get(where[0], 0) + len(run)

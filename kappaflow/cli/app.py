@@ -47,6 +47,7 @@ app.command("follow")(projections_cli.follow)
 app.command("verify")(projections_cli.verify)
 app.command("query")(projections_cli.query)
 app.command("status")(projections_cli.status)
+app.command("metrics")(projections_cli.metrics)
 app.add_typer(projections_cli.app, name="projection")
 
 
@@ -59,6 +60,24 @@ def demo(
     from examples.shop.demo import run_demo
 
     run_demo(dsn=dsn, workdir=workdir, out=console.print)
+
+
+@app.command("ui")
+def ui(
+    ctx: typer.Context,
+    host: Annotated[str | None, typer.Option("--host", help="Address to bind (default [ui] host: 127.0.0.1).")] = None,
+    port: Annotated[int | None, typer.Option("--port", help="Port (default [ui] port: 8050).")] = None,
+) -> None:
+    """Serve the read-only status page: sources, projections per sink, lag and throughput plots of the last hour."""
+    import uvicorn
+
+    from kappaflow.cli.common import settings
+    from kappaflow.ui.app import create_app
+
+    s = settings(ctx)
+    bind, at = host or s.ui.host, s.ui.port if port is None else port
+    console.print(f"kappaflow ui on http://{bind}:{at}/ (read-only; Ctrl-C stops)", highlight=False, markup=False)
+    uvicorn.run(create_app(s), host=bind, port=at, log_level="warning")
 
 
 @app.callback()

@@ -244,3 +244,60 @@ def _anchor(text: str) -> tuple[int, bytes]:
         return int(pos), bytes.fromhex(hexhash)
     except ValueError:
         raise ConfigError(f"--anchor {text!r}: expected POSITION:HASH_HEX") from None
+
+
+@app.command("relay")
+def relay_cmd(
+    ctx: typer.Context,
+    source: Annotated[str, typer.Argument(help="Source name: the relay writes <source>.<stream_type> topics.")],
+    dsn: DsnOpt = None,
+    schema: SchemaOpt = None,
+    metrics_port: Annotated[int | None, typer.Option(
+        "--metrics-port", help="Serve Prometheus metrics on this port (/metrics); default [metrics] port.")] = None,
+) -> None:
+    """Relay the ledger's events into the log until stopped (where wal_level is not logical); SIGINT/SIGTERM
+    stop it after the current append, and it resumes from the log on the next start."""
+    import signal
+    import threading
+
+    from kappaflow.cli.common import err_console, settings
+    from kappaflow.cli.progress_log import stamp
+    from kappaflow.ledger import Ledger, LedgerRelay
+    from kappaflow.metrics.core import new_registry
+    from kappaflow.metrics.log import LogCollector, embedded_dir
+    from kappaflow.metrics.process import serve
+    from kappaflow.metrics.relay import RelayCollector
+
+    def say(line: str) -> None:
+        err_console.print(stamp(line), markup=False, highlight=False)
+
+    with _errors():
+        url, sch = _target(ctx, dsn, schema)
+        s = settings(ctx)
+        relays: list[LedgerRelay] = []
+        collector = RelayCollector(source, lambda: relays)
+        registry = new_registry(collector, LogCollector(appended=collector.appended, log_dir=embedded_dir(s)))
+        stop = threading.Event()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, lambda *_: stop.set())
+        delay = 1.0
+        with serve(s, registry, port=metrics_port, announce=say):
+            say(f"relaying the ledger into {source}.<stream_type> topics; Ctrl-C stops")
+            while not stop.is_set():
+                log = s.open_log()
+                try:
+                    relay = LedgerRelay(Ledger(url, schema=sch), log, source, partitions=s.log.partitions)
+                    relays.append(relay)
+                    relay.run(stop)
+                except KappaflowError as exc:
+                    collector.error(exc)
+                    if not exc.transient:
+                        raise
+                    say(f"{exc} -- retrying in {delay:.0f}s")
+                    if stop.wait(delay):
+                        break
+                    delay = min(delay * 2, 30.0)
+                    collector.restart()
+                finally:
+                    log.close()
+            say(f"stopped: {sum(r.relayed for r in relays):,} events relayed")

@@ -282,9 +282,16 @@ def status(
     ctx: typer.Context,
     name: Annotated[str | None, typer.Argument(help="Projection or view name (default: all).")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
+    check: Annotated[bool, typer.Option(
+        "--check", help="Check the [health] thresholds; exit 4 stopped follower, 5 lag, 6 retained WAL, "
+        "7 dead letters, 8 something could not be read; 0 healthy.")] = False,
 ) -> None:
-    """Position and lag per sink and log partition."""
+    """Position and lag per sink and log partition; --check: health against the [health] thresholds."""
     from kappaflow.projections.status import projection_status
+
+    if check:
+        _check(ctx)
+        return
 
     rt = _runtime(ctx, spark=False)
     try:
@@ -312,6 +319,33 @@ def status(
                 else:
                     table.add_row(*cells, p.topic, str(p.partition), f"{p.position:,}", f"{p.end:,}", f"{p.lag:,}")
         console.print(table)
+
+
+def _check(ctx: typer.Context) -> None:
+    from kappaflow.metrics.health import check
+    from kappaflow.metrics.report import build_report
+
+    s = settings(ctx)
+    problems = check(build_report(s), s.health)
+    if not problems:
+        console.print("ok: every watched projection is followed, and no threshold of [health] is crossed",
+                      highlight=False, markup=False)
+        return
+    for p in problems:
+        console.print(f"{p.reason}: {p.message}", highlight=False, markup=False)
+    raise typer.Exit(problems[0].code)
+
+
+def metrics(ctx: typer.Context) -> None:
+    """Print the metrics readable from outside the processes once (Prometheus text format), for cron-style
+    checks: sources' retained WAL and positions, log end offsets and disk bytes, each projection's lag per
+    sink and partition (records and seconds), followers and dead letters."""
+    from kappaflow.metrics.core import new_registry, render
+    from kappaflow.metrics.report import ReportCollector
+
+    s = settings(ctx)
+    _setup_logging(ctx, s)
+    sys.stdout.write(render(new_registry(ReportCollector(s))))
 
 
 def query(
@@ -432,4 +466,4 @@ def query_row(rt: Any, view: str, key: str, *, sink: str = "postgres") -> dict[s
         raise ConfigError(f"KEY {key!r}: {str(exc).splitlines()[0]} (key columns {keys})") from None
 
 
-__all__ = ["app", "follow", "query", "query_row", "replay", "verify"]
+__all__ = ["app", "follow", "metrics", "query", "query_row", "replay", "verify"]

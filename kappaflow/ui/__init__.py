@@ -1,0 +1,1 @@
+"""The read-only status page served by ``kappaflow ui`` (``kappaflow.ui.app``)."""
