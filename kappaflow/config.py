@@ -507,5 +507,5 @@ def _env_overrides(env: dict[str, str]) -> dict[str, Any]:
         for part in path[:-1]:
             node = node.setdefault(part, {})
         leaf = path[-1]
-        node[leaf] = value.split(",") if leaf in ("tables", "topics", "followers") else value
+        node[leaf] = [v for v in value.split(",") if v] if leaf in ("tables", "topics", "followers") else value
     return out
