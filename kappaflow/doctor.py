@@ -365,12 +365,57 @@ def _unknown_kind(src: Any) -> Iterator[Finding]:
     yield _fail(f"source {src.name}", "kind", f"no checks for kind {src.kind!r}", "report this: doctor lacks them")
 
 
+def check_slot_wal(settings: Settings) -> Iterator[Finding]:
+    """WAL kept for capture's slots: a slot past ``[health] max_retained_wal_bytes`` (the threshold
+    ``status --check`` alerts on), and servers without ``max_slot_wal_keep_size``, where a slot whose
+    capture stopped keeps WAL until the disk is full (the failure this field reports most)."""
+    import psycopg
+
+    from kappaflow.metrics.probes import open_probe
+
+    limit = settings.health.max_retained_wal_bytes
+    seen: set[str] = set()
+    for src in settings.sources.values():
+        if src.kind not in ("postgres", "ledger"):
+            continue
+        area = f"source {src.name}"
+        try:
+            conn = psycopg.connect(src.connect_dsn(), connect_timeout=5, autocommit=True)
+        except (psycopg.Error, KappaflowError):
+            continue  # the source's own checks report the connection
+        with conn:
+            server = f"{conn.info.host}:{conn.info.port}"
+            row = conn.execute("show max_slot_wal_keep_size").fetchone()
+            if server not in seen and row is not None and str(row[0]).strip() in ("-1", "-1kB"):
+                seen.add(server)
+                yield _warn(area, "max_slot_wal_keep_size",
+                            "unset (-1): a slot whose capture stops keeps WAL until the disk is full",
+                            "ALTER SYSTEM SET max_slot_wal_keep_size = '50GB'; SELECT pg_reload_conf(); (size it "
+                            "below the free disk; a slot past it is invalidated and its capture re-snapshots)")
+        probe = open_probe(src)
+        if probe is None:
+            continue
+        try:
+            reading = probe.read(None)
+        except Exception:
+            continue
+        finally:
+            probe.close()
+        retained = reading.retained_wal_bytes
+        if retained is not None and retained > limit:
+            yield _warn(area, "retained WAL", f"slot {reading.slot} retains {decimal(retained)} of WAL, over the "
+                        f"[health] max_retained_wal_bytes threshold ({decimal(limit)})",
+                        "check that its capture runs and keeps up (kappaflow metrics / status --check); a slot "
+                        "no capture will use again: kappaflow source remove")
+
+
 def run_checks(settings: Settings) -> list[Finding]:
     checks: list[Callable[[], Iterator[Finding]]] = [lambda: check_log(settings)]
     for src in settings.sources.values():
         source_check = SOURCE_CHECKS.get(src.kind, _unknown_kind)
         checks.append(lambda src=src, source_check=source_check: source_check(src))  # type: ignore[misc]
-    checks += [lambda: check_postgres_slots(settings), lambda: check_views(settings), lambda: check_spark(settings)]
+    checks += [lambda: check_postgres_slots(settings), lambda: check_slot_wal(settings), lambda: check_views(settings),
+               lambda: check_spark(settings)]
     findings: list[Finding] = []
     for check in checks:
         findings.extend(check())

@@ -236,3 +236,30 @@ def test_piped_output_is_whole_and_json_is_available(tmp_path: Path, monkeypatch
     rows = [json.loads(line) for line in res.stdout.splitlines()]
     wal = [r for r in rows if r["check"] == "wal_level"]
     assert wal and wal[0]["status"] == "fail" and "restart" in wal[0]["fix"], rows
+
+
+def test_slot_wal_over_the_health_threshold_and_unset_keep_size_are_warned(tmp_path: Path, pg_dsn: str) -> None:
+    """Issue 21: doctor warns when a slot retains more WAL than [health] max_retained_wal_bytes, and
+    when max_slot_wal_keep_size is unset (-1, PostgreSQL's default: no limit on what a slot keeps)."""
+    import uuid
+
+    from kappaflow.config import HealthConfig
+
+    slot = f"kappaflow_{uuid.uuid4().hex[:8]}"
+    _sql(pg_dsn, "CREATE TABLE t (id int PRIMARY KEY, pad text)",
+         f"SELECT pg_create_logical_replication_slot('{slot}', 'pgoutput')",
+         "INSERT INTO t SELECT g, repeat('x', 100) FROM generate_series(1, 2000) g")
+    try:
+        assert _sql(pg_dsn, "SHOW max_slot_wal_keep_size")[0][0] == "-1"
+        src = PostgresSourceConfig(name="shop", dsn=pg_dsn, tables=["public.t"], slot=slot)
+        findings = run_checks(_settings(tmp_path, sources={"shop": src},
+                                        health=HealthConfig(max_retained_wal_bytes=100_000)))
+        over = _find(findings, "source shop", "retained WAL")
+        assert over.status is Status.WARN and f"slot {slot} retains" in over.detail, over
+        assert "max_retained_wal_bytes" in over.detail
+        keep = _find(findings, "source shop", "max_slot_wal_keep_size")
+        assert keep.status is Status.WARN and "ALTER SYSTEM SET max_slot_wal_keep_size" in keep.fix
+        under = run_checks(_settings(tmp_path, sources={"shop": src}, health=HealthConfig()))  # 1 GiB
+        assert not [f for f in under if f.check == "retained WAL"]
+    finally:
+        _sql(pg_dsn, f"SELECT pg_drop_replication_slot('{slot}')")
