@@ -8,6 +8,11 @@ backlog), then measures:
 * ``raw_receive_per_s``: the same changes received over the replication protocol
   (pgoutput, COPY_BOTH) without decoding — the ceiling for any client;
 * ``embedded_changes_per_s``: ``PostgresConnector`` into the embedded log;
+* ``capture_with_metrics_per_s``: the same into another embedded log with the capture's
+  ``/metrics`` endpoint on (the collectors ``kappaflow capture --metrics-port`` serves, with the
+  source probe) and scraped every second over HTTP; ``metrics_vs_embedded`` is its ratio to
+  ``embedded_changes_per_s`` (goal >= 0.97: metrics are read per scrape from per-batch counters,
+  never updated per row);
 * ``kafka_changes_per_s``: ``PostgresConnector`` into Kafka (a private tansu broker) with the
   kafka-python client;
 * ``kafka_fast_changes_per_s``: the same with the confluent-kafka (librdkafka) client (goal: >= 0.7 of
@@ -97,6 +102,55 @@ def capture(dsn: str, slot: str, log_obj: object, n: int, name: str) -> tuple[fl
     return n / dt, summary.to_dict()
 
 
+def capture_with_metrics(dsn: str, slot: str, log_dir: Path, n: int, name: str) -> tuple[float, int]:
+    """``capture`` with the capture's metrics endpoint on and a scraper fetching /metrics every second;
+    returns the rate and the number of scrapes."""
+    import threading
+    import urllib.request
+
+    from kappaflow.log.embedded import EmbeddedLog
+    from kappaflow.metrics.capture import CaptureCollector
+    from kappaflow.metrics.core import MetricsEndpoint, new_registry
+    from kappaflow.metrics.log import LogCollector
+    from kappaflow.metrics.probes import CachedProbe, open_probe
+
+    cfg = PostgresSourceConfig(name=name, dsn=dsn, tables=["public.bench"], slot=slot, publication="bench_pub",
+                               snapshot_mode=SnapshotMode.NEVER, heartbeat_interval_s=30)
+    log_obj = EmbeddedLog(log_dir)
+    conn = PostgresConnector(cfg, log_obj, partitions=4, progress=False)
+    raw_probe = open_probe(cfg)
+    probe = CachedProbe(raw_probe, 5.0) if raw_probe is not None else None
+    collector = CaptureCollector(cfg, lambda: [conn], probe=probe)
+    registry = new_registry(collector, LogCollector(appended=collector.appended, log_dir=log_dir))
+    stop = threading.Event()
+    scrapes = [0]
+    try:
+        with MetricsEndpoint(registry, port=0) as endpoint:
+            url = f"http://127.0.0.1:{endpoint.port}/metrics"
+
+            def scrape() -> None:
+                while not stop.wait(1.0):
+                    with urllib.request.urlopen(url, timeout=10) as resp:
+                        resp.read()
+                    scrapes[0] += 1
+
+            scraper = threading.Thread(target=scrape, daemon=True)
+            scraper.start()
+            t0 = time.perf_counter()
+            summary = conn.run(until_caught_up=True)
+            dt = time.perf_counter() - t0
+            stop.set()
+            scraper.join(timeout=15)
+    finally:
+        stop.set()
+        if probe is not None:
+            probe.close()
+        log_obj.close()
+    if summary.events != n:
+        raise SystemExit(f"{name}: captured {summary.events} events, expected {n}")
+    return n / dt, scrapes[0]
+
+
 def sample_sizes(log_obj: object, topic: str) -> tuple[int, int]:
     recs = log_obj.read(topic, 0, 0, 1000)  # type: ignore[attr-defined]
     keys = sum(len(r.key or b"") for r in recs) // max(1, len(recs))
@@ -144,7 +198,7 @@ def main() -> None:
         with psycopg.connect(dsn, autocommit=True) as conn:
             conn.execute(TABLE)
             conn.execute("CREATE PUBLICATION bench_pub FOR TABLE bench")
-            for slot in ("bench_raw", "bench_emb", "bench_kafka", "bench_kafka_fast"):
+            for slot in ("bench_raw", "bench_emb", "bench_metrics", "bench_kafka", "bench_kafka_fast"):
                 conn.execute("SELECT pg_create_logical_replication_slot(%s, 'pgoutput')", (slot,))
         log(f"writing {n} changes ...")
         result["write_s"] = round(write_changes(dsn, n), 2)
@@ -166,6 +220,11 @@ def main() -> None:
                 result["record_value_bytes"] = value_size
             finally:
                 elog.close()
+            log("capture into the embedded log, /metrics scraped every second ...")
+            rate, scrapes = capture_with_metrics(dsn, "bench_metrics", work / "log-metrics", n, "met")
+            result["capture_with_metrics_per_s"] = round(rate)
+            result["metrics_scrapes"] = scrapes
+            result["metrics_vs_embedded"] = round(rate / result["embedded_changes_per_s"], 3)  # type: ignore[operator]
         else:
             key_size, value_size = 12, 560
 
