@@ -117,3 +117,38 @@ def test_wait_for_projection_through_log_offsets(ledger: Ledger, ledger_dsn: str
         conn.execute(upsert, (topic, part, offsets[0] + 1))  # the projection committed our event
         assert wait_for_projection(positions, "balances", r.position, timeout=5) == r.position
     positions.close()
+
+
+def test_relay_command_serves_its_metrics(ledger: Ledger, ledger_dsn: str, tmp_path: Any) -> None:
+    """Issue 21: `kappaflow ledger relay` is a long-running process with /metrics: the events it relayed,
+    the last ledger position and the records it appended per topic equal what the ledger holds."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from tests._kill import wait_for
+    from tests.monitoring._scrape import endpoint_of, scrape, value
+
+    fill(ledger, 0, 10)  # 20 events: 10 account, 10 audit
+    (tmp_path / "kappaflow.toml").write_text(f'[log]\nurl = "{tmp_path / "log"}"\npartitions = 2\n')
+    out = tmp_path / "relay.log"
+    with out.open("wb") as f:
+        proc = subprocess.Popen([sys.executable, "-m", "kappaflow.cli", "ledger", "relay", "bank", "--dsn", ledger_dsn,
+                                 "--metrics-port", "0"], cwd=tmp_path, env=dict(os.environ), stdout=f,
+                                stderr=subprocess.STDOUT)
+    try:
+        url = endpoint_of(out, 120)
+        wait_for(lambda: value(scrape(url), "kappaflow_relay_events_total", source="bank") == 20, 60, "20 relayed")
+        fill(ledger, 10, 5)
+        s = wait_for(lambda: (lambda x: x if value(x, "kappaflow_relay_events_total", source="bank") == 30 else None)(
+            scrape(url)), 60, "30 relayed")
+        assert value(s, "kappaflow_relay_position", source="bank") == 30
+        assert value(s, "kappaflow_log_records_appended_total", topic="bank.account") == 15
+        assert value(s, "kappaflow_log_records_appended_total", topic="bank.audit") == 15
+        assert value(s, "kappaflow_relay_errors_total", source="bank", kind="transient") == 0
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=60)
+    assert proc.returncode == 0, out.read_text()
+    assert "stopped: 30 events relayed" in out.read_text()

@@ -119,3 +119,25 @@ def test_capture_metrics_count_the_changes_made(pg_dsn: str, tmp_path: Path) -> 
     output = err.read_text()
     assert SECRET not in output
     assert "metrics on http://127.0.0.1:" in output
+
+
+def test_capture_errors_and_restarts_are_counted_and_the_password_stays_out(tmp_path: Path) -> None:
+    """A source that refuses connections: each failed run is a transient error and a restart (the capture
+    retries with backoff); the metric labels name the source only, and the password given for it appears
+    neither in the scrape nor in the retry lines."""
+    from kappaflow.testing.servers._process import free_port
+
+    dsn = f"postgresql://app@127.0.0.1:{free_port()}/shop"  # nothing listens there
+    proc, err, _cfg = start_capture(tmp_path, dsn)
+    try:
+        url = endpoint_of(err)
+        s = wait_for(lambda: (lambda x: x if (value(x, "kappaflow_capture_restarts_total", source="shop") or 0) >= 2
+                              else None)(scrape(url)), 120, "two restarts")
+        assert (value(s, "kappaflow_capture_errors_total", source="shop", kind="transient") or 0) >= 2
+        assert value(s, "kappaflow_capture_errors_total", source="shop", kind="terminal") == 0
+        assert value(s, "kappaflow_capture_phase", source="shop", phase="starting") == 1
+        assert SECRET not in fetch(url)
+    finally:
+        stop(proc)
+    text = err.read_text()
+    assert "retrying in" in text and SECRET not in text
