@@ -15,6 +15,7 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import psycopg
 import pytest
@@ -141,3 +142,53 @@ def test_capture_errors_and_restarts_are_counted_and_the_password_stays_out(tmp_
         stop(proc)
     text = err.read_text()
     assert "retrying in" in text and SECRET not in text
+
+
+def test_mysql_capture_metrics(tmp_path: Path, mariadb_server: Any, mariadb_db: str) -> None:
+    """The same counters for a MariaDB binlog capture, and its position figures: binlog files and bytes
+    behind (0 once caught up) and the confirmed position as file sequence * 2^32 + byte position."""
+    import pymysql
+
+    name = "m" + mariadb_db.replace("_", "")
+    mariadb_server.execute("CREATE TABLE t (id INT PRIMARY KEY, v TEXT)", db=mariadb_db)
+    mariadb_server.execute("INSERT INTO t VALUES (1, 'a'), (2, 'b')", db=mariadb_db)
+    dsn = f"mysql://root@{mariadb_server.host}:{mariadb_server.port}/{mariadb_db}"
+    cfg = tmp_path / "kappaflow.toml"
+    cfg.write_text(f'[log]\nurl = "{tmp_path / "log"}"\npartitions = 1\n'
+                   f'[sources.{name}]\nkind = "mysql"\ndsn = "{dsn}"\ntables = ["{mariadb_db}.t"]\n'
+                   f"server_id = {6000 + os.getpid() % 1000}\n[metrics]\nprobe_interval_s = 0.5\n")
+    err = tmp_path / "capture.log"
+    with err.open("wb") as f:
+        proc = subprocess.Popen([sys.executable, "-m", "kappaflow.cli.capture", name, "--config", str(cfg),
+                                 "--metrics-port", "0", "--log-every", "0"], stdout=f, stderr=subprocess.STDOUT)
+    try:
+        url = endpoint_of(err)
+        wait_for(lambda: value(scrape(url), "kappaflow_capture_phase", source=name, phase="streaming") == 1, 120,
+                 "the capture to stream")
+        conn = pymysql.connect(**mariadb_server.connect_args(mariadb_db), autocommit=True)
+        try:
+            with conn.cursor() as cur:
+                for i in range(10, 15):  # 5 transactions
+                    cur.execute("INSERT INTO t VALUES (%s, 'x')", (i,))
+                cur.execute("UPDATE t SET v = 'y'")  # 1 transaction, 7 changes
+        finally:
+            conn.close()
+
+        def settled() -> Any:
+            s = scrape(url)
+            done = (value(s, "kappaflow_capture_changes_total", source=name) == 2 + 5 + 7
+                    and value(s, "kappaflow_capture_transactions_total", source=name) == 6
+                    and value(s, "kappaflow_capture_binlog_bytes_behind", source=name) == 0)
+            return s if done else None
+
+        s = wait_for(settled, 120, "14 changes in 6 transactions, nothing behind")
+        assert value(s, "kappaflow_capture_binlog_files_behind", source=name) == 0
+        with pymysql.connect(**mariadb_server.connect_args(mariadb_db)) as c, c.cursor() as cur:
+            cur.execute("SHOW MASTER STATUS")
+            file, pos = cur.fetchone()[:2]
+        expected = (int(file.rsplit(".", 1)[1]) << 32) + pos
+        assert value(s, "kappaflow_capture_confirmed_position", source=name) == expected
+        lag = value(s, "kappaflow_capture_source_lag_seconds", source=name)
+        assert lag is not None and 0 <= lag < 60
+    finally:
+        stop(proc)
