@@ -434,6 +434,13 @@ class MySQLSnapshotSource(SnapshotSource):
         self.rows_written += written
         qual = prog.tables[prog.index]
         prog.table_rows[qual] = prog.table_rows.get(qual, 0) + written
+        summary = eng.writer.writer.summary
+        if summary is not None:  # per-table progress for metrics: [rows, estimated rows, done], once per chunk
+            entry = summary.snapshot_tables.get(qual)
+            if entry is None:
+                entry = summary.snapshot_tables[qual] = [0, self._estimate(state) or 0, 0]
+            entry[0] = prog.table_rows[qual]
+            entry[2] = int(len(rows) < self.chunk_rows)
         if self.display is not None:
             if qual not in self._shown:
                 self._shown.add(qual)

@@ -183,6 +183,9 @@ def test_mysql_capture_metrics(tmp_path: Path, mariadb_server: Any, mariadb_db: 
 
         s = wait_for(settled, 120, "14 changes in 6 transactions, nothing behind")
         assert value(s, "kappaflow_capture_binlog_files_behind", source=name) == 0
+        table = f"{mariadb_db}.t"
+        assert value(s, "kappaflow_capture_snapshot_rows_total", source=name, table=table) == 2
+        assert value(s, "kappaflow_capture_snapshot_progress_ratio", source=name, table=table) == 1
         with pymysql.connect(**mariadb_server.connect_args(mariadb_db)) as c, c.cursor() as cur:
             cur.execute("SHOW MASTER STATUS")
             file, pos = cur.fetchone()[:2]
