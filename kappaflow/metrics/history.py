@@ -104,12 +104,14 @@ class HistoryStore:
         ts = datetime.fromtimestamp(now, UTC)
         conn = self._connection()
         try:
-            with conn.cursor() as cur:
-                cur.executemany(
-                    'INSERT INTO "kappaflow"."metric_history" (series, slot, ts, value) VALUES (%s, %s, %s, %s) '
-                    "ON CONFLICT (series, slot) DO UPDATE SET ts = EXCLUDED.ts, value = EXCLUDED.value",
-                    [(k, slot, ts, float(v)) for k, v in samples.items()],
-                )
+            # one statement (not executemany: its pipeline logs psycopg's own warning when the server
+            # goes away mid-write, a line outside kappaflow's log format)
+            conn.execute(
+                'INSERT INTO "kappaflow"."metric_history" (series, slot, ts, value) '
+                "SELECT s, %s, %s, v FROM unnest(%s::text[], %s::float8[]) AS x(s, v) "
+                "ON CONFLICT (series, slot) DO UPDATE SET ts = EXCLUDED.ts, value = EXCLUDED.value",
+                (slot, ts, list(samples), [float(v) for v in samples.values()]),
+            )
         except Exception:
             conn.close()
             raise
