@@ -7,6 +7,15 @@ connector's ``Source`` struct, ``event.block`` for the transaction, and the
 ``io.debezium.time.*`` / ``io.debezium.data.*`` / Connect ``Decimal`` logical
 types. Parsing accepts what Debezium writes (including its millisecond and
 nanosecond time types) so kappaflow can read Debezium topics.
+
+A semantic name that is not kappaflow's default for the column's type is kept in
+``Column.logical`` and written back: the time types in other units
+(``io.debezium.time.Timestamp``, ``NanoTimestamp``, ``Time``, Connect's ``Date``/``Time``/
+``Timestamp``), names on plain values (``io.debezium.data.Xml``, ``Ltree``,
+``io.debezium.time.ZonedTime``, ``Interval``, ``IsoDate``/``IsoTime``/``IsoTimestamp``, a
+custom converter's), arrays (``io.debezium.data.DoubleVector``/``FloatVector``), structs
+(``io.debezium.data.geometry.Geometry``/``Geography``/``Point``, ``SparseDoubleVector``) and
+maps (hstore with ``hstore.handling.mode=map``).
 """
 
 from __future__ import annotations
@@ -79,6 +88,9 @@ _BY_NAME: dict[str, tuple[str, FieldType, str]] = {
     "io.debezium.data.Bits": ("bytes", FieldType.BITS, "us"),
 }
 
+# Connect type of a column written with a non-default semantic name (``Column.logical``).
+_CTYPE_BY_LOGICAL: dict[str, str] = {name: ctype for name, (ctype, _t, _u) in _BY_NAME.items()}
+
 _PLAIN: dict[str, FieldType] = {
     "int8": FieldType.INT8,
     "int16": FieldType.INT16,
@@ -118,7 +130,13 @@ def connect_field(col: Column, mode: str, *, field: bool = True, optional: bool 
             if col.precision is not None:
                 params["kf.precision"] = str(col.precision)
     elif t is FieldType.ARRAY:
-        ctype, name = "array", None
+        ctype, name = "array", col.logical
+    elif t is FieldType.STRUCT:
+        ctype, name = "struct", col.logical
+    elif t is FieldType.MAP:
+        ctype, name = "map", col.logical
+    elif col.logical is not None:
+        ctype, name = _CTYPE_BY_LOGICAL.get(col.logical) or _LOGICAL[t][0], col.logical
     else:
         ctype, name = _LOGICAL[t]
         if t is FieldType.ENUM or t is FieldType.SET:
@@ -133,6 +151,13 @@ def connect_field(col: Column, mode: str, *, field: bool = True, optional: bool 
     if ctype == "array":
         assert col.items is not None
         d["items"] = connect_field(col.items, mode, field=False)
+    elif t is FieldType.STRUCT:
+        assert col.fields is not None
+        d["fields"] = [connect_field(f, mode) for f in col.fields]
+    elif t is FieldType.MAP:
+        assert col.fields is not None
+        d["keys"] = connect_field(col.fields[0], mode, field=False)
+        d["values"] = connect_field(col.fields[1], mode, field=False)
     elif ctype == "struct":
         d["fields"] = [
             {"type": "int32", "optional": False, "field": "scale"},
@@ -181,84 +206,13 @@ def _f(ctype: str, name: str, optional: bool = False) -> dict[str, Any]:
     return {"type": ctype, "optional": optional, "field": name}
 
 
-_SNAPSHOT_FIELD = {
-    "type": "string",
-    "optional": True,
-    "name": "io.debezium.data.Enum",
-    "version": 1,
-    "parameters": {"allowed": SNAPSHOT_ALLOWED},
-    "default": "false",
-    "field": "snapshot",
-}
+def source_schema(position_kind: str, source: Any = None) -> dict[str, Any]:
+    """The ``source`` block's struct for a position kind (``kappaflow.events.sources``)."""
+    from kappaflow.events.sources import layout_for_kind
 
-_KF_POS_FIELDS: dict[str, list[dict[str, Any]]] = {
-    "pg": [_f("string", "kind"), _f("int64", "lsn"), _f("int64", "index"), _f("boolean", "snapshot")],
-    "binlog": [
-        _f("string", "kind"),
-        _f("string", "file"),
-        _f("int64", "pos"),
-        _f("int64", "row"),
-        _f("string", "gtid", True),
-        _f("int64", "server_id", True),
-        _f("boolean", "snapshot"),
-    ],
-    "ledger": [_f("string", "kind"), _f("int64", "position")],
-}
-
-
-def _kf_pos_field(kind: str) -> dict[str, Any]:
-    return {
-        "type": "struct",
-        "fields": _KF_POS_FIELDS[kind],
-        "optional": True,
-        "name": f"io.kappaflow.position.{kind}",
-        "version": 1,
-        "field": "kf_pos",
-    }
-
-
-def source_schema(position_kind: str) -> dict[str, Any]:
-    """The ``source`` block's struct: Debezium's PostgreSQL or MySQL layout, or the ledger's."""
-    common = [
-        _f("string", "version"),
-        _f("string", "connector"),
-        _f("string", "name"),
-        _f("int64", "ts_ms"),
-        _SNAPSHOT_FIELD,
-        _f("string", "db"),
-        _f("string", "sequence", True),
-    ]
-    if position_kind == "pg":
-        name = "io.debezium.connector.postgresql.Source"
-        fields = [
-            *common,
-            _f("string", "schema"),
-            _f("string", "table"),
-            _f("int64", "txId", True),
-            _f("int64", "lsn", True),
-            _f("int64", "xmin", True),
-        ]
-    elif position_kind == "binlog":
-        name = "io.debezium.connector.mysql.Source"
-        fields = [
-            *common,
-            _f("string", "table", True),
-            _f("int64", "server_id"),
-            _f("string", "gtid", True),
-            _f("string", "file"),
-            _f("int64", "pos"),
-            _f("int32", "row"),
-            _f("int64", "thread", True),
-            _f("string", "query", True),
-            _f("string", "txId", True),
-        ]
-    elif position_kind == "ledger":
-        name = "io.kappaflow.connector.ledger.Source"
-        fields = [*common, _f("string", "schema", True), _f("string", "table"), _f("string", "txId", True)]
-    else:
-        raise ValidationError(f"position_kind: expected 'pg', 'binlog' or 'ledger', got {position_kind!r}")
-    fields.append(_kf_pos_field(position_kind))
-    return {"type": "struct", "fields": fields, "optional": False, "name": name, "version": 1, "field": "source"}
+    layout = layout_for_kind(position_kind)
+    return {"type": "struct", "fields": layout.connect_fields(source), "optional": False,
+            "name": layout.schema_name, "version": 1, "field": "source"}
 
 
 _TRANSACTION_FIELD = {
@@ -277,22 +231,26 @@ _UNAVAILABLE_FIELD = {
     "field": "kf_unavailable",
 }
 
+ENVELOPE_VERSION = 2  # Debezium 2.6+: transaction after source, then op, ts_ms, ts_us, ts_ns
 
-def connect_envelope_schema(table: TableSchema, mode: str, position_kind: str) -> dict[str, Any]:
+
+def connect_envelope_schema(table: TableSchema, mode: str, position_kind: str, source: Any = None) -> dict[str, Any]:
     return {
         "type": "struct",
         "fields": [
             connect_row_schema(table, mode, optional=True, field="before"),
             connect_row_schema(table, mode, optional=True, field="after"),
-            source_schema(position_kind),
+            source_schema(position_kind, source),
+            _TRANSACTION_FIELD,
             _f("string", "op"),
             _f("int64", "ts_ms", True),
-            _TRANSACTION_FIELD,
+            _f("int64", "ts_us", True),
+            _f("int64", "ts_ns", True),
             _UNAVAILABLE_FIELD,
         ],
         "optional": False,
         "name": f"{table.name}.Envelope",
-        "version": 1,
+        "version": ENVELOPE_VERSION,
     }
 
 
@@ -360,7 +318,11 @@ def column_from_connect(fs: Any, path: str, name: str | None = None) -> tuple[Co
         kw["precision"] = _param_int(params, "__debezium.source.column.length", path, False)
     elif isinstance(lname, str) and lname in _BY_NAME:
         want, ftype, unit = _BY_NAME[lname]
+        if lname == "org.apache.kafka.connect.data.Time" and ctype == "int64":
+            want = "int64"  # the PostgreSQL connector's documentation shows it as INT64
         _expect(ctype, want, path, lname)
+        if _LOGICAL[ftype][1] != lname:
+            kw["logical"] = lname
         if ftype is FieldType.ENUM or ftype is FieldType.SET:
             allowed = params.get("allowed")
             if allowed is not None:
@@ -375,8 +337,30 @@ def column_from_connect(fs: Any, path: str, name: str | None = None) -> tuple[Co
         ftype = FieldType.ARRAY
         kw["items"] = item_col
         mode = items_wire.mode
+        if isinstance(lname, str):
+            kw["logical"] = lname  # io.debezium.data.DoubleVector / FloatVector
+    elif ctype == "struct":
+        # geometry/geography/point, sparse vectors, any other Connect struct: a dict of its fields
+        sub = _struct_fields(fs, path)
+        kw["fields"] = tuple(column_from_connect(x, path)[0] for x in sub)
+        ftype = FieldType.STRUCT
+        if isinstance(lname, str):
+            kw["logical"] = lname
+    elif ctype == "map":
+        keys, values = fs.get("keys"), fs.get("values")
+        if keys is None or values is None:
+            raise ValidationError(f"{path}: a map schema needs its 'keys' and 'values' schemas")
+        kw["fields"] = (column_from_connect(keys, f"{path}.keys", name="key")[0],
+                        column_from_connect(values, f"{path}.values", name="value")[0])
+        ftype = FieldType.MAP
+        if isinstance(lname, str):
+            kw["logical"] = lname
     elif ctype in _PLAIN:
         ftype = _PLAIN[ctype]
+        if isinstance(lname, str):
+            # a semantic name kappaflow has no other type for (Xml, Ltree, ZonedTime, Interval,
+            # Iso*, a custom converter's): the plain value, the name kept for writing it back
+            kw["logical"] = lname
     else:
         raise ValidationError(
             f"{path}.type: unsupported Connect type {ctype!r}"

@@ -30,10 +30,12 @@ from kappaflow import __version__
 from kappaflow.errors import ValidationError
 from kappaflow.events.connect import connect_envelope_schema, connect_key_schema, table_from_connect
 from kappaflow.events.model import ChangeEvent, Op, Snapshot, SourceInfo, TransactionInfo
-from kappaflow.events.position import BinlogPosition, LedgerPosition, PgPosition, Position
+from kappaflow.events.position import PgPosition, Position
 from kappaflow.events.schema import DECIMAL_MODES, Column, FieldType, TableSchema
+from kappaflow.events.sources import layout_for_connector, layout_for_position, source_block
 from kappaflow.events.values import (
     JSON_NULL,
+    NumericDecimal,
     Wire,
     default_wire,
     describe,
@@ -157,6 +159,8 @@ def _row_decoder(schema: TableSchema, wires: Mapping[str, Wire] | None, mode: st
                 v = row.get(name)
                 if v is not None:
                     row[name] = fn(v)
+        except NumericDecimal:
+            raise
         except Exception:
             for n, _fn, col in decs:
                 if n == name:
@@ -177,64 +181,7 @@ def _raw_rows(row: Any, path: str) -> Any:
 
 
 # -- source blocks ---------------------------------------------------------------------------------
-def _src_common(s: SourceInfo, version: str) -> dict[str, Any]:
-    """The fields every connector's source block starts with, in Debezium's order."""
-    return {
-        "version": version,
-        "connector": s.connector,
-        "name": s.name,
-        "ts_ms": s.ts_ms,
-        "snapshot": s.snapshot,
-        "db": s.db,
-        "sequence": None,
-    }
-
-
-def _src_pg(s: SourceInfo, version: str) -> dict[str, Any]:
-    p: PgPosition = s.position  # type: ignore[assignment]
-    return {
-        **_src_common(s, version),
-        "schema": s.schema,
-        "table": s.table,
-        "txId": s.tx_id,
-        "lsn": p.lsn,
-        "xmin": None,
-        "kf_pos": {"kind": "pg", "lsn": p.lsn, "index": p.index, "snapshot": p.snapshot},
-    }
-
-
-def _src_binlog(s: SourceInfo, version: str) -> dict[str, Any]:
-    p: BinlogPosition = s.position  # type: ignore[assignment]
-    return {
-        **_src_common(s, version),
-        "table": s.table,
-        "server_id": p.server_id if p.server_id is not None else 0,
-        "gtid": p.gtid,
-        "file": p.file,
-        "pos": p.pos,
-        "row": p.row,
-        "thread": None,
-        "query": None,
-        "txId": s.tx_id,
-        "kf_pos": p.to_dict(),
-    }
-
-
-def _src_ledger(s: SourceInfo, version: str) -> dict[str, Any]:
-    return {
-        **_src_common(s, version),
-        "schema": s.schema,
-        "table": s.table,
-        "txId": s.tx_id,
-        "kf_pos": s.position.to_dict(),
-    }
-
-
-_SOURCE_BUILDERS: dict[type, tuple[str, Callable[[SourceInfo, str], dict[str, Any]]]] = {
-    PgPosition: ("pg", _src_pg),
-    BinlogPosition: ("binlog", _src_binlog),
-    LedgerPosition: ("ledger", _src_ledger),
-}
+# One layout per connector (kappaflow.events.sources): the common fields, the connector's, kf_pos.
 
 
 def _str_field(s: Mapping[str, Any], key: str, optional: bool = False) -> Any:
@@ -248,24 +195,38 @@ def _str_field(s: Mapping[str, Any], key: str, optional: bool = False) -> Any:
 _SNAPSHOTS = {s.value: s for s in Snapshot}
 _OPS = {o.value: o for o in Op}
 
+# A position for a source block that names none: called with (block, snapshot).
+PositionFallback = Callable[[Mapping[str, Any], Snapshot], Position]
 
-def _decode_source(s: Any) -> SourceInfo:
+
+def _opt_int(s: Mapping[str, Any], key: str) -> int | None:
+    v = s.get(key)
+    if v is None or type(v) is int:
+        return v
+    if type(v) is str and v.lstrip("-").isdigit():  # Debezium's documentation shows some quoted
+        return int(v)
+    raise ValidationError(f"source.{key}: expected an integer or null, got {short_repr(v)}")
+
+
+def _decode_source(s: Any, fallback: PositionFallback | None = None) -> SourceInfo:
     if type(s) is not dict:
         raise ValidationError(f"source: expected an object, got {short_repr(s)}")
     get = s.get
-    connector, name, db, schema, table, ts_ms = (
-        get("connector"), get("name"), get("db"), get("schema"), get("table"), get("ts_ms")
-    )
+    connector: str = _str_field(s, "connector")
+    layout = layout_for_connector(connector)
+    name, db, ts_ms = get("name"), get("db"), get("ts_ms")
+    table = get(layout.table_key)
+    schema = get(layout.schema_key) if layout.schema_key is not None else None
     if not (
-        type(connector) is str
-        and type(name) is str
+        type(name) is str
         and type(db) is str
         and type(table) is str
         and (schema is None or type(schema) is str)
         and type(ts_ms) is int
     ):
-        for key in ("connector", "name", "db", "table", "schema"):
-            _str_field(s, key, optional=key == "schema")
+        for key in ("name", "db", layout.table_key, layout.schema_key):
+            if key is not None:
+                _str_field(s, key, optional=key == layout.schema_key)
         raise ValidationError(f"source.ts_ms: expected an integer (ms since the epoch), got {short_repr(ts_ms)}")
     snap = get("snapshot")
     snapshot = _SNAPSHOTS.get(snap) if type(snap) is str else _snapshot_from(snap)
@@ -275,7 +236,7 @@ def _decode_source(s: Any) -> SourceInfo:
     if tx_id is not None and type(tx_id) is not int and type(tx_id) is not str:
         raise ValidationError(f"source.txId: expected an integer, a string or null, got {short_repr(tx_id)}")
     kf = get("kf_pos")
-    position: Position
+    position: Position | None
     if type(kf) is dict and kf.get("kind") == "pg":  # fast path for the common case
         lsn, index, snap_flag = kf.get("lsn"), kf.get("index"), kf.get("snapshot")
         if type(lsn) is int and type(index) is int and type(snap_flag) is bool and lsn >= 0 and index >= 0:
@@ -285,8 +246,26 @@ def _decode_source(s: Any) -> SourceInfo:
     elif kf is not None:
         position = _position_from(kf)
     else:
-        position = _derive_position(s, snapshot)
-    return SourceInfo(connector, name, db, schema, table, position, ts_ms, tx_id, snapshot)
+        in_snapshot = snapshot is not Snapshot.FALSE and snapshot is not Snapshot.INCREMENTAL
+        position = layout.position(s, in_snapshot)
+        if position is None:
+            if fallback is None:
+                raise ValidationError(
+                    f"source.kf_pos: missing, and the {connector} source block names no position "
+                    f"(expected {_POSITION_FIELDS.get(layout.kind, 'position fields')})")
+            position = fallback(s, snapshot)
+    ts_us, ts_ns = get("ts_us"), get("ts_ns")
+    if ts_us is not None or ts_ns is not None:
+        ts_us, ts_ns = _precise_times(ts_ms, _opt_int(s, "ts_us"), _opt_int(s, "ts_ns"))
+    info = SourceInfo(connector, name, db, schema, table, position, ts_ms, tx_id, snapshot, ts_us, ts_ns)
+    extra = layout.extra_from(s, info)
+    if extra is not None:
+        info = SourceInfo(connector, name, db, schema, table, position, ts_ms, tx_id, snapshot, ts_us, ts_ns, extra)
+    return info
+
+
+_POSITION_FIELDS = {"pg": "'lsn'", "binlog": "binlog 'file'/'pos'", "sqlserver": "'commit_lsn'/'change_lsn'",
+                    "db2": "'commit_lsn'/'change_lsn'", "oracle": "'scn'/'commit_scn'", "mongodb": "'ord'"}
 
 
 def _snapshot_from(snap: Any) -> Snapshot:
@@ -304,26 +283,21 @@ def _position_from(kf: Any) -> Position:
         raise ValidationError(f"source.kf_pos: {e}") from None
 
 
-def _derive_position(s: Mapping[str, Any], snapshot: Snapshot) -> Position:
-    """A Position for events written by Debezium itself (no kf_pos)."""
-    in_snapshot = snapshot is not Snapshot.FALSE and snapshot is not Snapshot.INCREMENTAL
-    if s.get("lsn") is not None:
-        lsn = s["lsn"]
-        if type(lsn) is not int or lsn < 0:
-            raise ValidationError(f"source.lsn: expected a non-negative integer, got {short_repr(lsn)}")
-        return PgPosition(lsn, 0, in_snapshot)
-    if s.get("file") is not None:
-        file, pos, row = s.get("file"), s.get("pos"), s.get("row", 0)
-        if type(pos) is not int or type(row) is not int:
-            raise ValidationError(f"source.pos/row: expected integers, got {short_repr(pos)}, {short_repr(row)}")
-        server_id = s.get("server_id")
-        try:
-            return BinlogPosition(file, pos, row, s.get("gtid"), server_id, in_snapshot)  # type: ignore[arg-type]
-        except ValidationError as e:
-            raise ValidationError(f"source.file: {e}") from None
-    raise ValidationError(
-        "source.kf_pos: missing, and the source block has no 'lsn' or binlog 'file'/'pos' to derive a position from"
-    )
+def _precise_times(ts_ms: int, ts_us: int | None, ts_ns: int | None) -> tuple[int | None, int | None]:
+    """None for what follows from ``ts_ms`` (so events kappaflow writes compare equal after a
+    round trip); the values as they are when they hold more than ``ts_ms``."""
+    if ts_us == ts_ms * 1000 and ts_ns == ts_ms * 1_000_000:
+        return None, None
+    return ts_us, ts_ns
+
+
+def _envelope_int(payload: Mapping[str, Any], key: str) -> int | None:
+    v = payload.get(key)
+    if v is None or type(v) is int:
+        return v
+    if type(v) is str and v.isdigit():  # quoted in some of Debezium's documentation
+        return int(v)
+    raise ValidationError(f"{key}: expected an integer or null, got {short_repr(v)}")
 
 
 def _decode_transaction(t: Any) -> TransactionInfo | None:
@@ -427,12 +401,16 @@ class EventCodec:
             )
         return plan
 
-    def _schema_fragment(self, schema: TableSchema, plan: tuple[Any, ...], kind: str) -> Any:
+    def _schema_fragment(self, schema: TableSchema, plan: tuple[Any, ...], source: SourceInfo) -> Any:
+        layout = layout_for_position(source.position)
         frags = plan[2]
-        frag = frags.get(kind)
+        key: Any = layout.kind
+        if layout.extra_keys is None and source.extra:  # the fields vary with what was read
+            key = (layout.kind, tuple(source.extra))
+        frag = frags.get(key)
         if frag is None:
-            frag = frags[kind] = orjson.Fragment(
-                orjson.dumps(connect_envelope_schema(schema, self.decimal_mode, kind))
+            frag = frags[key] = orjson.Fragment(
+                orjson.dumps(connect_envelope_schema(schema, self.decimal_mode, layout.kind, source))
             )
         return frag
 
@@ -468,22 +446,24 @@ class EventCodec:
                 if after is not None:
                     plan[1](after)
             src = event.source
-            kind, build = _SOURCE_BUILDERS[type(src.position)]
             tx = event.transaction
+            ts_ms = event.ts_ms
             payload = {
                 "before": None if before is None else conv(before),
                 "after": None if after is None else conv(after),
-                "source": build(src, self.version),
-                "op": event.op,
-                "ts_ms": event.ts_ms,
+                "source": source_block(src, self.version),
                 "transaction": None
                 if tx is None
                 else {"id": tx.id, "total_order": tx.total_order, "data_collection_order": tx.data_collection_order},
+                "op": event.op,
+                "ts_ms": ts_ms,
+                "ts_us": event.ts_us if event.ts_us is not None else ts_ms * 1000,
+                "ts_ns": event.ts_ns if event.ts_ns is not None else ts_ms * 1_000_000,
             }
             if event.unavailable:
                 payload["kf_unavailable"] = list(event.unavailable)
             if self.include_schema:
-                frag = self._schema_fragment(schema, plan, kind)
+                frag = self._schema_fragment(schema, plan, src)
                 return orjson.dumps({"schema": frag, "payload": payload}, option=_UTC_Z)
             return orjson.dumps(payload, option=_UTC_Z)
         except ValidationError:
@@ -512,13 +492,12 @@ class EventCodec:
                 err = self._diagnose_row(row, part, schema, exc, generic=False)
                 if err is not None:
                     return err
-        if type(event.source.position) not in _SOURCE_BUILDERS:
-            return ValidationError(
-                f"source.position: no JSON layout for {type(event.source.position).__name__} "
-                "(expected PgPosition, BinlogPosition or LedgerPosition)"
-            )
         try:
-            orjson.dumps(_src_ledger(event.source, self.version))
+            layout_for_position(event.source.position)
+        except ValidationError as e:
+            return e
+        try:
+            orjson.dumps(source_block(event.source, self.version))
         except Exception:
             return ValidationError(f"source: cannot be encoded as JSON ({exc}); check tx_id, ts_ms and names")
         return ValidationError(f"event: cannot be encoded as JSON: {type(exc).__name__}: {exc}")
@@ -595,27 +574,52 @@ class EventCodec:
             self._schema_bytes_cache.clear()
         self._schema_bytes_cache[part] = plan
 
-    def decode_value(self, data: bytes | str | None, schema: TableSchema | None = None) -> ChangeEvent:
+    def decode_value(
+        self,
+        data: bytes | str | None,
+        schema: TableSchema | None = None,
+        *,
+        position_fallback: PositionFallback | None = None,
+    ) -> ChangeEvent:
         """Parse value bytes into a ChangeEvent.
 
         Messages with an embedded ``schema`` are decoded by it. Schemaless messages are
         decoded by ``schema``; without one, row values stay raw JSON types. The event's
         key is taken from the row (``schema.key`` or the embedded ``kf.key``); use
-        ``decode_record`` to take it from the record key instead.
+        ``decode_record`` to take it from the record key instead. ``position_fallback``
+        gives the position of a source block that names none (else that is an error).
         """
+        try:
+            return self._decode_value(data, schema, position_fallback, None)
+        except NumericDecimal:
+            # a Connect Decimal written as a JSON number (decimal.format=NUMERIC): parse exactly
+            import json
+
+            try:
+                exact = json.loads(data, parse_float=Decimal)  # type: ignore[arg-type]
+            except ValueError as e:
+                raise ValidationError(f"value: malformed JSON ({e})") from None
+            return self._decode_value(data, schema, position_fallback, exact)
+
+    def _decode_value(
+        self, data: Any, schema: TableSchema | None, position_fallback: PositionFallback | None, parsed: Any
+    ) -> ChangeEvent:
         if data is None:
             raise ValidationError("value: null (a tombstone) is not a change event")
         table: TableSchema | None = schema
-        fast = self._split_schema_part(data)
+        fast = self._split_schema_part(data) if parsed is None else None
         if fast is not None:  # a schema seen before: parse only the payload
             (table, rows), payload = fast
             if schema is not None and not table.key and schema.key:
                 table = schema
         else:
-            try:
-                obj = orjson.loads(data)
-            except orjson.JSONDecodeError as e:
-                raise ValidationError(f"value: malformed JSON ({e})") from None
+            if parsed is not None:
+                obj = parsed
+            else:
+                try:
+                    obj = orjson.loads(data)
+                except orjson.JSONDecodeError as e:
+                    raise ValidationError(f"value: malformed JSON ({e})") from None
             if type(obj) is not dict:
                 raise ValidationError(f"value: expected a JSON object (Debezium envelope), got {short_repr(obj)}")
             if "payload" in obj and "schema" in obj and len(obj) == 2:
@@ -623,7 +627,8 @@ class EventCodec:
                 wire_schema = obj["schema"]
                 if wire_schema is not None:
                     table, rows = self._plan_from_connect(wire_schema)
-                    self._remember_schema_part(data, wire_schema, (table, rows))
+                    if parsed is None:
+                        self._remember_schema_part(data, wire_schema, (table, rows))
                     if schema is not None and not table.key and schema.key:
                         table = schema
                 else:
@@ -642,7 +647,7 @@ class EventCodec:
             if "op" not in payload:
                 raise ValidationError("op: missing (not a Debezium change event envelope?)")
             raise ValidationError(f"op: expected one of {list(_OPS)}, got {op_code!r}")
-        source = _decode_source(payload.get("source"))
+        source = _decode_source(payload.get("source"), position_fallback)
         try:
             before = rows(payload.get("before"), "before")
             after = rows(payload.get("after"), "after")
@@ -654,7 +659,14 @@ class EventCodec:
         if ts_ms is None:
             ts_ms = source.ts_ms
         elif type(ts_ms) is not int:
-            raise ValidationError(f"ts_ms: expected an integer (ms since the epoch) or null, got {short_repr(ts_ms)}")
+            if type(ts_ms) is str and ts_ms.isdigit():  # quoted in some of Debezium's documentation
+                ts_ms = int(ts_ms)
+            else:
+                raise ValidationError(
+                    f"ts_ms: expected an integer (ms since the epoch) or null, got {short_repr(ts_ms)}")
+        ts_us = ts_ns = None
+        if "ts_us" in payload or "ts_ns" in payload:
+            ts_us, ts_ns = _precise_times(ts_ms, _envelope_int(payload, "ts_us"), _envelope_int(payload, "ts_ns"))
         unavailable = payload.get("kf_unavailable") or ()
         if unavailable:
             if type(unavailable) is not list or not all(type(u) is str for u in unavailable):
@@ -677,6 +689,8 @@ class EventCodec:
             ts_ms=ts_ms,
             transaction=_decode_transaction(payload.get("transaction")),
             unavailable=unavailable,
+            ts_us=ts_us,
+            ts_ns=ts_ns,
         )
 
     def decode_record(

@@ -49,7 +49,7 @@ _SNAPSHOTS = {s.value: s for s in Snapshot}
 class SourceInfo:
     """Where and when the change happened at the source."""
 
-    connector: str  # "postgresql" | "mysql" | "ledger" | "debezium"
+    connector: str  # "postgresql" | "mysql" | "ledger" | "debezium" | "sqlserver" | ...
     name: str  # logical source name = topic prefix
     db: str
     schema: str | None  # PostgreSQL schema; None for MySQL
@@ -58,6 +58,12 @@ class SourceInfo:
     ts_ms: int  # commit time at the source
     tx_id: int | str | None = None
     snapshot: Snapshot = Snapshot.FALSE
+    # Debezium 2.6+: the same instant in micro- and nanoseconds (None: ts_ms * 1000 / * 10**6)
+    ts_us: int | None = None
+    ts_ns: int | None = None
+    # connector-specific source fields the position does not hold, as Debezium names them
+    # (PostgreSQL ``sequence``/``xmin``, MySQL ``thread``/``query``, SQL Server ``change_lsn`` ...)
+    extra: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         if self.snapshot.__class__ is not Snapshot:
@@ -98,6 +104,8 @@ class ChangeEvent:
     ts_ms: int  # when kappaflow processed it
     transaction: TransactionInfo | None = None
     unavailable: tuple[str, ...] = ()  # columns whose value is unknown (e.g. unchanged TOAST)
+    ts_us: int | None = None  # the processing time in micro-/nanoseconds (None: from ts_ms)
+    ts_ns: int | None = None
 
     def __post_init__(self) -> None:
         op = self.op

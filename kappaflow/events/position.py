@@ -23,6 +23,7 @@ from kappaflow.events._fast import fast_frozen_init
 
 __all__ = [
     "BinlogPosition",
+    "KafkaPosition",
     "LedgerPosition",
     "PgPosition",
     "Position",
@@ -118,6 +119,12 @@ class Position:
         """The tuple positions of one kind are ordered by."""
         raise NotImplementedError
 
+    def successor(self) -> Position:
+        """The smallest position of the same kind ordered after this one and before every other
+        position greater than it that a source could assign (used for records that carry no
+        position of their own, see ``kappaflow.connectors.debezium.ordering``)."""
+        raise NotImplementedError(f"{type(self).__name__} has no successor")
+
     def _other_key(self, other: object) -> tuple[Any, ...]:
         if type(other) is not type(self):
             if isinstance(other, Position):
@@ -173,6 +180,9 @@ class PgPosition(Position):
     @classmethod
     def _from_dict(cls, d: Mapping[str, Any]) -> PgPosition:
         return cls(_int(d, "pg", "lsn"), _int(d, "pg", "index"), _bool(d, "pg", "snapshot"))
+
+    def successor(self) -> PgPosition:
+        return PgPosition(self.lsn, self.index + 1, self.snapshot)
 
     def __str__(self) -> str:
         if self.snapshot:
@@ -240,6 +250,9 @@ class BinlogPosition(Position):
         s = f"{self.file}:{self.pos}:{self.row}"
         return s + ":snapshot" if self.snapshot else s
 
+    def successor(self) -> BinlogPosition:
+        return BinlogPosition(self.file, self.pos, self.row + 1, self.gtid, self.server_id, self.snapshot)
+
 
 @fast_frozen_init
 @dataclass(frozen=True, slots=True, eq=False)
@@ -261,3 +274,40 @@ class LedgerPosition(Position):
 
     def __str__(self) -> str:
         return str(self.position)
+
+    def successor(self) -> LedgerPosition:
+        return LedgerPosition(self.position + 1)
+
+
+@fast_frozen_init
+@dataclass(frozen=True, slots=True, eq=False)
+class KafkaPosition(Position):
+    """A record's place in the Kafka topic kappaflow read it from (partition, offset).
+
+    For records that carry no source position kappaflow knows (a connector it has no layout
+    for, a flattened record without metadata fields): unique, and increasing within a
+    partition, which is where all changes of one key are. ``seq`` orders records derived
+    from one Kafka record (a tombstone's delete) after it.
+    """
+
+    partition: int
+    offset: int
+    seq: int = 0
+    kind: ClassVar[str] = "kafka"
+
+    def sort_key(self) -> tuple[int, int, int]:
+        return (self.partition, self.offset, self.seq)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"kind": "kafka", "partition": self.partition, "offset": self.offset, "seq": self.seq}
+
+    @classmethod
+    def _from_dict(cls, d: Mapping[str, Any]) -> KafkaPosition:
+        seq = _int(d, "kafka", "seq", optional=True)
+        return cls(_int(d, "kafka", "partition"), _int(d, "kafka", "offset"), seq or 0)
+
+    def successor(self) -> KafkaPosition:
+        return KafkaPosition(self.partition, self.offset, self.seq + 1)
+
+    def __str__(self) -> str:
+        return f"kafka:{self.partition}/{self.offset}" + (f"+{self.seq}" if self.seq else "")

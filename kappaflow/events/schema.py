@@ -59,11 +59,20 @@ class FieldType(str, Enum):
     YEAR = "year"
     BITS = "bits"
     SET = "set"  # MySQL SET
+    STRUCT = "struct"  # Connect struct: geometry, point, sparse vectors ... (Python dict of field -> value)
+    MAP = "map"  # Connect map: hstore (map mode), sparse vector entries (Python dict)
 
 
 @dataclass(frozen=True, slots=True)
 class Column:
-    """One column. ``default`` is a Python value of the column's type (or None)."""
+    """One column. ``default`` is a Python value of the column's type (or None).
+
+    ``logical``: the Connect/Debezium semantic name the column's values are written with when it
+    differs from kappaflow's default for the type -- a column read from Debezium keeps what
+    Debezium wrote (``io.debezium.time.Timestamp`` stays milliseconds, ``io.debezium.data.Xml``
+    stays an Xml string), so writing it back gives the same record. ``fields``: a STRUCT's
+    fields; a MAP's (key column, value column).
+    """
 
     name: str
     type: FieldType
@@ -75,6 +84,8 @@ class Column:
     length: int | None = None
     default: Any = None
     native_type: str | None = None
+    logical: str | None = None
+    fields: tuple[Column, ...] | None = None
 
     def __post_init__(self) -> None:
         where = f"column {self.name!r}"
@@ -100,6 +111,20 @@ class Column:
                 raise ValidationError(f"{where}.items: an ARRAY column needs an element Column, got {self.items!r}")
         elif self.items is not None:
             raise ValidationError(f"{where}.items: only ARRAY columns have items")
+        if self.fields is not None:
+            if not isinstance(self.fields, tuple):
+                object.__setattr__(self, "fields", tuple(self.fields))
+            assert self.fields is not None
+            if not all(isinstance(f, Column) for f in self.fields):
+                raise ValidationError(f"{where}.fields: expected Column objects, got {self.fields!r}")
+        if self.type is FieldType.STRUCT and not self.fields:
+            raise ValidationError(f"{where}.fields: a STRUCT column needs its field Columns")
+        if self.type is FieldType.MAP and (self.fields is None or len(self.fields) != 2):
+            raise ValidationError(f"{where}.fields: a MAP column needs (key Column, value Column)")
+        if self.fields is not None and self.type not in (FieldType.STRUCT, FieldType.MAP):
+            raise ValidationError(f"{where}.fields: only STRUCT and MAP columns have fields")
+        if self.logical is not None and not isinstance(self.logical, str):
+            raise ValidationError(f"{where}.logical: expected a Connect schema name, got {self.logical!r}")
         if self.allowed is not None:
             if isinstance(self.allowed, str) or not all(isinstance(a, str) for a in self.allowed):
                 raise ValidationError(f"{where}.allowed: expected a sequence of strings, got {self.allowed!r}")
@@ -130,6 +155,10 @@ class Column:
             d["default"] = encode_default(self, self.default, "string", f"column {self.name!r}.default")
         if self.native_type is not None:
             d["native_type"] = self.native_type
+        if self.logical is not None:
+            d["logical"] = self.logical
+        if self.fields is not None:
+            d["fields"] = [f.to_dict() for f in self.fields]
         return d
 
     @classmethod
@@ -139,7 +168,7 @@ class Column:
         if not isinstance(d, Mapping):
             raise ValidationError(f"{path}: expected an object, got {type(d).__name__}")
         known = {"name", "type", "optional", "scale", "precision", "items", "allowed", "length", "default",
-                 "native_type"}
+                 "native_type", "logical", "fields"}
         extra = set(d) - known
         if extra:
             raise ValidationError(f"{path}: unknown keys {sorted(extra)}")
@@ -148,6 +177,9 @@ class Column:
             raise ValidationError(f"{path}.name: expected a string, got {name!r}")
         items = d.get("items")
         allowed = d.get("allowed")
+        fields = d.get("fields")
+        if fields is not None and not isinstance(fields, list):
+            raise ValidationError(f"{path}.fields: expected a list of columns, got {type(fields).__name__}")
         col = cls(
             name=name,
             type=d.get("type"),  # type: ignore[arg-type]
@@ -158,6 +190,9 @@ class Column:
             allowed=None if allowed is None else tuple(allowed),
             length=d.get("length"),
             native_type=d.get("native_type"),
+            logical=d.get("logical"),
+            fields=None if fields is None else tuple(
+                cls.from_dict(f, f"{path}.fields[{i}]") for i, f in enumerate(fields)),
         )
         if d.get("default") is not None:
             default = decode_default(col, d["default"], f"{path}.default")

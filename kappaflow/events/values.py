@@ -29,6 +29,7 @@ from kappaflow.events.schema import Column, FieldType
 
 __all__ = [
     "JSON_NULL",
+    "NumericDecimal",
     "Wire",
     "decode_default",
     "default_wire",
@@ -37,6 +38,7 @@ __all__ = [
     "make_decoder",
     "make_encoder",
     "short_repr",
+    "time_unit",
 ]
 
 Encoder = Callable[[Any], Any]
@@ -84,16 +86,36 @@ class Wire(NamedTuple):
     items: Wire | None = None
 
 
+# Connect/Debezium semantic name -> the unit its integer time values count.
+_TIME_UNITS = {
+    "io.debezium.time.Time": "ms",
+    "org.apache.kafka.connect.data.Time": "ms",
+    "io.debezium.time.MicroTime": "us",
+    "io.debezium.time.NanoTime": "ns",
+    "io.debezium.time.Timestamp": "ms",
+    "org.apache.kafka.connect.data.Timestamp": "ms",
+    "io.debezium.time.MicroTimestamp": "us",
+    "io.debezium.time.NanoTimestamp": "ns",
+}
+
+
+def time_unit(col: Column) -> str:
+    """The unit of a TIME/TIMESTAMP column's integer wire values: "ms", "us" (kappaflow's
+    default) or "ns", from the semantic name the column keeps (``Column.logical``)."""
+    return _TIME_UNITS.get(col.logical, "us") if col.logical is not None else "us"
+
+
 def default_wire(col: Column, mode: str) -> Wire:
     if col.type is FieldType.ARRAY and col.items is not None:
-        return Wire(mode, "us", default_wire(col.items, mode))
-    return Wire(mode, "us", None)
+        return Wire(mode, time_unit(col), default_wire(col.items, mode))
+    return Wire(mode, time_unit(col), None)
 
 
 # -- shared constants -------------------------------------------------------------
 _EPOCH_ORDINAL = 719163  # date(1970, 1, 1).toordinal()
 _EPOCH = datetime(1970, 1, 1)
 _US = timedelta(microseconds=1)
+_MS = timedelta(milliseconds=1)
 _DAY_US = 86_400_000_000
 # Debezium's stand-ins for PostgreSQL's +/-infinity timestamps (PgStatement's values).
 _PG_TS_POS_INFINITY_US = 9223372036825200000
@@ -217,6 +239,22 @@ def _enc_timestamp(v: datetime) -> int:
     return (v - _EPOCH) // _US  # TypeError for an aware datetime: TIMESTAMP is naive
 
 
+def _enc_time_ms(v: time) -> int:
+    return _enc_time(v) // 1000
+
+
+def _enc_time_ns(v: time) -> int:
+    return _enc_time(v) * 1000
+
+
+def _enc_timestamp_ms(v: datetime) -> int:
+    return (v - _EPOCH) // _MS
+
+
+def _enc_timestamp_ns(v: datetime) -> int:
+    return ((v - _EPOCH) // _US) * 1000
+
+
 def _enc_timestamptz(v: datetime) -> str:
     off = v.utcoffset()
     if off is None:
@@ -294,6 +332,38 @@ def _array_encoder(item: Encoder | None) -> Encoder:
     return enc
 
 
+def _struct_encoder(fields: tuple[tuple[str, Encoder | None], ...]) -> Encoder:
+    convs = tuple((n, e) for n, e in fields if e is not None)
+
+    def enc(v: Any) -> dict[str, Any]:
+        if type(v) is not dict:
+            raise TypeError("expected a dict of struct fields")
+        if not convs:
+            return v
+        out = dict(v)
+        for name, e in convs:
+            x = out.get(name)
+            if x is not None:
+                out[name] = e(x)
+        return out
+
+    return enc
+
+
+def _map_encoder(string_keys: bool, key: Encoder | None, value: Encoder | None) -> Encoder:
+    """Connect maps in JSON: an object when the keys are strings, else an array of [key, value]
+    pairs (what JsonConverter writes)."""
+
+    def enc(v: Any) -> Any:
+        if type(v) is not dict:
+            raise TypeError("expected a dict")
+        if string_keys:
+            return v if value is None else {k: None if x is None else value(x) for k, x in v.items()}
+        return [[k if key is None else key(k), x if x is None or value is None else value(x)] for k, x in v.items()]
+
+    return enc
+
+
 def make_encoder(col: Column, mode: str, native: bool = False) -> Encoder | None:
     """The Python -> JSON converter for a column, or None when JSON carries the value as-is.
 
@@ -320,9 +390,11 @@ def make_encoder(col: Column, mode: str, native: bool = False) -> Encoder | None
     if t is FieldType.DATE:
         return _enc_date
     if t is FieldType.TIME:
-        return _enc_time
+        unit = time_unit(col)
+        return _enc_time_ms if unit == "ms" else _enc_time_ns if unit == "ns" else _enc_time
     if t is FieldType.TIMESTAMP:
-        return _enc_timestamp
+        unit = time_unit(col)
+        return _enc_timestamp_ms if unit == "ms" else _enc_timestamp_ns if unit == "ns" else _enc_timestamp
     if t is FieldType.TIMESTAMPTZ:
         return _enc_timestamptz_native if native else _enc_timestamptz
     if t is FieldType.INTERVAL:
@@ -335,7 +407,14 @@ def make_encoder(col: Column, mode: str, native: bool = False) -> Encoder | None
         return _set_encoder(col.allowed)
     if t is FieldType.ARRAY:
         assert col.items is not None
-        return _array_encoder(make_encoder(col.items, mode, native))
+        return _array_encoder(make_encoder(col.items, mode, False))
+    if t is FieldType.STRUCT:
+        assert col.fields is not None
+        return _struct_encoder(tuple((f.name, make_encoder(f, mode, False)) for f in col.fields))
+    if t is FieldType.MAP:
+        assert col.fields is not None
+        k, v = col.fields
+        return _map_encoder(k.type is FieldType.STRING, make_encoder(k, mode, False), make_encoder(v, mode, False))
     # INT*, BOOLEAN, STRING, ENUM, YEAR: as-is; UUID: orjson writes str(uuid).
     return None
 
@@ -343,6 +422,13 @@ def make_encoder(col: Column, mode: str, native: bool = False) -> Encoder | None
 # -- decoders (JSON -> Python) ----------------------------------------------------------
 class _BadValue(Exception):
     """A wire value of the wrong shape; the codec turns it into a ValidationError."""
+
+
+class NumericDecimal(Exception):
+    """A Connect Decimal written as a JSON number (JsonConverter ``decimal.format=NUMERIC``).
+
+    A float parse may have lost digits, so the codec re-parses the message with exact decimals
+    (``json.loads(parse_float=Decimal)``) and decodes it again."""
 
 
 def _int_decoder(lo: int, hi: int) -> Decoder:
@@ -356,7 +442,7 @@ def _int_decoder(lo: int, hi: int) -> Decoder:
 
 def _dec_float(v: Any) -> float:
     t = type(v)
-    if t is float or t is int:
+    if t is float or t is int or t is Decimal:
         return float(v)
     if t is str:
         return _NONFINITE[v]
@@ -377,7 +463,7 @@ def _dec_str(v: Any) -> str:
 
 def _dec_decimal_str(v: Any) -> Decimal:
     t = type(v)
-    if t is str:
+    if t is str or t is Decimal:
         return Decimal(v)
     if t is int:
         return Decimal(v)
@@ -388,6 +474,8 @@ def _dec_decimal_str(v: Any) -> Decimal:
 
 def _dec_decimal_double(v: Any) -> Decimal:
     t = type(v)
+    if t is Decimal:
+        return v
     if t is float or t is int:
         return Decimal(repr(float(v)))
     if t is str and v in _NONFINITE:
@@ -396,8 +484,17 @@ def _dec_decimal_double(v: Any) -> Decimal:
 
 
 def _fixed_precise_decoder(scale: int) -> Decoder:
+    q = Decimal(1).scaleb(-scale)
+
     def dec(v: Any) -> Decimal:
-        return Decimal(int.from_bytes(_unb64(v), "big", signed=True)).scaleb(-scale, _CTX)
+        t = type(v)
+        if t is str:
+            return Decimal(int.from_bytes(_unb64(v), "big", signed=True)).scaleb(-scale, _CTX)
+        if t is Decimal or t is int:  # decimal.format=NUMERIC, parsed exactly
+            return _quantize(Decimal(v), q)
+        if t is float:
+            raise NumericDecimal
+        raise _BadValue
 
     return dec
 
@@ -498,6 +595,36 @@ def _dec_set(v: Any) -> frozenset[str]:
     return frozenset(v.split(",")) if v else frozenset()
 
 
+def _struct_decoder(fields: tuple[tuple[str, Decoder], ...], names: frozenset[str]) -> Decoder:
+    def dec(v: Any) -> dict[str, Any]:
+        if type(v) is not dict or not names.issuperset(v):
+            raise _BadValue
+        out = dict(v)
+        for name, d in fields:
+            x = out.get(name)
+            if x is not None:
+                out[name] = d(x)
+        return out
+
+    return dec
+
+
+def _map_decoder(string_keys: bool, key: Decoder, value: Decoder) -> Decoder:
+    def dec(v: Any) -> dict[Any, Any]:
+        if string_keys and type(v) is dict:
+            return {k: None if x is None else value(x) for k, x in v.items()}
+        if type(v) is list:  # [[key, value], ...]: maps whose keys are not strings
+            out = {}
+            for pair in v:
+                if type(pair) is not list or len(pair) != 2:
+                    raise _BadValue
+                out[key(pair[0])] = None if pair[1] is None else value(pair[1])
+            return out
+        raise _BadValue
+
+    return dec
+
+
 def _array_decoder(item: Decoder) -> Decoder:
     def dec(v: Any) -> list[Any]:
         if type(v) is not list:
@@ -547,6 +674,15 @@ def make_decoder(col: Column, wire: Wire) -> Decoder:
     if t is FieldType.ARRAY:
         assert col.items is not None
         return _array_decoder(make_decoder(col.items, wire.items or default_wire(col.items, wire.mode)))
+    if t is FieldType.STRUCT:
+        assert col.fields is not None
+        return _struct_decoder(tuple((f.name, make_decoder(f, default_wire(f, wire.mode))) for f in col.fields),
+                               frozenset(f.name for f in col.fields))
+    if t is FieldType.MAP:
+        assert col.fields is not None
+        k, v = col.fields
+        return _map_decoder(k.type is FieldType.STRING, make_decoder(k, default_wire(k, wire.mode)),
+                            make_decoder(v, default_wire(v, wire.mode)))
     raise AssertionError(f"unhandled field type {t}")  # pragma: no cover
 
 
@@ -589,6 +725,8 @@ def describe(col: Column, wire: Wire) -> str:
         FieldType.JSON: "JSON document text (Python parsed JSON; JSON_NULL for the literal null)",
         FieldType.SET: "comma-separated set string (Python frozenset of str)",
         FieldType.ARRAY: f"array of {col.items.type.value if col.items else '?'} (Python list)",
+        FieldType.STRUCT: f"struct of {[f.name for f in col.fields or ()]} (Python dict)",
+        FieldType.MAP: "map (a JSON object, or [key, value] pairs; Python dict)",
     }.get(t, t.value)
 
 

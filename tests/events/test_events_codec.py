@@ -37,7 +37,7 @@ from kappaflow.events import (
     tombstone_for,
     topic_name,
 )
-from kappaflow.events.values import _enc_timestamptz, _enc_timestamptz_native
+from kappaflow.events.values import _enc_timestamptz, _enc_timestamptz_native, time_unit
 
 FT = FieldType
 ABSENT = object()
@@ -97,8 +97,15 @@ def values_for(col: Column, mode: str) -> st.SearchStrategy[Any]:
     if t is FT.DATE:
         return st.dates()
     if t is FT.TIME:
+        unit = time_unit(col)
+        if unit == "ms":  # a millisecond column holds what it can carry
+            return st.times().map(lambda v: v.replace(microsecond=v.microsecond // 1000 * 1000))
         return st.times()
     if t is FT.TIMESTAMP:
+        if time_unit(col) == "ms":
+            return st.datetimes().map(lambda v: v.replace(microsecond=v.microsecond // 1000 * 1000))
+        if time_unit(col) == "ns":  # int64 nanoseconds: 1677..2262
+            return st.datetimes(min_value=datetime(1678, 1, 1), max_value=datetime(2261, 12, 31))
         return st.datetimes()
     if t is FT.TIMESTAMPTZ:
         return st.datetimes(min_value=datetime(1, 1, 3), max_value=datetime(9999, 12, 29), timezones=ZONES)
@@ -115,6 +122,13 @@ def values_for(col: Column, mode: str) -> st.SearchStrategy[Any]:
     if t is FT.ARRAY:
         assert col.items is not None
         return st.lists(st.one_of(st.none(), values_for(col.items, mode)), max_size=5)
+    if t is FT.STRUCT:
+        assert col.fields is not None
+        return st.fixed_dictionaries({f.name: st.one_of(st.none(), values_for(f, mode)) for f in col.fields})
+    if t is FT.MAP:
+        assert col.fields is not None
+        k, v = col.fields
+        return st.dictionaries(values_for(k, mode), st.one_of(st.none(), values_for(v, mode)), max_size=4)
     raise AssertionError(t)
 
 
@@ -133,6 +147,23 @@ def columns(draw: st.DrawFn, ftype: FieldType, name: str = "v", depth: int = 0) 
         if depth == 0:
             item_types.append(FT.ARRAY)
         kw["items"] = draw(columns(draw(st.sampled_from(item_types)), "item", depth + 1))
+    if ftype is FT.STRUCT:  # e.g. io.debezium.data.geometry.Point: x, y, wkb, srid
+        kw["fields"] = (Column("x", FT.FLOAT64, optional=False), Column("y", FT.FLOAT64, optional=False),
+                        Column("wkb", FT.BYTES), Column("srid", FT.INT32))
+        kw["logical"] = "io.debezium.data.geometry.Point"
+    if ftype is FT.MAP:  # hstore (string keys) or a sparse vector's entries (int16 keys)
+        if draw(st.booleans()):
+            kw["fields"] = (Column("key", FT.STRING, optional=False), Column("value", FT.STRING))
+        else:
+            kw["fields"] = (Column("key", FT.INT16, optional=False), Column("value", FT.FLOAT64, optional=False))
+    if ftype is FT.TIME:
+        kw["logical"] = draw(st.sampled_from([None, "io.debezium.time.Time", "io.debezium.time.NanoTime",
+                                              "org.apache.kafka.connect.data.Time"]))
+    if ftype is FT.TIMESTAMP:
+        kw["logical"] = draw(st.sampled_from([None, "io.debezium.time.Timestamp", "io.debezium.time.NanoTimestamp",
+                                              "org.apache.kafka.connect.data.Timestamp"]))
+    if ftype is FT.STRING:
+        kw["logical"] = draw(st.sampled_from([None, "io.debezium.data.Xml", "io.debezium.time.ZonedTime"]))
     return Column(name, ftype, optional=True, native_type=draw(st.sampled_from([None, "text", "numeric(9,2)"])), **kw)
 
 
@@ -183,6 +214,8 @@ def expected_value(col: Column, v: Any, mode: str) -> Any:
     if col.type is FT.ARRAY:
         assert col.items is not None
         return [expected_value(col.items, x, mode) for x in v]
+    if col.type is FT.MAP and col.fields is not None and col.fields[1].type is FT.FLOAT64:
+        return {k: x for k, x in v.items()}
     return v
 
 
@@ -522,7 +555,10 @@ def test_embedded_schema_errors() -> None:
     with pytest.raises(ValidationError, match=r"schema.after.at.type: logical type io.debezium.time.ZonedTimestamp"):
         EventCodec().decode_value(orjson.dumps(doc))
     doc["schema"]["fields"][1]["fields"][2] = {"type": "map", "optional": True, "field": "at"}
-    with pytest.raises(ValidationError, match=r"schema.after.at.type: unsupported Connect type 'map'"):
+    with pytest.raises(ValidationError, match=r"schema.after.at: a map schema needs its 'keys' and 'values'"):
+        EventCodec().decode_value(orjson.dumps(doc))
+    doc["schema"]["fields"][1]["fields"][2] = {"type": "float128", "optional": True, "field": "at"}
+    with pytest.raises(ValidationError, match=r"schema.after.at.type: unsupported Connect type 'float128'"):
         EventCodec().decode_value(orjson.dumps(doc))
 
 
@@ -588,7 +624,11 @@ def test_cached_schema_fast_path_still_reports_bad_payloads() -> None:
     with pytest.raises(ValidationError, match="value: malformed JSON"):
         codec.decode_value(head + b',"payload":{"op":')
     with pytest.raises(ValidationError, match=r"after.amount: expected decimal as base64"):
-        codec.decode_value(raw.replace(b'"amount":"APo="', b'"amount":12'))
+        codec.decode_value(raw.replace(b'"amount":"APo="', b'"amount":true'))
+    # JsonConverter decimal.format=NUMERIC writes the Connect Decimal as a JSON number: read exactly
+    assert codec.decode_value(raw.replace(b'"amount":"APo="', b'"amount":12')).after == {"id": 1, "amount": 12}
+    numeric = codec.decode_value(raw.replace(b'"amount":"APo="', b'"amount":12345678901234567.25'))
+    assert numeric.after == {"id": 1, "amount": Decimal("12345678901234567.25")}
     with pytest.raises(ValidationError, match=r"payload: expected a JSON object"):
         codec.decode_value(head + b',"payload":[1]}')
     # a parameter named "payload" inside the schema does not confuse the split

@@ -194,8 +194,10 @@ def test_reads_a_postgresql_create_with_schema() -> None:
     assert ev.op is Op.CREATE and ev.before is None
     assert ev.after == {"id": 1, "first_name": "Anne", "last_name": "Kretchmar", "email": "annek@noanswer.org"}
     assert ev.source == SourceInfo("postgresql", "PostgreSQL_server", "postgres", "public", "customers",
-                                   PgPosition(24023128, 0), 1559033904863, 555, Snapshot.FALSE)
+                                   PgPosition(24023128, 0), 1559033904863, 555, Snapshot.FALSE,
+                                   1559033904863123, 1559033904863123000, {"sequence": '["24023119","24023128"]'})
     assert ev.ts_ms == 1559033904866 and ev.transaction is None
+    assert (ev.ts_us, ev.ts_ns) == (1559033904866001, 1559033904866001000)
     assert ev.key is None  # Debezium's value schema names no key: it is in the record key
     key_schema = TableSchema.from_connect(PG_CREATE["schema"], key=["id"])
     assert key_schema.name == "PostgreSQL_server.inventory.customers"
@@ -329,43 +331,47 @@ ORDERS = TableSchema(
 
 
 def test_encoder_writes_the_postgresql_envelope_shape() -> None:
+    """A 2.5 record read and written back comes out in the 2.6+ layout Debezium writes today
+    (the shape of PG_CREATE): transaction after source, ts_us/ts_ns in the source and the
+    envelope, Envelope version 2; every value of the record kept."""
     dbz = PG_SNAPSHOT_READ
     event = EventCodec().decode_value(orjson.dumps(dbz), ORDERS)
     out = orjson.loads(EventCodec("precise", include_schema=True, version="2.5.4.Final").encode_value(event, ORDERS))
     assert list(out) == ["schema", "payload"]
-    # payload: same keys in the same order, same values (kf_pos is kappaflow's addition)
-    assert list(out["payload"]) == list(dbz["payload"])
-    assert list(strip_kf(out["payload"]["source"])) == list(dbz["payload"]["source"])
-    expected = {**dbz["payload"]}
-    expected["source"] = {**dbz["payload"]["source"], "sequence": None}  # kappaflow does not fill Debezium's sequence
+    # payload: the 2.6+ keys in Debezium's order, the record's values (kf_pos is kappaflow's addition)
+    assert list(out["payload"]) == list(PG_CREATE["payload"])
+    assert list(strip_kf(out["payload"]["source"])) == list(PG_CREATE["payload"]["source"])
+    ts, ts_src = dbz["payload"]["ts_ms"], dbz["payload"]["source"]["ts_ms"]
+    expected = {**dbz["payload"], "ts_us": ts * 1000, "ts_ns": ts * 1_000_000,
+                "source": {**dbz["payload"]["source"], "ts_us": ts_src * 1000, "ts_ns": ts_src * 1_000_000}}
     assert strip_kf(out["payload"]) == expected
     assert out["payload"]["source"]["kf_pos"] == {"kind": "pg", "lsn": 26843720, "index": 0, "snapshot": True}
-    # schema: the same Connect schema, field by field
-    ours, theirs = strip_kf(out["schema"]), dbz["schema"]
-    assert ours["name"] == theirs["name"] and ours["version"] == theirs["version"]
+    # schema: the 2.6+ Connect schema, field by field
+    ours, theirs = strip_kf(out["schema"]), PG_CREATE["schema"]
+    assert ours["name"] == "pg.public.orders.Envelope" and ours["version"] == theirs["version"] == 2
     assert [x["field"] for x in ours["fields"]] == [x["field"] for x in theirs["fields"]]
-    assert ours["fields"][:2] == theirs["fields"][:2]  # before/after row structs
+    assert ours["fields"][:2] == dbz["schema"]["fields"][:2]  # before/after row structs
     # the source block (kappaflow declares Debezium 3.x's list of snapshot values)
-    want = [SNAPSHOT_FIELD_3 if x is SNAPSHOT_FIELD_25 else x for x in PG_SOURCE_FIELDS_25]
+    want = [SNAPSHOT_FIELD_3 if x["field"] == "snapshot" else x for x in PG_SOURCE_FIELDS_27]
     assert ours["fields"][2]["fields"] == want
     assert ours["fields"][2]["name"] == theirs["fields"][2]["name"]
-    assert ours["fields"][3:] == theirs["fields"][3:]  # op, ts_ms, transaction
+    assert ours["fields"][3:] == theirs["fields"][3:]  # transaction, op, ts_ms, ts_us, ts_ns
 
 
 def test_encoder_writes_the_mysql_source_shape() -> None:
     event = EventCodec().decode_value(orjson.dumps(MYSQL_UPDATE))
     table = TableSchema.from_connect(MYSQL_UPDATE["schema"])
     out = orjson.loads(EventCodec(include_schema=True).encode_value(event, table))
-    theirs_fields = [x for x in MYSQL_SOURCE_FIELDS_3 if x["field"] not in ("ts_us", "ts_ns")]
     ours_source = next(x for x in out["schema"]["fields"] if x["field"] == "source")
     assert ours_source["name"] == "io.debezium.connector.mysql.Source"
-    assert [x for x in strip_kf(ours_source["fields"]) if x["field"] != "txId"] == theirs_fields
+    assert [x for x in strip_kf(ours_source["fields"]) if x["field"] != "txId"] == MYSQL_SOURCE_FIELDS_3
     src = out["payload"]["source"]
-    assert [k for k in src if k not in ("kf_pos", "txId")] == [
-        k for k in MYSQL_UPDATE["payload"]["source"] if k not in ("ts_us", "ts_ns")
-    ]
+    assert [k for k in src if k not in ("kf_pos", "txId")] == list(MYSQL_UPDATE["payload"]["source"])
+    assert {k: v for k, v in src.items() if k not in ("kf_pos", "txId", "version")} == {
+        k: v for k, v in MYSQL_UPDATE["payload"]["source"].items() if k != "version"}
     assert out["payload"]["transaction"] == MYSQL_UPDATE["payload"]["transaction"]
-    assert src["file"] == "binlog.000003" and src["pos"] == 169054 and src["server_id"] == 1
+    assert [k for k in out["payload"] if k != "schema"] == list(MYSQL_UPDATE["payload"])
+    assert src["file"] == "binlog.000003" and src["pos"] == 169054 and src["server_id"] == 1 and src["thread"] == 12
 
 
 @pytest.mark.parametrize("mode", ["string", "precise", "double"])

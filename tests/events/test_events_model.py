@@ -123,7 +123,7 @@ def test_table_schema_validation() -> None:
     assert ks.columns == (Column("b", FT.STRING, optional=False),) and ks.key == ("b",)
 
 
-COLUMN_TYPES = st.sampled_from([t for t in FieldType if t is not FT.ARRAY])
+COLUMN_TYPES = st.sampled_from([t for t in FieldType if t not in (FT.ARRAY, FT.STRUCT, FT.MAP)])
 
 
 @st.composite
@@ -146,6 +146,14 @@ def table_schemas(draw: st.DrawFn) -> TableSchema:
         cols.append(Column(f"c{i}", t, **kw))
     if draw(st.booleans()):
         cols.append(Column("arr", FT.ARRAY, items=Column("item", FT.DECIMAL, scale=2)))
+    if draw(st.booleans()):  # a PostGIS geometry as Debezium writes it
+        cols.append(Column("geom", FT.STRUCT, logical="io.debezium.data.geometry.Geometry",
+                           fields=(Column("wkb", FT.BYTES, optional=False), Column("srid", FT.INT32))))
+    if draw(st.booleans()):  # hstore.handling.mode=map
+        cols.append(Column("attrs", FT.MAP, fields=(Column("key", FT.STRING, optional=False),
+                                                    Column("value", FT.STRING))))
+    if draw(st.booleans()):
+        cols.append(Column("at_ms", FT.TIMESTAMP, logical="io.debezium.time.Timestamp"))
     key = tuple(draw(st.lists(st.sampled_from([c.name for c in cols]), unique=True, max_size=2)))
     return TableSchema(draw(st.sampled_from(["a.b.c", "shop.public.orders"])), tuple(cols), key)
 
@@ -204,7 +212,7 @@ def test_connect_schema_is_a_fresh_copy() -> None:
     with pytest.raises(ValidationError, match="decimal_mode"):
         t.connect_schema(decimal_mode="fast")
     with pytest.raises(ValidationError, match="position_kind"):
-        t.connect_schema(position_kind="oracle")
+        t.connect_schema(position_kind="cobol")
 
 
 def test_schemas_pickle_without_their_caches() -> None:

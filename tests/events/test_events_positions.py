@@ -129,8 +129,8 @@ def test_lsn_helpers_reject_bad_input() -> None:
 @pytest.mark.parametrize(
     ("d", "message"),
     [
-        ({"lsn": 1, "index": 0}, r"position.kind: expected one of \['binlog', 'ledger', 'pg'\], got None"),
-        ({"kind": "oracle"}, "position.kind: expected one of"),
+        ({"lsn": 1, "index": 0}, r"position.kind: expected one of \['binlog', .*'ledger', .*'pg', .*\], got None"),
+        ({"kind": "cobol"}, "position.kind: expected one of"),
         ({"kind": "pg", "index": 0}, r"position \(pg\).lsn: expected an integer >= 0, missing"),
         ({"kind": "pg", "lsn": -1, "index": 0}, r"position \(pg\).lsn: expected an integer >= 0, got -1"),
         ({"kind": "pg", "lsn": "0/1", "index": 0}, r"position \(pg\).lsn"),
