@@ -177,7 +177,9 @@ class ChangeBatcher:
         opb = _OPB[op]
         oph = _OPS[op]
         delete = op is Op.DELETE
-        value = b'{"before":%b,"after":%b,"source":%b%d%b%d%b},"op":"%b","ts_ms":%d,"transaction":null}'
+        value = (b'{"before":%b,"after":%b,"source":%b%d%b%d%b},"transaction":null,"op":"%b",'
+                 b'"ts_ms":%d,"ts_us":%d,"ts_ns":%d}')
+        now_us, now_ns = now * 1000, now * 1_000_000
         n = 0
         last = -1  # row index of the last change appended
         for r in rows:
@@ -209,7 +211,8 @@ class ChangeBatcher:
                 self.skipped += 1
                 continue
             ph = (POSITION_HEADER, b"%b%d%b" % (ph_head, i, ph_tail))
-            append(TrustedRecord(kb, value % (before, after, head, i, tail, i, ph_tail, opb, now), (oph, ph)))
+            append(TrustedRecord(kb, value % (before, after, head, i, tail, i, ph_tail, opb, now, now_us, now_ns),
+                                 (oph, ph)))
             n += 1
             if delete:
                 append(TrustedRecord(kb, None, (oph, ph)))
@@ -241,8 +244,10 @@ class ChangeBatcher:
                 continue
             ph = (POSITION_HEADER, b"%b%d%b" % (ph_head, i, ph_tail))
             before, after = (dumps(row), b"null") if op is Op.DELETE else (b"null", dumps(row))
-            append(TrustedRecord(kb, b'{"before":%b,"after":%b,"source":%b%d%b%d%b},"op":"%b","ts_ms":%d,'
-                                     b'"transaction":null}' % (before, after, head, i, tail, i, ph_tail, _OPB[op], now),
+            append(TrustedRecord(kb, b'{"before":%b,"after":%b,"source":%b%d%b%d%b},"transaction":null,"op":"%b",'
+                                     b'"ts_ms":%d,"ts_us":%d,"ts_ns":%d}' % (
+                                         before, after, head, i, tail, i, ph_tail, _OPB[op], now, now * 1000,
+                                         now * 1_000_000),
                                  (_OPS[op], ph)))
             n += 1
             if op is Op.DELETE:
@@ -346,8 +351,9 @@ def _source_parts(version: str, source: str, db: str, table: str, ts_ms: int, se
     """The binlog source block around the two row numbers (see ``EventCodec`` ``_src_binlog``)."""
     d = orjson.dumps
     head = (b'{"version":%b,"connector":"mysql","name":%b,"ts_ms":%d,"snapshot":"false","db":%b,"sequence":null,'
-            b'"table":%b,"server_id":%d,"gtid":%b,"file":%b,"pos":%d,"row":' % (
-                d(version), d(source), ts_ms, d(db), d(table), server_id, gtid, file, pos))
+            b'"ts_us":%d,"ts_ns":%d,"table":%b,"server_id":%d,"gtid":%b,"file":%b,"pos":%d,"row":' % (
+                d(version), d(source), ts_ms, d(db), ts_ms * 1000, ts_ms * 1_000_000, d(table), server_id, gtid,
+                file, pos))
     tail = b',"thread":null,"query":null,"txId":%b,"kf_pos":{"kind":"binlog","file":%b,"pos":%d,"row":' % (
         gtid, file, pos)
     return head, tail

@@ -353,8 +353,8 @@ class TableCodec:
         self.values_json = self._build_values_json()
         head = orjson.dumps({"version": SOURCE_VERSION, "connector": "postgresql", "name": source})[:-1]
         self._src_head = head + b',"ts_ms":'
-        self._src_mid = b',"db":' + orjson.dumps(db) + b',"sequence":null,"schema":' + orjson.dumps(schema) + \
-            b',"table":' + orjson.dumps(table) + b',"txId":'
+        self._src_db = b',"db":' + orjson.dumps(db) + b',"sequence":"['
+        self._src_mid = b',"schema":' + orjson.dumps(schema) + b',"table":' + orjson.dumps(table) + b',"txId":'
 
     # -- construction ------------------------------------------------------------------------
     @classmethod
@@ -662,18 +662,37 @@ class TableCodec:
         return missing
 
     # -- envelope ----------------------------------------------------------------------------
-    def source_prefix(self, ts_ms: int, snapshot: str, tx_id: int | None, lsn: int) -> bytes:
-        """Source block up to the kf_pos index: ``... "kf_pos":{"kind":"pg","lsn":L,"index":``."""
-        return b'%s%d,"snapshot":"%s"%s%s,"lsn":%d,"xmin":null,"kf_pos":{"kind":"pg","lsn":%d,"index":' % (
-            self._src_head, ts_ms, snapshot.encode(), self._src_mid,
-            b"null" if tx_id is None else b"%d" % tx_id, lsn, lsn)
+    def source_parts(self, ts_ms: int, snapshot: str, tx_id: int | None, lsn: int,
+                     last_commit_lsn: int | None) -> tuple[bytes, bytes, bytes]:
+        """The source block around the change's own LSN, which it holds twice (Debezium 2.6+ order)::
+
+            a + b"%d" % change_lsn + b + b"%d" % change_lsn + c + b"%d" % index + b',"snapshot":false}}'
+
+        ``sequence`` is Debezium's ``["<last committed LSN>","<this change's LSN>"]`` and ``lsn``
+        the change's LSN; ``kf_pos`` holds the transaction's commit LSN and the change's index.
+        """
+        last = b"null" if not last_commit_lsn else b'\\"%d\\"' % last_commit_lsn
+        a = b'%s%d,"snapshot":"%s"%s%s,\\"' % (self._src_head, ts_ms, snapshot.encode(), self._src_db, last)
+        b = b'\\"]","ts_us":%d,"ts_ns":%d%s%s,"lsn":' % (
+            ts_ms * 1000, ts_ms * 1_000_000, self._src_mid, b"null" if tx_id is None else b"%d" % tx_id)
+        c = b',"xmin":null,"kf_pos":{"kind":"pg","lsn":%d,"index":' % lsn
+        return a, b, c
+
+    def source_prefix(self, ts_ms: int, snapshot: str, tx_id: int | None, lsn: int,
+                      last_commit_lsn: int | None = None, change_lsn: int | None = None) -> bytes:
+        """Source block up to the kf_pos index: ``... "kf_pos":{"kind":"pg","lsn":L,"index":``
+        (the change's LSN ``change_lsn``, by default the commit LSN ``lsn``)."""
+        a, b, c = self.source_parts(ts_ms, snapshot, tx_id, lsn, last_commit_lsn)
+        cl = b"%d" % (lsn if change_lsn is None else change_lsn)
+        return a + cl + b + cl + c
 
 
 def encode_envelope(before: bytes, after: bytes, src_prefix: bytes, index: int, snapshot: bool, op: bytes,
                     ts_ms: int, tx: bytes, unavailable: Sequence[str] = ()) -> bytes:
     """Debezium envelope bytes from pre-serialised parts (see the module docstring)."""
-    out = b'{"before":%s,"after":%s,"source":%s%d,"snapshot":%s}},"op":"%s","ts_ms":%d,"transaction":%s' % (
-        before, after, src_prefix, index, b"true" if snapshot else b"false", op, ts_ms, tx)
+    out = b'{"before":%s,"after":%s,"source":%s%d,"snapshot":%s}},"transaction":%s,"op":"%s","ts_ms":%d,' \
+          b'"ts_us":%d,"ts_ns":%d' % (before, after, src_prefix, index, b"true" if snapshot else b"false", tx, op,
+                                       ts_ms, ts_ms * 1000, ts_ms * 1_000_000)
     if unavailable:
         return out + b',"kf_unavailable":' + orjson.dumps(list(unavailable)) + b"}"
     return out + b"}"

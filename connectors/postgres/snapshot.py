@@ -228,6 +228,7 @@ class PgSnapshotSource(SnapshotSource):
             more = chunked and n > self.chunk_rows
             take = self.chunk_rows if more else n
             now_ms = int(time.time() * 1000)
+            times = b'"ts_ms":%d,"ts_us":%d,"ts_ns":%d' % (now_ms, now_ms * 1000, now_ms * 1_000_000)
             pending = cap.pending
             raw: list[bytes | None] = []
             skipped = 0  # rows of a mapped table the log already holds (a resumed snapshot)
@@ -256,8 +257,8 @@ class PgSnapshotSource(SnapshotSource):
                     if pfx is None:
                         pfx = prefixes[marker] = tc.source_prefix(now_ms, marker, None, lsn)
                     after, key, big = values_json(raw)
-                    value = (b'{"before":null,"after":%s,"source":%s%d,"snapshot":true}},"op":"r","ts_ms":%d,'
-                             b'"transaction":null}' % (after, pfx, idx, now_ms))
+                    value = (b'{"before":null,"after":%s,"source":%s%d,"snapshot":true}},"transaction":null,"op":"r",'
+                             b'%s}' % (after, pfx, idx, times))
                     recs.append(TrustedRecord(key, value, _HEADERS_R))
                     if toast and big and len(lines[r]) >= TOAST_ROW_MIN:
                         tc.remember(key, tc.json_row(raw), raw)

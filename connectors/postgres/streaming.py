@@ -86,6 +86,11 @@ _SENT = b"sent:"  # heartbeat content: the capture's wall time (ms) when it wrot
 _MISSING: Any = object()
 
 
+def _times(now_ms: int) -> bytes:
+    """The envelope's processing time in Debezium 2.6+'s three units."""
+    return b'"ts_ms":%d,"ts_us":%d,"ts_ns":%d' % (now_ms, now_ms * 1000, now_ms * 1_000_000)
+
+
 class PgStreamingSource(StreamingSource):
     def __init__(self, cap: PgCapture, repl: ReplicationConnection, *, slot: str, publication: str,
                  heartbeat_interval_s: float = 10.0, status_interval_s: float = 1.0,
@@ -110,7 +115,8 @@ class PgStreamingSource(StreamingSource):
         self.tx_id = b""
         self.index = 0
         self.dco: dict[str, int] = {}
-        self.prefixes: dict[int, bytes] = {}
+        self.prefixes: dict[int, tuple[bytes, bytes, bytes]] = {}
+        self.tx_last_commit = 0  # commit LSN of the transaction before this one (Debezium's sequence)
         self.dedup = False
         self.complete_end = 0  # end LSN of the last complete transaction in the pending batch
         self.complete_txs = 0  # transactions completed in the pending batch, and the last one's commit time
@@ -239,6 +245,7 @@ class PgStreamingSource(StreamingSource):
         dedup = self.dedup
         dco = self.dco
         prefixes = self.prefixes
+        times = _times(now_ms)
         for m in msgs:
             if m[0] == XLOGDATA:
                 tag = m[25]
@@ -271,16 +278,12 @@ class PgStreamingSource(StreamingSource):
                         prefix = prefixes.get(tc.relid)
                         if prefix is None:
                             prefix = self._prefix(tc)
-                        if tag == 73:
-                            value = (b'{"before":null,"after":%s,"source":%s%d,"snapshot":false}},"op":"c","ts_ms":%d,'
-                                     b'"transaction":{"id":"%s","total_order":%d,"data_collection_order":%d}}' % (
-                                         after, prefix, idx, now_ms, tx_id, idx + 1, d))
-                            headers = _HEADERS_C
-                        else:
-                            value = (b'{"before":null,"after":%s,"source":%s%d,"snapshot":false}},"op":"u","ts_ms":%d,'
-                                     b'"transaction":{"id":"%s","total_order":%d,"data_collection_order":%d}}' % (
-                                         after, prefix, idx, now_ms, tx_id, idx + 1, d))
-                            headers = _HEADERS_U
+                        cl = _xlog_start(m, 1)[0]
+                        value = (b'{"before":null,"after":%s,"source":%s%d%s%d%s%d,"snapshot":false}},"transaction":'
+                                 b'{"id":"%s","total_order":%d,"data_collection_order":%d},"op":"%s",%s}' % (
+                                     after, prefix[0], cl, prefix[1], cl, prefix[2], idx, tx_id, idx + 1, d,
+                                     b"c" if tag == 73 else b"u", times))
+                        headers = _HEADERS_C if tag == 73 else _HEADERS_U
                         recs = by_topic.get(topic)
                         if recs is None:
                             recs = by_topic[topic] = []
@@ -355,6 +358,7 @@ class PgStreamingSource(StreamingSource):
         self.tx_ts_ms = (ts + PG_EPOCH_US) // 1000
         self.tx_xid = xid
         self.tx_id = b"%d:%d" % (xid, final_lsn)
+        self.tx_last_commit = self.offset.last_commit_lsn or 0
         self.index = 0
         self.dco = {}
         self.prefixes = {}
@@ -379,7 +383,7 @@ class PgStreamingSource(StreamingSource):
         elif isinstance(msg, TypeMessage):
             self.cap.types.invalidate(msg.oid)
         elif isinstance(msg, Truncate):
-            self._truncate(msg)
+            self._truncate(msg, start)
         elif isinstance(msg, LogicalMessage) and msg.prefix == self.heartbeat_prefix and not msg.transactional:
             if not self.in_tx:
                 self.idle_candidate = max(self.idle_candidate, msg.lsn)
@@ -419,10 +423,11 @@ class PgStreamingSource(StreamingSource):
             raise ValidationError(f"pgoutput row message for relation {relid} before its Relation message "
                                   f"(at WAL position {lsn_str(_xlog_start(m, 1)[0])})") from None
 
-    def _prefix(self, tc: TableCodec) -> bytes:
+    def _prefix(self, tc: TableCodec) -> tuple[bytes, bytes, bytes]:
         p = self.prefixes.get(tc.relid)
         if p is None:
-            p = self.prefixes[tc.relid] = tc.source_prefix(self.tx_ts_ms, "false", self.tx_xid, self.tx_lsn)
+            p = self.prefixes[tc.relid] = tc.source_parts(self.tx_ts_ms, "false", self.tx_xid, self.tx_lsn,
+                                                          self.tx_last_commit)
         return p
 
     def _tuple(self, m: bytes, pos: int, what: str) -> tuple[tuple[Any, ...], int]:
@@ -433,7 +438,7 @@ class PgStreamingSource(StreamingSource):
             raise
 
     def _emit(self, tc: TableCodec, key: bytes, op: bytes, header: tuple[str, bytes], before: bytes,
-              after: bytes, unavailable: list[str] | None, now_ms: int) -> None:
+              after: bytes, unavailable: list[str] | None, now_ms: int, change_lsn: int) -> None:
         idx = self.index
         self.index = idx + 1
         topic = tc.topic
@@ -442,10 +447,11 @@ class PgStreamingSource(StreamingSource):
             return
         dco = self.dco.get(topic, 0) + 1
         self.dco[topic] = dco
-        prefix = self.prefixes.get(tc.relid) or self._prefix(tc)
-        value = (b'{"before":%s,"after":%s,"source":%s%d,"snapshot":false}},"op":"%s","ts_ms":%d,'
-                 b'"transaction":{"id":"%s","total_order":%d,"data_collection_order":%d}' % (
-                     before, after, prefix, idx, op, now_ms, self.tx_id, idx + 1, dco))
+        a, b, c = self.prefixes.get(tc.relid) or self._prefix(tc)
+        value = (b'{"before":%s,"after":%s,"source":%s%d%s%d%s%d,"snapshot":false}},"transaction":{"id":"%s",'
+                 b'"total_order":%d,"data_collection_order":%d},"op":"%s",%s' % (
+                     before, after, a, change_lsn, b, change_lsn, c, idx, self.tx_id, idx + 1, dco, op,
+                     _times(now_ms)))
         if unavailable:
             value += b',"kf_unavailable":' + orjson.dumps(unavailable)
         value += b"}"
@@ -494,7 +500,7 @@ class PgStreamingSource(StreamingSource):
         key = tc.key_of(js)
         if big and len(m) >= TOAST_ROW_MIN:
             tc.remember_all(key, js)
-        self._emit(tc, key, b"c", _OP_C, b"null", orjson.dumps(js), None, now_ms)
+        self._emit(tc, key, b"c", _OP_C, b"null", orjson.dumps(js), None, now_ms, _xlog_start(m, 1)[0])
 
     def _update(self, m: bytes, now_ms: int) -> None:
         fast = self._fast_new_row(m, now_ms, "UPDATE", self._update_slow)
@@ -507,7 +513,7 @@ class PgStreamingSource(StreamingSource):
             tc.remember_all(key, js)
         elif state:
             state.pop(key, None)
-        self._emit(tc, key, b"u", _OP_U, b"null", orjson.dumps(js), None, now_ms)
+        self._emit(tc, key, b"u", _OP_U, b"null", orjson.dumps(js), None, now_ms, _xlog_start(m, 1)[0])
 
     def _insert_slow(self, m: bytes, now_ms: int) -> None:
         tc = self._codec(m)
@@ -520,7 +526,7 @@ class PgStreamingSource(StreamingSource):
         key = tc.key_of(js)
         if tc.toast_state is not None:
             tc.remember(key, js, raw)
-        self._emit(tc, key, b"c", _OP_C, b"null", orjson.dumps(js), None, now_ms)
+        self._emit(tc, key, b"c", _OP_C, b"null", orjson.dumps(js), None, now_ms, _xlog_start(m, 1)[0])
 
     def _update_slow(self, m: bytes, now_ms: int) -> None:
         tc = self._codec(m)
@@ -566,13 +572,14 @@ class PgStreamingSource(StreamingSource):
                     if tc.toast_state is not None:
                         tc.toast_state.pop(old_key, None)
                         tc.remember(key, js, new_raw)
-                    self._emit(tc, old_key, b"d", _OP_D, orjson.dumps(old_js), b"null", None, now_ms)
-                    self._emit(tc, key, b"c", _OP_C, b"null", orjson.dumps(js), missing, now_ms)
+                    cl = _xlog_start(m, 1)[0]
+                    self._emit(tc, old_key, b"d", _OP_D, orjson.dumps(old_js), b"null", None, now_ms, cl)
+                    self._emit(tc, key, b"c", _OP_C, b"null", orjson.dumps(js), missing, now_ms, cl)
                     return
             before = orjson.dumps(old_js)
         if tc.toast_state is not None:
             tc.remember(key, js, new_raw)
-        self._emit(tc, key, b"u", _OP_U, before, orjson.dumps(js), missing, now_ms)
+        self._emit(tc, key, b"u", _OP_U, before, orjson.dumps(js), missing, now_ms, _xlog_start(m, 1)[0])
 
     @staticmethod
     def _has_key(tc: TableCodec, row: dict[str, Any]) -> bool:
@@ -604,7 +611,7 @@ class PgStreamingSource(StreamingSource):
         key = tc.key_of(old_js)
         if tc.toast_state is not None:
             tc.toast_state.pop(key, None)
-        self._emit(tc, key, b"d", _OP_D, orjson.dumps(old_js), b"null", None, now_ms)
+        self._emit(tc, key, b"d", _OP_D, orjson.dumps(old_js), b"null", None, now_ms, _xlog_start(m, 1)[0])
 
     # -- append-only tables with a RecordMapper (mapping.py) ------------------------------------------
     def _mapped(self, m: bytes, tc: TableCodec, op: str) -> None:
@@ -624,7 +631,7 @@ class PgStreamingSource(StreamingSource):
             self.duplicates += 1
 
     # -- TRUNCATE ------------------------------------------------------------------------------------
-    def _truncate(self, msg: Truncate) -> None:
+    def _truncate(self, msg: Truncate, change_lsn: int) -> None:
         """op=t marker in every partition, then a delete (the row as the log last held it) and a
         tombstone for every key the topic holds (``connectors/truncate.py``).
 
@@ -655,9 +662,10 @@ class PgStreamingSource(StreamingSource):
             nparts = cap.topic_partitions.get(topic) or cap._ensure_topic(topic)
             dco = self.dco.get(topic, 0) + 1
             self.dco[topic] = dco
-            value = (b'{"before":null,"after":null,"source":%s%d,"snapshot":false}},"op":"t","ts_ms":%d,'
-                     b'"transaction":{"id":"%s","total_order":%d,"data_collection_order":%d}}' % (
-                         self._prefix(tc), idx, now_ms, self.tx_id, idx + 1, dco))
+            a, b, c = self._prefix(tc)
+            value = (b'{"before":null,"after":null,"source":%s%d%s%d%s%d,"snapshot":false}},"transaction":'
+                     b'{"id":"%s","total_order":%d,"data_collection_order":%d},"op":"t",%s}' % (
+                         a, change_lsn, b, change_lsn, c, idx, self.tx_id, idx + 1, dco, _times(now_ms)))
             pos = (("kf.pos", b'{"kind":"pg","lsn":%d,"index":%d,"snapshot":false}' % (self.tx_lsn, idx)),)
             for p in range(nparts):
                 tail = cap.tails.get((topic, p))

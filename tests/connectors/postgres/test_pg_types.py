@@ -158,13 +158,17 @@ def test_envelope_bytes_equal_the_event_codec() -> None:
     py = tc.py_row(raw)
     assert py["amount"] == Decimal("10.00")
     pos = PgPosition(0x1234, 3)
+    # Debezium's lsn is the change's own LSN, sequence [last committed LSN, this LSN]
+    extra = {"sequence": '["4000","4400"]', "lsn": 4400}
     ev = ChangeEvent(Op.UPDATE, {"id": 7}, {"id": 7}, py,
-                     SourceInfo("postgresql", "src", "db", "public", "t", pos, 1700, 99),
+                     SourceInfo("postgresql", "src", "db", "public", "t", pos, 1700, 99, extra=extra),
                      1800, TransactionInfo("99:4660", 4, 2), unavailable=("doc",))
     js = tc.json_row(raw)
-    mine = encode_envelope(orjson.dumps({"id": 7}), orjson.dumps(js), tc.source_prefix(1700, "false", 99, 0x1234),
+    prefix = tc.source_prefix(1700, "false", 99, 0x1234, last_commit_lsn=4000, change_lsn=4400)
+    mine = encode_envelope(orjson.dumps({"id": 7}), orjson.dumps(js), prefix,
                            3, False, b"u", 1800, tx_block("99:4660", 4, 2), ("doc",))
     assert mine == codec.encode_value(ev, tc.schema)
+    assert codec.decode_value(mine, tc.schema).source == ev.source
     assert tc.key_of(js) == codec.encode_key({"id": 7}, tc.schema)
 
 
