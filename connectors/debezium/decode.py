@@ -2,53 +2,52 @@
 
 What arrives on Debezium's topics, and what becomes of it:
 
-===========================================  =================================================================
-Debezium record                              kappaflow
-===========================================  =================================================================
-change event, JsonConverter with schemas     ``ChangeEvent`` typed by the embedded Connect schema (Debezium
-(``{"schema", "payload"}``), op c/u/d/r/t    logical types: io.debezium.time.*, Connect Decimal with the scale
-                                             in the schema parameters, VariableScaleDecimal, Json, Uuid, Enum,
-                                             EnumSet, Bits, Year, ...), written in kappaflow's own format
-change event without schemas                 ``ChangeEvent`` with the JSON values as they are; the table's
-                                             schema is inferred from them (ints, floats, strings, booleans,
-                                             ``{"scale","value"}`` decimals, other objects as JSON)
-record flattened by ``ExtractNewRecordState`` the row with the ``__*`` metadata fields removed; op from
-                                             ``__op`` (``add.fields=op``), ``__deleted="true"`` is a delete
-                                             (``delete.handling.mode=rewrite``); position from ``__lsn`` or
-                                             ``__source_file``/``__source_pos`` when present
-tombstone (null value)                       after an envelope delete: skipped (kappaflow writes its own
-                                             tombstone after every delete); on a flattened topic
-                                             (``delete.handling.mode=drop``/``none``): a delete of the key
-transaction metadata (``<prefix>.transaction``) routed verbatim to ``<source>.__transactions``
-heartbeat (``__debezium-heartbeat.*``)       skipped
-schema change (``<prefix>`` topic, ``ddl``)  routed verbatim to ``<source>.__debezium_schema``
-anything malformed                           ``ValidationError`` naming the field: the caller sends the record
-                                             to the dead-letter topic with the reason and its position
-===========================================  =================================================================
-
-Positions: Debezium's own source block gives them (binlog ``file``/``pos``/``row``, PostgreSQL
-``lsn``). A record that carries none (a flattened record without source fields) gets its Kafka
-coordinates as a ``LedgerPosition`` (``partition << 48 | offset``): unique, and increasing per
-input partition, which is where every key's changes are.
+===============================================  =============================================================
+Debezium record                                  kappaflow
+===============================================  =============================================================
+change event (op c/u/d/r/t), JsonConverter with  ``ChangeEvent`` typed by the embedded Connect schema; every
+or without schemas, from PostgreSQL, MySQL,      semantic type is kept for writing it back (``Column.logical``,
+MariaDB, SQL Server, Oracle, Db2, MongoDB, any   see ``kappaflow.events.connect``); positions from the source
+other connector                                  block (``kappaflow.events.sources``), ordered by ``ordering.py``
+change event without schemas                     the values as they are; the table's schema is inferred and
+                                                 widened as records show more (``infer.py``)
+``__debezium_unavailable_value`` (any form)      the column is *unavailable*, never a value (``placeholder.py``)
+snapshot reads (initial, blocking, incremental)  ordered after what their partition delivered (``ordering.py``)
+record flattened by ``ExtractNewRecordState``    the row without its ``__*`` metadata fields; ``__op`` is the
+                                                 op, ``__deleted: "true"`` a delete (rewrite mode), ``{"schema",
+                                                 "payload": null}`` or a null value a delete of the record key;
+                                                 the position from ``__lsn``/``__source_*`` fields when present
+tombstone (null value)                           after its delete: nothing (kappaflow writes its own); alone (the
+                                                 delete was compacted away): a delete of the key
+``op: "m"`` (PostgreSQL logical message)         a record on the event topic ``<source>.message``
+CloudEvents (``CloudEventsConverter``, JSON      the envelope rebuilt from ``data`` and the ``iodebezium*``
+``data``)                                        attributes; Avro ``data`` is refused, naming the format
+transaction metadata (``<prefix>.transaction``)  routed verbatim to ``<source>.transaction``
+heartbeat (``__debezium-heartbeat.*``)           skipped
+schema change (``<prefix>`` topic, ``ddl``)      routed verbatim to ``<source>.__debezium_schema``
+anything malformed                               ``ValidationError`` naming the field: the caller sends the
+                                                 record to the dead-letter topic with the reason and position
+===============================================  =============================================================
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
-from decimal import Decimal
 from typing import Any
 
 import orjson
 
+from kappaflow.connectors.debezium.cloudevents import envelope_from_cloudevent, is_cloudevent
+from kappaflow.connectors.debezium.infer import InferredSchemas, decode_schemaless_row
+from kappaflow.connectors.debezium.mongodb import apply_update, is_mongodb, mongodb_schema
+from kappaflow.connectors.debezium.ordering import PartitionOrder
+from kappaflow.connectors.debezium.placeholder import DEFAULT_PLACEHOLDER, Placeholder
 from kappaflow.errors import ValidationError
 from kappaflow.events import (
-    BinlogPosition,
     ChangeEvent,
-    Column,
     EventCodec,
-    FieldType,
-    LedgerPosition,
+    KafkaPosition,
     Op,
     PgPosition,
     Position,
@@ -56,18 +55,21 @@ from kappaflow.events import (
     SourceInfo,
     TableSchema,
 )
+from kappaflow.events.sources import layout_for_connector
 
 __all__ = ["DebeziumDecoder", "Decoded"]
 
 _OPS = {o.value: o for o in Op}
+_NO_POSITION = KafkaPosition(0, 0, -1)  # marks "the source block names none" until ordering places it
 
 
 @dataclass(frozen=True, slots=True)
 class Decoded:
     """What one Debezium record becomes.
 
-    kind: "event" (``event``/``schema``/``topic`` set), "skip" (``reason``), "route"
-    (``topic`` + the original key/value go there verbatim).
+    kind: "event" (``event``/``schema``/``topic`` set), "skip" (``reason``), "route" (``topic``:
+    the original key/value go there verbatim), "message" (``topic``, ``key``, ``value``: a record
+    for an event topic).
     """
 
     kind: str
@@ -75,223 +77,394 @@ class Decoded:
     event: ChangeEvent | None = None
     schema: TableSchema | None = None
     reason: str = ""
-
-
-def _kafka_position(partition: int, offset: int) -> Position:
-    return LedgerPosition((partition << 48) | offset)
+    key: bytes | None = None
+    value: bytes | None = None
+    patch: Callable[[dict[str, Any]], dict[str, Any]] | None = None  # MongoDB: the update to the repaired row
 
 
 class DebeziumDecoder:
-    """Stateful per source: remembers each input topic's shape (envelope or flattened) and the
-    schemas inferred for schemaless tables."""
+    """Stateful per source: each input topic's shape, inferred schemas, the order per input partition.
 
-    def __init__(self, source: str, *, schemas_enabled: bool | None = None) -> None:
+    ``key_columns``: ``{"<schema or db>.<table>": [columns]}`` for tables whose records have a
+    null key (no primary key): those columns become the key, like Debezium's
+    ``message.key.columns``; other keyless tables go to append-only topics.
+    """
+
+    def __init__(self, source: str, *, schemas_enabled: bool | None = None,
+                 placeholder: str = DEFAULT_PLACEHOLDER, key_columns: Mapping[str, list[str]] | None = None) -> None:
         self.source = source
         self.schemas_enabled = schemas_enabled
         self.codec = EventCodec()
+        self.placeholder = Placeholder(placeholder)
+        self.key_columns = {k: tuple(v) for k, v in (key_columns or {}).items()}
+        self.inferred = InferredSchemas()
+        self.order = PartitionOrder()
         self.flattened: dict[str, bool] = {}
-        self.inferred: dict[str, TableSchema] = {}
+        self.out_topics: dict[str, str] = {}  # input topic -> kappaflow topic
+        self.known: dict[str, TableSchema] = {}  # kappaflow topic -> last schema (for key-only deletes)
+        self.last_source: dict[str, SourceInfo] = {}  # kappaflow topic -> the last event's source block
+        self._keyed: dict[tuple[int, tuple[str, ...], str], TableSchema] = {}
 
-    # -- classification --------------------------------------------------------------
-    def decode(self, topic: str, partition: int, offset: int, key: bytes | None, value: bytes | None) -> Decoded:
-        """Classify and convert one record; raises ValidationError for malformed input."""
+    # -- classification --------------------------------------------------------------------------
+    def decode(self, topic: str, partition: int, offset: int, key: bytes | None, value: bytes | None, *,
+               timestamp_ms: int | None = None) -> Decoded:
+        """Classify and convert one record; raises ValidationError for malformed input.
+
+        ``timestamp_ms``: the Kafka record's timestamp (the time of a delete made from a tombstone).
+        """
         if topic.startswith("__debezium-heartbeat"):
             return Decoded("skip", reason="heartbeat")
         if value is None:
-            if self.flattened.get(topic, True):
-                return self._flat_delete(topic, partition, offset, key)
-            return Decoded("skip", reason="tombstone")
+            return self._key_delete(topic, partition, offset, key, "tombstone", timestamp_ms or 0)
+        if self.flattened.get(topic) is not True and not self.placeholder.may_hold(value):
+            try:
+                ev, table = self.codec.decode_envelope(value, position_fallback=_no_position)
+            except ValidationError:
+                pass  # not a plain envelope (or a bad one): the full classification says which
+            else:
+                self.flattened[topic] = False
+                return self._event(topic, partition, offset, key, ev, table, ())
+        return self._slow(topic, partition, offset, key, value)
+
+    def _slow(self, topic: str, partition: int, offset: int, key: bytes | None, value: bytes) -> Decoded:
         try:
             doc = orjson.loads(value)
         except orjson.JSONDecodeError as exc:
             raise ValidationError(f"value: malformed JSON ({exc})") from None
         if type(doc) is not dict:
             raise ValidationError(f"value: expected a JSON object, got {type(doc).__name__}")
+        if is_cloudevent(doc):
+            doc = envelope_from_cloudevent(doc)
         schema_part, payload = None, doc
-        if set(doc) == {"schema", "payload"}:
+        if len(doc) == 2 and "schema" in doc and "payload" in doc:
             schema_part, payload = doc["schema"], doc["payload"]
             if self.schemas_enabled is False:
                 raise ValidationError("value: has a 'schema' part, but the source is configured with "
                                       "schemas_enabled=false")
+            if payload is None:  # ExtractNewRecordState's delete (delete.handling.mode=none) with a schema
+                return self._key_delete(topic, partition, offset, key, "delete", 0)
         elif self.schemas_enabled:
             raise ValidationError("value: expected {\"schema\", \"payload\"} (schemas_enabled=true), got "
                                   f"keys {sorted(doc)[:6]}")
         if type(payload) is not dict:
             raise ValidationError(f"payload: expected a JSON object, got {type(payload).__name__}")
-        if "status" in payload and payload.get("status") in ("BEGIN", "END") and "op" not in payload:
-            return Decoded("route", topic=f"{self.source}.__transactions", reason="transaction metadata")
+        if payload.get("status") in ("BEGIN", "END") and "op" not in payload:
+            return Decoded("route", topic=f"{self.source}.transaction", reason="transaction metadata")
         if "ddl" in payload or "tableChanges" in payload:
             return Decoded("route", topic=f"{self.source}.__debezium_schema", reason="schema change")
         if set(payload) == {"ts_ms"}:
             return Decoded("skip", reason="heartbeat")
-        if ("source" in payload and ("before" in payload or "after" in payload)) or "op" in payload:
+        if payload.get("op") == "m":
+            return self._message(topic, partition, offset, payload)
+        if "op" in payload or ("source" in payload and ("before" in payload or "after" in payload)):
             self.flattened[topic] = False
-            return self._envelope(value, key, payload)
+            _complete_source(payload, schema_part, topic)
+            if is_mongodb(payload):
+                return self._mongodb(topic, partition, offset, key, value, payload)
+            unavailable = self.placeholder.strip(payload.get("after") if type(payload.get("after")) is dict else None)
+            if type(payload.get("before")) is dict:
+                self.placeholder.strip(payload["before"])
+            wrapped = {"schema": schema_part, "payload": payload} if schema_part is not None else payload
+            ev, table = self.codec.decode_envelope(value, position_fallback=_no_position, parsed=wrapped)
+            return self._event(topic, partition, offset, key, ev, table, tuple(unavailable))
         self.flattened[topic] = True
         return self._flat(topic, partition, offset, key, schema_part, payload)
 
-    # -- envelopes ---------------------------------------------------------------------
-    def _envelope(self, value: bytes, key: bytes | None, payload: dict[str, Any]) -> Decoded:
-        if "op" not in payload:
-            raise ValidationError("op: missing (a Debezium envelope without an operation)")
-        event = self.codec.decode_value(value)  # typed by the embedded schema, raw JSON without one
-        src = event.source
-        topic = f"{self.source}.{src.schema if src.schema is not None else src.db}.{src.table}"
-        raw_key = self._raw_key(key)
-        names = tuple(raw_key) if raw_key else ()
-        doc = orjson.loads(value)
-        if set(doc) == {"schema", "payload"} and doc["schema"] is not None:
-            parsed = TableSchema.from_connect(doc["schema"])
-            schema = TableSchema(topic, parsed.columns, names if names else parsed.key)
-        else:
-            before = None if event.before is None else _decode_inferred(event.before)
-            after = None if event.after is None else _decode_inferred(event.after)
-            event = replace(event, before=before, after=after)
-            schema = self._infer(topic, [r for r in (before, after) if r is not None], raw_key)
+    # -- envelopes -------------------------------------------------------------------------------
+    def _event(self, topic: str, partition: int, offset: int, key: bytes | None, ev: ChangeEvent,
+               table: TableSchema | None, unavailable: tuple[str, ...]) -> Decoded:
+        src = ev.source
+        qualified = f"{src.schema if src.schema is not None else src.db}.{src.table}"
+        out = f"{self.source}.{qualified}"
+        self.out_topics[topic] = out
+        raw_key = _raw_key(key)
+        names = self.key_columns.get(qualified) or (tuple(raw_key) if raw_key else ())
+        before, after = ev.before, ev.after
+        if table is not None:
+            schema = self._with_key(out, table, names)
+        else:  # schemaless: JSON values, the schema inferred from them
+            before = None if before is None else decode_schemaless_row(before, "before")
+            after = None if after is None else decode_schemaless_row(after, "after")
+            schema = self.inferred.observe(out, [r for r in (before, after) if r is not None],
+                                           raw_key if not self.key_columns.get(qualified) else None)
+            if names and schema.key != names:
+                schema = self._with_key(out, schema, names)
+        if schema.key or out not in self.known:
+            self.known[out] = schema
         k: dict[str, Any] | None = None
-        if event.op is not Op.TRUNCATE and schema.key:
-            row = event.after if event.after is not None else event.before
+        if ev.op is not Op.TRUNCATE and schema.key:
+            row = after if after is not None else before
             if row is not None and all(c in row for c in schema.key):
                 k = {c: row[c] for c in schema.key}
             elif raw_key:
-                k = dict(raw_key)
-        event = replace(event, key=k, source=replace(src, name=self.source))
-        return Decoded("event", topic=topic, event=event, schema=schema)
+                k = {c: raw_key[c] for c in schema.key if c in raw_key}
+        own = None if src.position is _NO_POSITION else src.position
+        pos = self.order.place(topic, partition, offset, own)
+        if ev.op is Op.DELETE:
+            self.order.note_delete(topic, partition, offset, key)
+        else:
+            self.order.note_other(topic, partition)
+        source = replace(src, name=self.source, position=pos)
+        self.last_source[out] = source
+        if unavailable or before is not ev.before or after is not ev.after or k != ev.key or source is not src:
+            ev = replace(ev, key=k, before=before, after=after, source=source,
+                         unavailable=tuple(dict.fromkeys((*ev.unavailable, *unavailable))))
+        return Decoded("event", topic=out, event=ev, schema=schema)
 
-    def _infer(self, topic: str, rows: list[dict[str, Any]], key: Mapping[str, Any] | None = None) -> TableSchema:
-        known = self.inferred.get(topic)
-        cols = {c.name: c for c in known.columns} if known is not None else {}
-        for row in rows:
-            for name, v in row.items():
-                if name in cols or v is None:
-                    continue
-                cols[name] = Column(name, _infer_type(v))
-        keycols = tuple(key) if key else (known.key if known is not None else ())
-        for k in keycols:
-            if k not in cols:
-                cols[k] = Column(k, _infer_type(key[k]) if key and key.get(k) is not None else FieldType.STRING)
-        schema = TableSchema(topic, tuple(cols.values()), keycols)
-        if known is None or schema.fingerprint() != known.fingerprint():
-            self.inferred[topic] = schema
-        return self.inferred[topic]
+    def _mongodb(self, topic: str, partition: int, offset: int, key: bytes | None, value: bytes,
+                 payload: dict[str, Any]) -> Decoded:
+        """A MongoDB change event: rows of (id, document), see ``mongodb.py``."""
+        raw_key = _raw_key(key)
+        if not raw_key or type(raw_key.get("id")) is not str:
+            raise ValidationError("key: a MongoDB change event's key is {\"id\": \"<_id as extended JSON>\"}, got "
+                                  f"{key!r:.80}")
+        key_id = raw_key["id"]
+        src = payload["source"]
+        out = f"{self.source}.{src.get('db')}.{src.get('collection')}"
+        patch = None
+        unavailable: tuple[str, ...] = ()
+        rows = dict(payload)
+        for part in ("before", "after"):
+            v = payload.get(part)
+            rows[part] = None if v is None else {"id": key_id, "document": v}
+        if payload.get("op") == "d" and rows["before"] is None:
+            rows["before"] = {"id": key_id}
+        if payload.get("op") == "u" and rows["after"] is None:
+            desc = payload.get("updateDescription")
+            if type(desc) is not dict:
+                raise ValidationError("after: a MongoDB update without the document needs its updateDescription")
+            rows["after"] = {"id": key_id}
+            unavailable = ("document",)
 
-    # -- flattened records (ExtractNewRecordState) ------------------------------------
+            def patch(row: dict[str, Any], desc: dict[str, Any] = desc) -> dict[str, Any]:
+                doc = row.get("document")
+                return {**row, "document": apply_update(doc, desc)} if isinstance(doc, dict) else row
+
+        ev, _ = self.codec.decode_envelope(value, mongodb_schema(out), position_fallback=_no_position, parsed=rows)
+        d = self._event(topic, partition, offset, key, ev, mongodb_schema(out), unavailable)
+        return replace(d, patch=patch) if patch is not None else d
+
+    def _with_key(self, out: str, table: TableSchema, names: tuple[str, ...]) -> TableSchema:
+        """The record's table schema named after the kappaflow topic, keyed by ``names``."""
+        if table.name == out and table.key == names:
+            return table
+        ck = (id(table), names, out)
+        hit = self._keyed.get(ck)
+        if hit is None:
+            cols = table.columns
+            missing = [n for n in names if n not in {c.name for c in cols}]
+            if missing:
+                raise ValidationError(f"key: column(s) {missing} are not columns of {out!r} "
+                                      f"(columns: {[c.name for c in cols]})")
+            if len(self._keyed) > 4096:
+                self._keyed.clear()
+            hit = self._keyed[ck] = TableSchema(out, cols, names)
+        return hit
+
+    # -- deletes of a key ------------------------------------------------------------------------
+    def _key_delete(self, topic: str, partition: int, offset: int, key: bytes | None, what: str,
+                    ts_ms: int) -> Decoded:
+        """A tombstone, or ExtractNewRecordState's delete without a row: delete the record key,
+        unless it is the tombstone that follows Debezium's delete event (kappaflow wrote its own)."""
+        if key is None:
+            return Decoded("skip", reason=f"{what} without key")
+        if what == "tombstone" and self.order.tombstone_follows_delete(topic, partition, key):
+            return Decoded("skip", reason="tombstone")
+        k = _raw_key(key)
+        if not k:
+            raise ValidationError(f"key: a {what}'s key must be a JSON object of key columns")
+        out = self.out_topics.get(topic) or self._topic_from_name(topic)
+        qualified = out[len(self.source) + 1:]
+        schema = self.known.get(out)
+        if schema is None or not schema.key:
+            schema = self.inferred.observe(out, [], k)
+            self.known[out] = schema
+        try:
+            typed = self.codec.decode_key(key, schema)
+        except ValidationError:
+            typed = dict(k)
+        assert typed is not None
+        pos = self.order.place(topic, partition, offset, None)
+        self.order.note_delete(topic, partition, offset, key)
+        last = self.last_source.get(out)
+        if last is not None:  # the table's source block as its last event had it, at the new position
+            src = SourceInfo(last.connector, self.source, last.db, last.schema, last.table, pos, ts_ms)
+        else:
+            schema_name, _, table = qualified.partition(".")
+            src = SourceInfo("debezium", self.source, schema_name, schema_name, table, pos, ts_ms)
+        event = ChangeEvent(Op.DELETE, typed, dict(typed), None, src, ts_ms)
+        return Decoded("event", topic=out, event=event, schema=schema)
+
+    def _topic_from_name(self, topic: str) -> str:
+        """``<prefix>.<schema or db>.<table>`` -> ``<source>.<schema or db>.<table>``."""
+        parts = topic.split(".")
+        if len(parts) < 3:
+            raise ValidationError(f"topic {topic!r}: expected '<prefix>.<schema or db>.<table>' to name the table "
+                                  "of a record without a value")
+        return f"{self.source}.{parts[-2]}.{parts[-1]}"
+
+    # -- logical decoding messages (op "m") ------------------------------------------------------
+    def _message(self, topic: str, partition: int, offset: int, payload: dict[str, Any]) -> Decoded:
+        """``pg_logical_emit_message`` -> a record on ``<source>.message`` (an event topic)."""
+        msg = payload.get("message")
+        if type(msg) is not dict or type(msg.get("prefix")) is not str:
+            raise ValidationError(f"message: expected {{\"prefix\": string, \"content\": ...}}, got {msg!r:.80}")
+        content = msg.get("content")
+        if content is not None and type(content) is not str:
+            raise ValidationError(f"message.content: expected the content as the binary handling mode writes it "
+                                  f"(a string), got {content!r:.60}")
+        src = payload.get("source") or {}
+        layout = layout_for_connector(str(src.get("connector", "")))
+        own = layout.position(src, False) if type(src) is dict else None
+        pos = self.order.place(topic, partition, offset, own)
+        self.order.note_other(topic, partition)
+        tx = src.get("txId") if type(src) is dict else None
+        doc = {
+            "prefix": msg["prefix"],
+            "content": content,
+            "transactional": tx is not None,
+            "position": pos.lsn if isinstance(pos, PgPosition) else offset,
+            "txId": tx,
+            "lsn": src.get("lsn") if type(src) is dict else None,
+            "ts_ms": src.get("ts_ms") if type(src) is dict else None,
+            "kf_pos": pos.to_dict(),
+        }
+        return Decoded("message", topic=f"{self.source}.message", key=msg["prefix"].encode(),
+                       value=orjson.dumps(doc), reason="logical decoding message")
+
+    # -- flattened records (ExtractNewRecordState) -----------------------------------------------
     def _flat(self, topic: str, partition: int, offset: int, key: bytes | None, schema_part: Any,
               payload: dict[str, Any]) -> Decoded:
-        meta = {k: v for k, v in payload.items() if k.startswith("__")}
+        meta = {k[2:]: v for k, v in payload.items() if k.startswith("__")}
         row = {k: v for k, v in payload.items() if not k.startswith("__")}
+        unavailable = tuple(self.placeholder.strip(row))
         db, schema_name, table = self._names(topic, meta)
-        out_topic = f"{self.source}.{schema_name if schema_name is not None else db}.{table}"
+        qualified = f"{schema_name if schema_name is not None else db}.{table}"
+        out = f"{self.source}.{qualified}"
+        self.out_topics[topic] = out
+        key_dict = _raw_key(key)
+        names = self.key_columns.get(qualified) or (tuple(key_dict) if key_dict else ())
         if schema_part is not None:
             parsed = TableSchema.from_connect(schema_part)
-            cols = tuple(c for c in parsed.columns if not c.name.startswith("__"))
-            key_dict = self._raw_key(key)
-            schema = TableSchema(out_topic, cols, tuple(key_dict) if key_dict else ())
+            cols = tuple(c for c in parsed.columns if not c.name.startswith("__") and c.name not in unavailable)
+            base = TableSchema(out, cols, ())
+            schema = self._with_key(out, base, tuple(n for n in names if n in {c.name for c in cols}))
             row = self.codec.decode_row_values(schema, row)
         else:
-            key_dict = self._raw_key(key)
-            row = _decode_inferred(row)
-            schema = self._infer(out_topic, [row], key_dict)
-        deleted = str(meta.get("__deleted", "false")).lower() == "true"
-        op_code = meta.get("__op")
+            row = decode_schemaless_row(row, "value")
+            schema = self.inferred.observe(out, [row], key_dict if not self.key_columns.get(qualified) else None)
+            if names and schema.key != names:
+                schema = self._with_key(out, schema, names)
+        self.known[out] = schema
+        deleted = str(meta.get("deleted", "false")).lower() == "true"
+        op_code = meta.get("op")
         if op_code is not None and op_code not in _OPS:
             raise ValidationError(f"__op: expected one of {list(_OPS)}, got {op_code!r}")
-        op = Op.DELETE if deleted else (_OPS[op_code] if op_code is not None else Op.CREATE)
+        op = Op.DELETE if deleted or op_code == "d" else (_OPS[op_code] if op_code is not None else Op.CREATE)
+        if op is Op.TRUNCATE:
+            raise ValidationError("__op: 't' cannot be carried by a flattened record (the SMT drops truncates)")
         k = {c: row[c] for c in schema.key} if schema.key and all(c in row for c in schema.key) else None
-        if k is None and key is not None:
+        if k is None and key is not None and schema.key:
             k = self.codec.decode_key(key, schema)
-        pos = self._flat_position(meta, partition, offset)
-        ts = meta.get("__source_ts_ms", meta.get("__ts_ms", 0))
-        src = SourceInfo(str(meta.get("__source_connector", "debezium")), self.source, db, schema_name, table, pos,
-                         int(ts) if isinstance(ts, int | str) and str(ts).lstrip("-").isdigit() else 0,
-                         meta.get("__source_txId"), Snapshot.FALSE)
+        connector = str(meta.get("source_connector") or "debezium")
+        layout = layout_for_connector(connector)
+        block = _flat_source_block(meta)
+        snapshot = _SNAPSHOTS.get(str(meta.get("source_snapshot", "false")), Snapshot.FALSE)
+        own = layout.position(block, snapshot not in (Snapshot.FALSE, Snapshot.INCREMENTAL)) if block else None
+        if own is None:
+            for guess in ("postgresql", "mysql", "sqlserver", "oracle", "db2", "mongodb"):
+                own = layout_for_connector(guess).position(block, False) if block else None
+                if own is not None:
+                    break
+        pos = self.order.place(topic, partition, offset, own)
         if op is Op.DELETE:
-            event = ChangeEvent(op, k, row, None, src, int(meta.get("__ts_ms") or ts or 0))
-        elif op is Op.UPDATE or op is Op.CREATE or op is Op.READ:
-            event = ChangeEvent(op, k, None, row, src, int(meta.get("__ts_ms") or ts or 0))
+            self.order.note_delete(topic, partition, offset, key)
         else:
-            raise ValidationError(f"__op: {op.value!r} cannot be carried by a flattened record")
-        return Decoded("event", topic=out_topic, event=event, schema=schema)
-
-    def _flat_delete(self, topic: str, partition: int, offset: int, key: bytes | None) -> Decoded:
-        """A tombstone on a flattened topic is the delete itself."""
-        if key is None:
-            return Decoded("skip", reason="tombstone without key")
-        k = self._raw_key(key)
-        if not k:
-            raise ValidationError("key: a tombstone's key must be a JSON object of key columns")
-        db, schema_name, table = self._names(topic, {})
-        out_topic = f"{self.source}.{schema_name if schema_name is not None else db}.{table}"
-        schema = self._infer(out_topic, [], k)
-        src = SourceInfo("debezium", self.source, db, schema_name, table, _kafka_position(partition, offset), 0)
-        event = ChangeEvent(Op.DELETE, dict(k), None, None, src, 0)
-        return Decoded("event", topic=out_topic, event=event, schema=schema)
-
-    def _raw_key(self, key: bytes | None) -> dict[str, Any] | None:
-        if key is None:
-            return None
-        try:
-            doc = orjson.loads(key)
-        except orjson.JSONDecodeError as exc:
-            raise ValidationError(f"key: malformed JSON ({exc})") from None
-        if type(doc) is dict and set(doc) == {"schema", "payload"}:
-            doc = doc["payload"]
-        if doc is None:
-            return None
-        if type(doc) is not dict:
-            raise ValidationError(f"key: expected a JSON object of key columns, got {type(doc).__name__}")
-        return doc
+            self.order.note_other(topic, partition)
+        ts = _int_or(meta.get("source_ts_ms", meta.get("ts_ms")), 0)
+        src = SourceInfo(connector, self.source, db, schema_name, table, pos, ts, meta.get("source_txId"), snapshot)
+        when = _int_or(meta.get("ts_ms"), ts)
+        if op is Op.DELETE:
+            event = ChangeEvent(op, k, row, None, src, when)
+        else:
+            event = ChangeEvent(op, k, None, row, src, when, unavailable=unavailable)
+        return Decoded("event", topic=out, event=event, schema=schema)
 
     @staticmethod
     def _names(topic: str, meta: Mapping[str, Any]) -> tuple[str, str | None, str]:
         parts = topic.split(".")
-        table = str(meta.get("__table") or parts[-1])
+        table = str(meta.get("table") or meta.get("source_table") or parts[-1])
         middle = parts[-2] if len(parts) >= 3 else parts[0]
-        if "__schema" in meta or str(meta.get("__source_connector", "")) == "postgresql":
-            return str(meta.get("__db") or middle), str(meta.get("__schema") or middle), table
-        return str(meta.get("__db") or middle), None, table
-
-    @staticmethod
-    def _flat_position(meta: Mapping[str, Any], partition: int, offset: int) -> Position:
-        lsn = meta.get("__lsn", meta.get("__source_lsn"))
-        if isinstance(lsn, int) and lsn >= 0:
-            return PgPosition(lsn, 0)
-        file, pos = meta.get("__source_file"), meta.get("__source_pos")
-        if isinstance(file, str) and isinstance(pos, int):
-            row = meta.get("__source_row", 0)
-            return BinlogPosition(file, pos, row if isinstance(row, int) else 0)
-        return _kafka_position(partition, offset)
+        schema = meta.get("schema") or meta.get("source_schema")
+        db = str(meta.get("db") or meta.get("source_db") or middle)
+        if schema or str(meta.get("source_connector", "")) == "postgresql":
+            return db, str(schema or middle), table
+        return db, None, table
 
 
-def _infer_type(v: Any) -> FieldType:
-    t = type(v)
-    if t is bool:
-        return FieldType.BOOLEAN
-    if t is int:
-        return FieldType.INT64
-    if t is float:
-        return FieldType.FLOAT64
-    if t is str:
-        return FieldType.STRING
-    if t is Decimal:
-        return FieldType.VARIABLE_DECIMAL
-    return FieldType.JSON
+_SNAPSHOTS = {s.value: s for s in Snapshot}
 
 
-def _decode_inferred(row: dict[str, Any]) -> dict[str, Any]:
-    """Schemaless values: ``{"scale": s, "value": base64}`` is a VariableScaleDecimal; other objects stay JSON."""
-    out: dict[str, Any] = {}
-    for k, v in row.items():
-        if type(v) is dict and set(v) == {"scale", "value"}:
-            from binascii import a2b_base64
+_CONNECTOR_OF_SOURCE = {"io.debezium.connector.mongo.Source": "mongodb"}
 
-            if type(v["scale"]) is not int or type(v["value"]) is not str:
-                raise ValidationError(f"after.{k}: expected a variable-scale decimal {{scale: int, value: base64}}")
-            out[k] = Decimal(int.from_bytes(a2b_base64(v["value"]), "big", signed=True)).scaleb(-v["scale"])
-        elif type(v) is dict and "value" in v and "scale" not in v:
-            raise ValidationError(f"after.{k}: a decimal without its scale (expected {{scale, value}})")
-        elif v is None:
-            out[k] = None
-        else:
-            out[k] = v
-    return out
+
+def _complete_source(payload: dict[str, Any], schema_part: Any, topic: str) -> None:
+    """Fill what a documented record leaves out of its source block (the Oracle connector's
+    examples have no ``connector``/``db``/``schema``/``table``): the connector from the source
+    struct's name, the schema and table from the topic ``<prefix>.<schema>.<table>``."""
+    src = payload.get("source")
+    if type(src) is not dict or ("connector" in src and ("table" in src or "collection" in src)):
+        return
+    if "connector" not in src and isinstance(schema_part, dict):
+        for f in schema_part.get("fields") or ():
+            name = f.get("name") if isinstance(f, dict) and f.get("field") == "source" else None
+            if isinstance(name, str) and name.startswith("io.debezium.connector.") and name.endswith(".Source"):
+                src["connector"] = _CONNECTOR_OF_SOURCE.get(name, name.split(".")[3])
+    parts = topic.split(".")
+    if len(parts) >= 3:
+        src.setdefault("table", parts[-1])
+        src.setdefault("schema", parts[-2])
+        src.setdefault("db", "")
+
+
+def _no_position(block: Mapping[str, Any], snapshot: Snapshot) -> Position:
+    return _NO_POSITION
+
+
+def _int_or(v: Any, default: int) -> int:
+    if type(v) is int:
+        return v
+    if type(v) is str and v.lstrip("-").isdigit():  # add.fields values are documented quoted
+        return int(v)
+    return default
+
+
+def _flat_source_block(meta: Mapping[str, Any]) -> dict[str, Any]:
+    """ExtractNewRecordState's ``add.fields`` as a source block (``__lsn`` or ``__source_lsn``,
+    ``__source_file``, ...), numbers given as text converted."""
+    block: dict[str, Any] = {}
+    for k, v in meta.items():
+        name = k[7:] if k.startswith("source_") else k
+        if name in ("lsn", "pos", "row", "server_id", "ord", "event_serial_no", "ts_ms") and type(v) is str \
+                and v.isdigit():
+            v = int(v)
+        block.setdefault(name, v)
+    return {k: v for k, v in block.items() if k in ("lsn", "file", "pos", "row", "gtid", "server_id", "change_lsn",
+                                                    "commit_lsn", "event_serial_no", "scn", "commit_scn", "ord",
+                                                    "ts_ms") and v is not None}
+
+
+def _raw_key(key: bytes | None) -> dict[str, Any] | None:
+    if key is None:
+        return None
+    try:
+        doc = orjson.loads(key)
+    except orjson.JSONDecodeError as exc:
+        raise ValidationError(f"key: malformed JSON ({exc})") from None
+    if type(doc) is dict and len(doc) == 2 and "schema" in doc and "payload" in doc:
+        doc = doc["payload"]
+    if doc is None:
+        return None
+    if type(doc) is not dict:
+        raise ValidationError(f"key: expected a JSON object of key columns, got {type(doc).__name__}")
+    return doc

@@ -18,6 +18,7 @@ from kappaflow.events.json import (
 from kappaflow.events.model import ChangeEvent, Op, Snapshot, SourceInfo, TransactionInfo
 from kappaflow.events.position import (
     BinlogPosition,
+    KafkaPosition,
     LedgerPosition,
     PgPosition,
     Position,
@@ -35,6 +36,7 @@ __all__ = [
     "Column",
     "EventCodec",
     "FieldType",
+    "KafkaPosition",
     "LedgerPosition",
     "Op",
     "PgPosition",

@@ -88,6 +88,10 @@ _BY_NAME: dict[str, tuple[str, FieldType, str]] = {
     "io.debezium.data.Bits": ("bytes", FieldType.BITS, "us"),
 }
 
+# The ``doc`` Debezium gives some of its semantic types' schemas (io.debezium.data.geometry.*).
+_DOCS = {"io.debezium.data.geometry.Geometry": "Geometry", "io.debezium.data.geometry.Geography": "Geography",
+         "io.debezium.data.geometry.Point": "Geometry (POINT)"}
+
 # Connect type of a column written with a non-default semantic name (``Column.logical``).
 _CTYPE_BY_LOGICAL: dict[str, str] = {name: ctype for name, (ctype, _t, _u) in _BY_NAME.items()}
 
@@ -133,6 +137,7 @@ def connect_field(col: Column, mode: str, *, field: bool = True, optional: bool 
         ctype, name = "array", col.logical
     elif t is FieldType.STRUCT:
         ctype, name = "struct", col.logical
+        doc = _DOCS.get(col.logical or "")
     elif t is FieldType.MAP:
         ctype, name = "map", col.logical
     elif col.logical is not None:
@@ -207,10 +212,11 @@ def _f(ctype: str, name: str, optional: bool = False) -> dict[str, Any]:
 
 
 def source_schema(position_kind: str, source: Any = None) -> dict[str, Any]:
-    """The ``source`` block's struct for a position kind (``kappaflow.events.sources``)."""
-    from kappaflow.events.sources import layout_for_kind
+    """The ``source`` block's struct for a position kind, or for ``source`` (a ``SourceInfo``:
+    its connector's layout) when given (``kappaflow.events.sources``)."""
+    from kappaflow.events.sources import layout_for_kind, layout_for_source
 
-    layout = layout_for_kind(position_kind)
+    layout = layout_for_source(source) if source is not None else layout_for_kind(position_kind)
     return {"type": "struct", "fields": layout.connect_fields(source), "optional": False,
             "name": layout.schema_name, "version": 1, "field": "source"}
 

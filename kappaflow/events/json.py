@@ -32,7 +32,7 @@ from kappaflow.events.connect import connect_envelope_schema, connect_key_schema
 from kappaflow.events.model import ChangeEvent, Op, Snapshot, SourceInfo, TransactionInfo
 from kappaflow.events.position import PgPosition, Position
 from kappaflow.events.schema import DECIMAL_MODES, Column, FieldType, TableSchema
-from kappaflow.events.sources import layout_for_connector, layout_for_position, source_block
+from kappaflow.events.sources import layout_for_connector, layout_for_position, layout_for_source, source_block
 from kappaflow.events.values import (
     JSON_NULL,
     NumericDecimal,
@@ -283,6 +283,17 @@ def _position_from(kf: Any) -> Position:
         raise ValidationError(f"source.kf_pos: {e}") from None
 
 
+def _merge_exact(edited: Any, exact: Any) -> Any:
+    """``edited`` with its floats replaced by the exact decimals at the same place in ``exact``."""
+    if type(edited) is dict and type(exact) is dict:
+        return {k: _merge_exact(v, exact.get(k)) for k, v in edited.items()}
+    if type(edited) is list and type(exact) is list and len(edited) == len(exact):
+        return [_merge_exact(a, b) for a, b in zip(edited, exact, strict=True)]
+    if type(edited) is float and type(exact) is Decimal:
+        return exact
+    return edited
+
+
 def _precise_times(ts_ms: int, ts_us: int | None, ts_ns: int | None) -> tuple[int | None, int | None]:
     """None for what follows from ``ts_ms`` (so events kappaflow writes compare equal after a
     round trip); the values as they are when they hold more than ``ts_ms``."""
@@ -402,11 +413,11 @@ class EventCodec:
         return plan
 
     def _schema_fragment(self, schema: TableSchema, plan: tuple[Any, ...], source: SourceInfo) -> Any:
-        layout = layout_for_position(source.position)
+        layout = layout_for_source(source)
         frags = plan[2]
-        key: Any = layout.kind
+        key: Any = (layout.kind, source.position.kind)
         if layout.extra_keys is None and source.extra:  # the fields vary with what was read
-            key = (layout.kind, tuple(source.extra))
+            key = (layout.kind, source.position.kind, tuple(source.extra))
         frag = frags.get(key)
         if frag is None:
             frag = frags[key] = orjson.Fragment(
@@ -589,8 +600,21 @@ class EventCodec:
         ``decode_record`` to take it from the record key instead. ``position_fallback``
         gives the position of a source block that names none (else that is an error).
         """
+        return self.decode_envelope(data, schema, position_fallback=position_fallback)[0]
+
+    def decode_envelope(
+        self,
+        data: bytes | str | None,
+        schema: TableSchema | None = None,
+        *,
+        position_fallback: PositionFallback | None = None,
+        parsed: dict[str, Any] | None = None,
+    ) -> tuple[ChangeEvent, TableSchema | None]:
+        """``decode_value`` that also returns the table schema the message's ``schema`` part
+        describes (None without one). ``parsed``: the message already parsed (and edited) by the
+        caller, decoded instead of ``data``."""
         try:
-            return self._decode_value(data, schema, position_fallback, None)
+            return self._decode_value(data, schema, position_fallback, parsed)
         except NumericDecimal:
             # a Connect Decimal written as a JSON number (decimal.format=NUMERIC): parse exactly
             import json
@@ -599,17 +623,21 @@ class EventCodec:
                 exact = json.loads(data, parse_float=Decimal)  # type: ignore[arg-type]
             except ValueError as e:
                 raise ValidationError(f"value: malformed JSON ({e})") from None
+            if parsed is not None:  # keep the caller's edits: take only the exact numbers
+                exact = _merge_exact(parsed, exact)
             return self._decode_value(data, schema, position_fallback, exact)
 
     def _decode_value(
         self, data: Any, schema: TableSchema | None, position_fallback: PositionFallback | None, parsed: Any
-    ) -> ChangeEvent:
+    ) -> tuple[ChangeEvent, TableSchema | None]:
         if data is None:
             raise ValidationError("value: null (a tombstone) is not a change event")
         table: TableSchema | None = schema
+        wire_table: TableSchema | None = None
         fast = self._split_schema_part(data) if parsed is None else None
         if fast is not None:  # a schema seen before: parse only the payload
             (table, rows), payload = fast
+            wire_table = table
             if schema is not None and not table.key and schema.key:
                 table = schema
         else:
@@ -627,6 +655,7 @@ class EventCodec:
                 wire_schema = obj["schema"]
                 if wire_schema is not None:
                     table, rows = self._plan_from_connect(wire_schema)
+                    wire_table = table
                     if parsed is None:
                         self._remember_schema_part(data, wire_schema, (table, rows))
                     if schema is not None and not table.key and schema.key:
@@ -691,7 +720,7 @@ class EventCodec:
             unavailable=unavailable,
             ts_us=ts_us,
             ts_ns=ts_ns,
-        )
+        ), wire_table
 
     def decode_record(
         self, key: bytes | None, value: bytes | None, schema: TableSchema | None = None

@@ -31,6 +31,7 @@ __all__ = [
     "layout_for_connector",
     "layout_for_kind",
     "layout_for_position",
+    "layout_for_source",
     "register",
     "source_block",
 ]
@@ -91,9 +92,10 @@ class SourceLayout:
         fields = [*common_connect_fields(), *[dict(f) for f in self.fields]]
         if self.extra_keys is None and source is not None and source.extra:
             known = {f["field"] for f in fields}
-            fields.extend(_typed_field(k, v) for k, v in source.extra.items() if k not in known)
-        fields.append({"type": "struct", "fields": [dict(f) for f in self.kf_pos_fields], "optional": True,
-                       "name": f"io.kappaflow.position.{self.kind}", "version": 1, "field": "kf_pos"})
+            fields.extend(_typed_field(k, v) for k, v in source.extra.items() if k not in known and k != "sequence")
+        pos = _BY_TYPE.get(type(source.position), self) if source is not None else self
+        fields.append({"type": "struct", "fields": [dict(f) for f in pos.kf_pos_fields], "optional": True,
+                       "name": f"io.kappaflow.position.{pos.kind}", "version": 1, "field": "kf_pos"})
         return fields
 
     def extra_from(self, block: Mapping[str, Any], source: SourceInfo) -> dict[str, Any] | None:
@@ -103,7 +105,7 @@ class SourceLayout:
             out = {k: v for k, v in block.items() if k not in COMMON_FIELDS and k != "kf_pos"}
         else:
             out = {k: block[k] for k in self.extra_keys if k in block}
-            if out:
+            if out and type(source.position) is self.position_type:
                 base = self.build(source)
                 out = {k: v for k, v in out.items() if k not in base or base[k] != v}
         seq = block.get("sequence")
@@ -150,6 +152,13 @@ def layout_for_kind(kind: str) -> SourceLayout:
     return layout
 
 
+def layout_for_source(s: SourceInfo) -> SourceLayout:
+    """The layout a source block is written with: its connector's (a record read from Debezium
+    keeps its connector's fields whatever position ordering gave it), else its position's."""
+    layout = _BY_CONNECTOR.get(s.connector)
+    return layout if layout is not None else layout_for_position(s.position)
+
+
 def layout_for_connector(connector: str) -> SourceLayout:
     """The layout for a Debezium ``source.connector`` value (the generic one when unknown)."""
     return _BY_CONNECTOR.get(connector) or _GENERIC[0]
@@ -157,7 +166,7 @@ def layout_for_connector(connector: str) -> SourceLayout:
 
 def source_block(s: SourceInfo, version: str) -> dict[str, Any]:
     """The source block of ``s`` as Debezium 2.6+ writes it, then ``kf_pos``."""
-    layout = _BY_TYPE.get(type(s.position)) or layout_for_position(s.position)
+    layout = _BY_CONNECTOR.get(s.connector) or _BY_TYPE.get(type(s.position)) or layout_for_position(s.position)
     extra = s.extra or _EMPTY
     ts_ms = s.ts_ms
     d: dict[str, Any] = {

@@ -25,15 +25,19 @@ _EMPTY: Mapping[str, Any] = {}
 
 
 def _build(s: SourceInfo) -> dict[str, Any]:
-    p: BinlogPosition = s.position  # type: ignore[assignment]
+    p = s.position if isinstance(s.position, BinlogPosition) else None  # None: placed by ordering, no binlog
     extra = s.extra or _EMPTY
+
+    def get(key: str, default: Any) -> Any:
+        return extra.get(key, default)
+
     return {
         "table": s.table,
-        "server_id": p.server_id if p.server_id is not None else 0,
-        "gtid": p.gtid,
-        "file": p.file,
-        "pos": extra.get("pos", p.pos),
-        "row": extra.get("row", p.row),
+        "server_id": get("server_id", p.server_id if p is not None and p.server_id is not None else 0),
+        "gtid": get("gtid", p.gtid if p is not None else None),
+        "file": get("file", p.file if p is not None else None),
+        "pos": get("pos", p.pos if p is not None else None),
+        "row": get("row", p.row if p is not None else None),
         "thread": extra.get("thread"),
         "query": extra.get("query"),
         "txId": s.tx_id,
@@ -70,5 +74,5 @@ LAYOUT = register(SourceLayout(
     position=_position,
     kf_pos_fields=(f("string", "kind"), f("string", "file"), f("int64", "pos"), f("int64", "row"),
                    f("string", "gtid", True), f("int64", "server_id", True), f("boolean", "snapshot")),
-    extra_keys=("pos", "row", "thread", "query"),
+    extra_keys=("pos", "row", "thread", "query", "file", "gtid", "server_id"),
 ))

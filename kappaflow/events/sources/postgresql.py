@@ -29,7 +29,7 @@ def _build(s: SourceInfo) -> dict[str, Any]:
         "schema": s.schema,
         "table": s.table,
         "txId": s.tx_id,
-        "lsn": extra.get("lsn", p.lsn),  # type: ignore[attr-defined]
+        "lsn": extra["lsn"] if "lsn" in extra else getattr(p, "lsn", None),
         "xmin": extra.get("xmin"),
     }
 
