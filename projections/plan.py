@@ -135,6 +135,15 @@ class Plan:
                     f"{t!r} differs from {spec.topics[0]!r} in {diff}"
                 )
         if isinstance(spec.fold, LatestFold):
+            keyless = [t for t in spec.topics if not schemas[t].key]
+            if keyless:
+                raise ConfigError(
+                    f"{where}: source topic(s) {keyless} have no key: their table has no primary key (the "
+                    "change events' key is null), so the log keeps every change of it, append-only, and "
+                    "nothing says which row a change belongs to. A latest-row view needs that: give the table a "
+                    "primary key (or a unique index as its replica identity), or name the columns that identify "
+                    "a row in the source's key_columns; or fold the topic with 'aggregates' or an apply() fold"
+                )
             keys = set(first.key)
             if set(spec.key) != keys or not first.key:
                 raise ConfigError(

@@ -51,6 +51,7 @@ from pyspark.sql.types import (
 
 from kappaflow.errors import ConfigError, ValidationError
 from kappaflow.events import Column, FieldType, TableSchema
+from kappaflow.events.values import time_unit
 
 SCHEMA_TOPIC_SUFFIX = ".__schema"
 VARIABLE_DECIMAL = DecimalType(38, 18)
@@ -124,7 +125,18 @@ def _needs_conversion(col: Column) -> bool:
     if col.type is FieldType.ARRAY:
         assert col.items is not None
         return _needs_conversion(col.items)
+    if col.type is FieldType.TIME and time_unit(col) != "us":
+        return True
     return wire_type(col) != spark_type(col)
+
+
+def _micros(expr: SparkColumn, unit: str) -> SparkColumn:
+    """Integer time values in ``unit`` (a column's ``time_unit``) as microseconds, exactly."""
+    if unit == "ms":
+        return expr * F.lit(1000)
+    if unit == "ns":  # floor division through an exact decimal (a double would round at 2**53)
+        return F.floor(expr.cast("decimal(20,0)") / F.lit(1000)).cast("long")
+    return expr
 
 
 def convert(expr: SparkColumn, col: Column) -> SparkColumn:
@@ -134,9 +146,13 @@ def convert(expr: SparkColumn, col: Column) -> SparkColumn:
         return expr.try_cast(spark_type(col))
     if t is FieldType.DATE:
         return F.date_from_unix_date(expr)
+    if t is FieldType.TIME:
+        return _micros(expr, time_unit(col))
     if t is FieldType.TIMESTAMP:
-        # timestamp_ntz epoch + micros: exact and independent of the session time zone.
-        return F.try_add(F.expr("timestamp_ntz'1970-01-01 00:00:00'"), expr * F.expr("interval '0.000001' second"))
+        # timestamp_ntz epoch + micros: exact and independent of the session time zone. The unit is
+        # the column's (io.debezium.time.Timestamp: ms, NanoTimestamp: ns, kappaflow's own: us).
+        micros = _micros(expr, time_unit(col))
+        return F.try_add(F.expr("timestamp_ntz'1970-01-01 00:00:00'"), micros * F.expr("interval '0.000001' second"))
     if t is FieldType.TIMESTAMPTZ:
         return F.try_to_timestamp(expr)
     if t in (FieldType.BYTES, FieldType.BITS):

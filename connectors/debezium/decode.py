@@ -49,7 +49,6 @@ from kappaflow.events import (
     EventCodec,
     KafkaPosition,
     Op,
-    PgPosition,
     Position,
     Snapshot,
     SourceInfo,
@@ -323,7 +322,9 @@ class DebeziumDecoder:
             "prefix": msg["prefix"],
             "content": content,
             "transactional": tx is not None,
-            "position": pos.lsn if isinstance(pos, PgPosition) else offset,
+            # an event topic's order and duplicate check: unique and increasing per key (a prefix's
+            # messages are in one partition), the same when the record is read again
+            "position": offset,
             "txId": tx,
             "lsn": src.get("lsn") if type(src) is dict else None,
             "ts_ms": src.get("ts_ms") if type(src) is dict else None,

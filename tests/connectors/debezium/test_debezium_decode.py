@@ -91,7 +91,7 @@ def test_pg_logical_decoding_messages_become_an_event_topic() -> None:
     assert m.value is not None
     doc = orjson.loads(m.value)
     assert (doc["prefix"], doc["content"], doc["transactional"]) == ("foo", "Ymfy", True)
-    assert doc["position"] == 46523128 and doc["txId"] == 556 and doc["ts_ms"] == 1559033904863
+    assert doc["position"] == 0 and doc["lsn"] == 46523128 and doc["txId"] == 556 and doc["ts_ms"] == 1559033904863
     n = decode(dec, "PostgreSQL_server.message", fx("pg_doc_message_nontransactional.json"), {"prefix": "foo"},
                offset=1)
     nd = orjson.loads(n.value or b"")
