@@ -57,7 +57,8 @@ def test_debezium_time_units_and_structs_reach_the_view(rt: Any, embedded_log: A
     prefix = "dbzp" + uuid.uuid4().hex[:8]
     topic = f"{prefix}.public.readings"
     cols = [_field("int32", "id", optional=False), _field("int64", "at_ms", "io.debezium.time.Timestamp"),
-            _field("int64", "at_ns", "io.debezium.time.NanoTimestamp"), _field("int32", "t_ms", "io.debezium.time.Time"),
+            _field("int64", "at_ns", "io.debezium.time.NanoTimestamp"),
+            _field("int32", "t_ms", "io.debezium.time.Time"),
             {"type": "struct", "optional": True, "name": "io.debezium.data.geometry.Geometry", "version": 1,
              "doc": "Geometry", "fields": [{"type": "bytes", "optional": False, "field": "wkb"},
                                            {"type": "int32", "optional": True, "field": "srid"}], "field": "geom"},
