@@ -181,6 +181,8 @@ class _SourceBase(_Model):
 
 class _DbSource(_SourceBase):
     dsn: str
+    # Debezium's provide.transaction.metadata: BEGIN/END records on <name>.transaction
+    provide_transaction_metadata: bool = False
     password: SecretStr | None = None
     password_env: str | None = None
 
@@ -302,6 +304,8 @@ class DebeziumSourceConfig(_SourceBase):
     schemas_enabled: bool | None = None  # None: detect per record
     # The Debezium cluster's client settings (security, client); None: the same as [log.kafka].
     kafka: KafkaClientConfig | None = None
+    # the connector's unavailable.value.placeholder (unchanged TOAST values, Oracle LOBs)
+    unavailable_placeholder: str = Field("__debezium_unavailable_value", min_length=1)
 
 
 SourceConfig = Annotated[

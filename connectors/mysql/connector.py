@@ -76,6 +76,7 @@ from kappaflow.connectors.mysql.types import snapshot_select_expr
 from kappaflow.connectors.mysql.writer import ChangeBatcher, key_of, make_source, now_ms
 from kappaflow.connectors.offsets import OffsetStore
 from kappaflow.connectors.preflight import require_capturable
+from kappaflow.connectors.transactions import TRANSACTION_TOPIC_CONFIG, transaction_topic
 from kappaflow.connectors.writer import FaultHook
 from kappaflow.errors import ConfigError, Retry, SourceError
 from kappaflow.events import BinlogPosition, ChangeEvent, EventCodec, Op, Snapshot
@@ -98,7 +99,7 @@ class CaptureEngine:
                  offset: MySQLOffset, codec: EventCodec, partitions: int, replica_server_id: int,
                  batch_records: int = 20_000, flush_interval_s: float = 0.5, heartbeat_s: float = 1.0,
                  offsets: OffsetStore | None = None, threaded: bool = True, fault: FaultHook | None = None,
-                 fast_rows: bool = True) -> None:
+                 fast_rows: bool = True, transaction_metadata: bool = False) -> None:
         self.name = name
         self.log = log
         self.args = args
@@ -113,9 +114,16 @@ class CaptureEngine:
         self.heartbeat_s = heartbeat_s
         self.offsets = offsets or OffsetStore(log)
         topics = [tracker.topic(db, t) for db, t in sorted(tracker.tables)] + [schema_topic(name)]
+        tx_topic = transaction_topic(name) if transaction_metadata else None
+        if tx_topic is not None:  # Debezium's transaction metadata (connectors/transactions.py)
+            log.create_topic(tx_topic, TRANSACTION_TOPIC_CONFIG, exist_ok=True)
+            topics.append(tx_topic)
         self.writer = ChangeBatcher(log, source=name, codec=codec, partitions=partitions,
                                     tails=tail_positions(log, topics), threaded=threaded, fault=fault,
                                     offsets=self.offsets)
+        if tx_topic is not None:
+            self.writer.transaction_topic = tx_topic
+            self.writer.ensure_topic(tx_topic)
         self.writer.load_schemas()
         self.reader: BinlogReader | None = None
         self._items: Iterator[Item] | None = None
@@ -124,6 +132,8 @@ class CaptureEngine:
         self.resume = (offset.file, offset.pos, offset.gtid)
         self._txn: tuple[str, int] | None = None
         self._txn_index = 0
+        self._txn_gtid: str | None = None
+        self._txn_ts = 0
         self._last_flush = time.monotonic()
         self._last_save = time.monotonic()
         self._saved = offset.to_dict()
@@ -214,6 +224,9 @@ class CaptureEngine:
         elif cls is CommitItem:
             assert isinstance(item, CommitItem)
             self.resume = (item.file, item.next_pos, item.gtid)
+            if self._txn is not None and self.writer.tx_counts:
+                self.writer.add_transaction(*self._txn, self._txn_gtid, self.server.server_id, self._txn_ts,
+                                            item.ts_ms)
             self._txn = None
             self._txs += 1
             self._commit_ts_ms = item.ts_ms
@@ -241,9 +254,11 @@ class CaptureEngine:
         if self._txn != (file, tpos):
             self._txn = (file, tpos)
             self._txn_index = 0
+            self._txn_gtid, self._txn_ts = item.gtid, item.ts_ms
         touched = self.touched.get((state.db, state.table)) if self.touched is not None else None
         self._txn_index = self.writer.add_rows(state, item.op, item.rows, file, tpos, self._txn_index, item.gtid,
-                                               self.server.server_id, item.ts_ms, now_ms(), touched, item.json)
+                                               self.server.server_id, item.ts_ms, now_ms(), touched, item.json,
+                                               item.thread, item.query)
         if self.writer.buffered >= self.batch_records:
             self.checkpoint()
 
@@ -523,8 +538,10 @@ class MySQLConnector(Connector):
                  server_id: int = 5401, snapshot_mode: str = "initial", snapshot_chunk_rows: int = 10_000,
                  heartbeat_interval_s: float = 10.0, decimal_mode: str = "string", partitions: int | None = None,
                  batch_records: int = 20_000, flush_interval_s: float = 0.5, progress_cb: Any = None,
-                 threaded_writer: bool = True, fault: FaultHook | None = None, progress: bool | None = False) -> None:
+                 threaded_writer: bool = True, fault: FaultHook | None = None, progress: bool | None = False,
+                 provide_transaction_metadata: bool = False) -> None:
         self.name = name
+        self.provide_transaction_metadata = provide_transaction_metadata
         self.log = log
         self.args = parse_dsn(dsn, password)
         self.table_names = list(tables or [])
@@ -554,7 +571,8 @@ class MySQLConnector(Connector):
                    key_columns=dict(cfg.key_columns), server_id=cfg.server_id,
                    snapshot_mode=getattr(cfg.snapshot_mode, "value", cfg.snapshot_mode),
                    snapshot_chunk_rows=cfg.snapshot_chunk_rows, heartbeat_interval_s=cfg.heartbeat_interval_s,
-                   decimal_mode=cfg.decimal_mode, **options)
+                   decimal_mode=cfg.decimal_mode,
+                   provide_transaction_metadata=getattr(cfg, "provide_transaction_metadata", False), **options)
 
     def live_summary(self) -> CaptureSummary | None:
         """This run's summary with the writer's running counts and the binlog position (progress lines)."""
@@ -639,7 +657,8 @@ class MySQLConnector(Connector):
                                offset=offset, codec=self.codec, partitions=partitions,
                                replica_server_id=self.server_id, batch_records=self.batch_records,
                                flush_interval_s=self.flush_interval_s, heartbeat_s=self.heartbeat_s,
-                               offsets=offsets, threaded=self.threaded_writer, fault=self.fault)
+                               offsets=offsets, threaded=self.threaded_writer, fault=self.fault,
+                               transaction_metadata=self.provide_transaction_metadata)
         engine.writer.writer.summary = summary  # transactions and source lag, counted per batch
         for db, t in tables:
             engine.writer.ensure_topic(tracker.topic(db, t))

@@ -74,6 +74,8 @@ class RowsItem:
     gtid: str | None
     ts_ms: int
     json: bool = False  # rows already in JSON form (rowdecoder.py)
+    thread: int | None = None  # the session that wrote the transaction (its BEGIN query event)
+    query: str | None = None  # the statement, when the binlog carries it (rows query / annotate events)
 
 
 @dataclass(slots=True)
@@ -176,9 +178,11 @@ class BinlogReader:
         from pymysqlreplication.event import (
             GtidEvent,
             HeartbeatLogEvent,
+            MariadbAnnotateRowsEvent,
             MariadbGtidEvent,
             QueryEvent,
             RotateEvent,
+            RowsQueryLogEvent,
             XidEvent,
         )
         from pymysqlreplication.row_event import DeleteRowsEvent, TableMapEvent, UpdateRowsEvent, WriteRowsEvent
@@ -192,6 +196,8 @@ class BinlogReader:
         txn_pos: int | None = None
         txn_gtid: str | None = None
         standalone = False
+        thread: int | None = None
+        query: str | None = None
         row = 0
         file = self.file or ""
         op_insert, op_update, op_delete = Op.CREATE, Op.UPDATE, Op.DELETE
@@ -214,7 +220,8 @@ class BinlogReader:
                         rows = ev.rows
                     if rows:
                         op = op_insert if cls is WriteRowsEvent else op_update if cls is UpdateRowsEvent else op_delete
-                        yield RowsItem(state, op, rows, file, txn_pos, row, txn_gtid, ev.timestamp * 1000, is_json)
+                        yield RowsItem(state, op, rows, file, txn_pos, row, txn_gtid, ev.timestamp * 1000, is_json,
+                                       thread, query)
                         row += len(rows)
                 elif cls is TableMapEvent:
                     if (ev.schema, ev.table) not in captured:
@@ -236,6 +243,10 @@ class BinlogReader:
                 elif cls is XidEvent:
                     yield from self._commit(txn_gtid, file, end, ev.timestamp * 1000)
                     in_txn, txn_pos, txn_gtid, row, standalone = False, None, None, 0, False
+                    thread = query = None
+                elif cls is RowsQueryLogEvent or cls is MariadbAnnotateRowsEvent:
+                    q = ev.query if cls is RowsQueryLogEvent else ev.sql_statement
+                    query = q.decode("utf-8", "replace") if isinstance(q, bytes) else q
                 elif cls is MariadbGtidEvent or cls is GtidEvent:
                     txn_pos = end - ev.event_size
                     txn_gtid = ev.gtid
@@ -247,12 +258,14 @@ class BinlogReader:
                     head = q.lstrip()[:6].upper()
                     if head == "BEGIN" or head.startswith("XA "):
                         in_txn = True
+                        thread = getattr(ev, "slave_proxy_id", None)
                         if txn_pos is None:
                             txn_pos = end - ev.event_size
                         continue
                     if head == "COMMIT":
                         yield from self._commit(txn_gtid, file, end, ev.timestamp * 1000)
                         in_txn, txn_pos, txn_gtid, row, standalone = False, None, None, 0, False
+                        thread = query = None
                         continue
                     if txn_pos is None:
                         txn_pos = end - ev.event_size

@@ -34,6 +34,7 @@ import orjson
 from kappaflow.connectors.base import OP_HEADER, POSITION_HEADER, TrustedRecord
 from kappaflow.connectors.mysql.schema_tracking import TableState
 from kappaflow.connectors.offsets import OffsetStore
+from kappaflow.connectors.transactions import transaction_records
 from kappaflow.connectors.truncate import TRUNCATE_KEY, live_rows, truncate_records
 from kappaflow.connectors.writer import Batch, CaptureWriter, FaultHook
 from kappaflow.errors import SourceError
@@ -73,6 +74,10 @@ class ChangeBatcher:
         self.writer = CaptureWriter(log, self.offsets, source, threaded=threaded, fault=fault)
         self.schema_topic = f"{source}.__schema"
         self.stored_schemas: dict[str, str] = {}
+        # the transaction being written: (file, pos) -> events per table topic, in first-change order
+        self._tx_key: tuple[str, int] | None = None
+        self.tx_counts: dict[str, int] = {}
+        self.transaction_topic: str | None = None  # connectors/transactions.py, when enabled
 
     # -- topics ------------------------------------------------------------------------
     def ensure_topic(self, topic: str) -> int:
@@ -143,7 +148,8 @@ class ChangeBatcher:
 
     def add_rows(self, state: TableState, op: Op, rows: Sequence[Any], file: str, tpos: int,
                  index: int, gtid: str | None, server_id: int, ts_ms: int, now: int,
-                 touched: set[tuple[Any, ...]] | None = None, json_rows: bool = False) -> int:
+                 touched: set[tuple[Any, ...]] | None = None, json_rows: bool = False, thread: int | None = None,
+                 query: str | None = None) -> int:
         """The changes of one binlog rows event, encoded on the fast path; returns the next row index.
 
         ``rows``: mysql-replication's rows (dicts with ``values``/``none_sources``, or
@@ -164,7 +170,14 @@ class ChangeBatcher:
         fq = dumps(file)
         g = b"null" if gtid is None else dumps(gtid)
         head, tail = _source_parts(self.codec.version, self.source, state.db, state.table, ts_ms, server_id, g, fq,
-                                   tpos)
+                                   tpos, thread, query)
+        # Debezium's transaction block: the GTID, else file and position of the transaction's start
+        txid = dumps(gtid) if gtid else b'"file=%b,pos=%d"' % (file.encode(), tpos)
+        if self._tx_key != (file, tpos):
+            self._tx_key = (file, tpos)
+            self.tx_counts = {}
+        dco = self.tx_counts
+        d = dco.get(topic, 0)  # data_collection_order so far (a local while the loop runs)
         ph_head = b'{"kind":"binlog","file":%b,"pos":%d,"row":' % (fq, tpos)
         ph_tail = b',"gtid":%b,"server_id":%d,"snapshot":false}' % (g, server_id)
         buf = self._pending.get((topic, None))
@@ -177,8 +190,9 @@ class ChangeBatcher:
         opb = _OPB[op]
         oph = _OPS[op]
         delete = op is Op.DELETE
-        value = (b'{"before":%b,"after":%b,"source":%b%d%b%d%b},"transaction":null,"op":"%b",'
-                 b'"ts_ms":%d,"ts_us":%d,"ts_ns":%d}')
+        # built once per rows event: the transaction id is the same for every row of it
+        value = (b'{"before":%b,"after":%b,"source":%b%d%b%d%b},"transaction":{"id":' + txid.replace(b"%", b"%%")
+                 + b',"total_order":%d,"data_collection_order":%d},"op":"%b","ts_ms":%d,"ts_us":%d,"ts_ns":%d}')
         now_us, now_ns = now * 1000, now * 1_000_000
         n = 0
         last = -1  # row index of the last change appended
@@ -186,8 +200,10 @@ class ChangeBatcher:
             if op is Op.UPDATE:
                 jb, krow = r
                 if (jb[single] != krow[single]) if single is not None else any(jb[k] != krow[k] for k in keycols):
+                    dco[topic] = d
                     index, n = self._key_change(state, jb, krow, head, tail, ph_head, ph_tail, index, n, append,
-                                                now, touched, file, tpos, gtid, server_id)
+                                                now, touched, file, tpos, gtid, server_id, txid)
+                    d = dco[topic]
                     continue
                 before, after = dumps(jb), dumps(krow)
             else:
@@ -198,6 +214,7 @@ class ChangeBatcher:
                     before, after = b"null", dumps(krow)
             i = index
             index += 1
+            d += 1  # counted when skipped too: the same orders on re-read
             if single is not None:
                 kv: tuple[Any, ...] = (krow[single],)
                 kb = dumps({single: kv[0]})
@@ -211,7 +228,8 @@ class ChangeBatcher:
                 self.skipped += 1
                 continue
             ph = (POSITION_HEADER, b"%b%d%b" % (ph_head, i, ph_tail))
-            append(TrustedRecord(kb, value % (before, after, head, i, tail, i, ph_tail, opb, now, now_us, now_ns),
+            append(TrustedRecord(kb, value % (before, after, head, i, tail, i, ph_tail, i + 1, d, opb, now, now_us,
+                                              now_ns),
                                  (oph, ph)))
             n += 1
             if delete:
@@ -219,6 +237,7 @@ class ChangeBatcher:
                 n += 1
             self.events += 1
             last = i
+        dco[topic] = d
         if last >= 0:
             self._last = (file, tpos, last, gtid, server_id)
         self.buffered += n
@@ -227,13 +246,16 @@ class ChangeBatcher:
     def _key_change(self, state: TableState, jb: dict[str, Any], ja: dict[str, Any], head: bytes, tail: bytes,
                     ph_head: bytes, ph_tail: bytes, index: int, n: int, append: Any, now: int,
                     touched: set[tuple[Any, ...]] | None, file: str, tpos: int, gtid: str | None,
-                    server_id: int) -> tuple[int, int]:
+                    server_id: int, txid: bytes) -> tuple[int, int]:
         """An update of the primary key: a delete (+ tombstone) of the old key, a create of the new one."""
         dumps = orjson.dumps
         topic = state.topic
+        dco = self.tx_counts
         for op, row in ((Op.DELETE, jb), (Op.CREATE, ja)):
             i = index
             index += 1
+            d = dco.get(topic, 0) + 1
+            dco[topic] = d
             kv = tuple(row[k] for k in state.key)
             kb = dumps(dict(zip(state.key, kv, strict=True)))
             if touched is not None:
@@ -244,10 +266,11 @@ class ChangeBatcher:
                 continue
             ph = (POSITION_HEADER, b"%b%d%b" % (ph_head, i, ph_tail))
             before, after = (dumps(row), b"null") if op is Op.DELETE else (b"null", dumps(row))
-            append(TrustedRecord(kb, b'{"before":%b,"after":%b,"source":%b%d%b%d%b},"transaction":null,"op":"%b",'
-                                     b'"ts_ms":%d,"ts_us":%d,"ts_ns":%d}' % (
-                                         before, after, head, i, tail, i, ph_tail, _OPB[op], now, now * 1000,
-                                         now * 1_000_000),
+            append(TrustedRecord(kb, b'{"before":%b,"after":%b,"source":%b%d%b%d%b},"transaction":{"id":%b,'
+                                     b'"total_order":%d,"data_collection_order":%d},"op":"%b","ts_ms":%d,"ts_us":%d,'
+                                     b'"ts_ns":%d}' % (
+                                         before, after, head, i, tail, i, ph_tail, txid, i + 1, d, _OPB[op], now,
+                                         now * 1000, now * 1_000_000),
                                  (_OPS[op], ph)))
             n += 1
             if op is Op.DELETE:
@@ -256,6 +279,24 @@ class ChangeBatcher:
             self.events += 1
             self._last = (file, tpos, i, gtid, server_id)
         return index, n
+
+    def add_transaction(self, file: str, tpos: int, gtid: str | None, server_id: int, begin_ts_ms: int,
+                        end_ts_ms: int) -> None:
+        """BEGIN/END of the transaction just written on the transaction topic (when enabled and it had events)."""
+        topic = self.transaction_topic
+        counts, self.tx_counts, self._tx_key = self.tx_counts, {}, None
+        if topic is None or not counts:
+            return
+        tx_id = gtid if gtid else f"file={file},pos={tpos}"
+        n = len(self.source) + 1
+        total = sum(counts.values())
+        begin, end = BinlogPosition(file, tpos, 0, gtid, server_id), BinlogPosition(file, tpos, total, gtid, server_id)
+        if self._max_tail is not None and self._already_written(topic, None, begin, 0):
+            self.skipped += 2
+            return
+        for rec in transaction_records(tx_id, begin_ts_ms, end_ts_ms, {t[n:]: c for t, c in counts.items()},
+                                       orjson.dumps(begin.to_dict()), orjson.dumps(end.to_dict())):
+            self._add(topic, 0, rec)
 
     @property
     def last_position(self) -> Position | None:
@@ -347,15 +388,15 @@ def _library_rows_to_json(to_json: Any, op: Op, rows: Sequence[dict[str, Any]]) 
 
 
 def _source_parts(version: str, source: str, db: str, table: str, ts_ms: int, server_id: int, gtid: bytes,
-                  file: bytes, pos: int) -> tuple[bytes, bytes]:
-    """The binlog source block around the two row numbers (see ``EventCodec`` ``_src_binlog``)."""
+                  file: bytes, pos: int, thread: int | None = None, query: str | None = None) -> tuple[bytes, bytes]:
+    """The binlog source block around the two row numbers (``kappaflow.events.sources.mysql``)."""
     d = orjson.dumps
     head = (b'{"version":%b,"connector":"mysql","name":%b,"ts_ms":%d,"snapshot":"false","db":%b,"sequence":null,'
             b'"ts_us":%d,"ts_ns":%d,"table":%b,"server_id":%d,"gtid":%b,"file":%b,"pos":%d,"row":' % (
                 d(version), d(source), ts_ms, d(db), ts_ms * 1000, ts_ms * 1_000_000, d(table), server_id, gtid,
                 file, pos))
-    tail = b',"thread":null,"query":null,"txId":%b,"kf_pos":{"kind":"binlog","file":%b,"pos":%d,"row":' % (
-        gtid, file, pos)
+    tail = b',"thread":%b,"query":%b,"txId":%b,"kf_pos":{"kind":"binlog","file":%b,"pos":%d,"row":' % (
+        b"null" if thread is None else b"%d" % thread, d(query), gtid, file, pos)
     return head, tail
 
 

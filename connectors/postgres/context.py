@@ -23,6 +23,7 @@ from kappaflow.connectors.postgres.mapping import RecordMapper
 from kappaflow.connectors.postgres.offset import PgOffset
 from kappaflow.connectors.postgres.rows import TableCodec
 from kappaflow.connectors.postgres.slots import TableInfo, TypeCatalog
+from kappaflow.connectors.transactions import TRANSACTION_TOPIC_CONFIG, transaction_topic
 from kappaflow.connectors.writer import Batch, CaptureWriter, FaultHook
 from kappaflow.errors import SourceError
 from kappaflow.events import EventCodec, PgPosition, TableSchema
@@ -59,8 +60,10 @@ class PgCapture:
     def __init__(self, *, source: str, dsn: str, log: Log, tables: Sequence[str],
                  key_columns: dict[str, list[str]], partitions: int, decimal_mode: str = "string",
                  writer_threaded: bool = True, fault: FaultHook | None = None,
-                 mappers: Mapping[str, RecordMapper] | None = None) -> None:
+                 mappers: Mapping[str, RecordMapper] | None = None, transaction_metadata: bool = False) -> None:
         self.source = source
+        # Debezium's transaction metadata topic (connectors/transactions.py), or None
+        self.transaction_topic: str | None = transaction_topic(source) if transaction_metadata else None
         self.dsn = dsn
         self.log = log
         self.partitions = partitions
@@ -110,6 +113,10 @@ class PgCapture:
                              exist_ok=True)
         for info in unmapped:
             self._ensure_topic(self.topic_of(info))
+        tx = self.transaction_topic
+        if tx is not None:
+            cfg = self._existing.get(tx) or log.create_topic(tx, TRANSACTION_TOPIC_CONFIG, exist_ok=True)
+            self.topic_partitions[tx] = cfg.partitions
         for rec in log.iter_partition(self.schema_topic, 0) if with_schemas else ():
             if rec.key is None:
                 continue
@@ -118,7 +125,7 @@ class PgCapture:
                 self.stored_schemas.pop(name, None)
             else:
                 self.stored_schemas[name] = TableSchema.from_dict(orjson.loads(rec.value)).fingerprint()
-        tails = tail_positions(log, [self.topic_of(t) for t in unmapped])
+        tails = tail_positions(log, [self.topic_of(t) for t in unmapped] + ([tx] if tx is not None else []))
         self.tails = {k: p.sort_key() for k, p in tails.items() if isinstance(p, PgPosition)}
         self.max_tail = max(self.tails.values()) if self.tails else None
         for mapper in self.mappers.values():

@@ -63,6 +63,7 @@ from kappaflow.connectors.postgres.replication import (
     parse_keepalive,
 )
 from kappaflow.connectors.postgres.rows import TOAST_ROW_MIN, TableCodec
+from kappaflow.connectors.transactions import transaction_records
 from kappaflow.connectors.truncate import TRUNCATE_KEY, live_rows, truncate_records
 from kappaflow.errors import SourceError, ValidationError
 from kappaflow.events import PgPosition
@@ -270,11 +271,11 @@ class PgStreamingSource(StreamingSource):
                         idx = index
                         index += 1
                         topic = tc.topic
+                        d = dco.get(topic, 0) + 1  # counted when skipped too: the same orders on re-read
+                        dco[topic] = d
                         if dedup and cap.is_duplicate(topic, key, (tx_lsn, 1, idx)):
                             self.duplicates += 1
                             continue
-                        d = dco.get(topic, 0) + 1
-                        dco[topic] = d
                         prefix = prefixes.get(tc.relid)
                         if prefix is None:
                             prefix = self._prefix(tc)
@@ -367,6 +368,8 @@ class PgStreamingSource(StreamingSource):
     def _commit_tx(self, m: bytes) -> None:
         """A Commit message: the offset moves past the transaction (flushed later, in batches)."""
         _flags, commit_lsn, end_lsn, ts = _commit(m, 26)
+        if self.cap.transaction_topic is not None and self.dco:
+            self._transaction_records((ts + PG_EPOCH_US) // 1000)
         self.in_tx = False
         off = self.offset
         off.lsn = end_lsn
@@ -374,6 +377,25 @@ class PgStreamingSource(StreamingSource):
         self.complete_end = end_lsn
         self.complete_txs += 1
         self.complete_ts_ms = (ts + PG_EPOCH_US) // 1000
+
+    def _transaction_records(self, commit_ts_ms: int) -> None:
+        """BEGIN/END on the transaction topic (``connectors/transactions.py``), at the commit LSN."""
+        cap = self.cap
+        topic = cap.transaction_topic
+        assert topic is not None
+        tx_id = self.tx_id.decode()
+        if self.dedup and cap.is_duplicate(topic, orjson.dumps({"id": tx_id}), (self.tx_lsn, 1, 0)):
+            self.duplicates += 2
+            return
+        n = len(cap.source) + 1
+        counts = {t[n:]: c for t, c in self.dco.items()}
+        pos = b'{"kind":"pg","lsn":%d,"index":%%d,"snapshot":false}' % self.tx_lsn
+        recs = cap.pending.by_topic.get(topic)
+        if recs is None:
+            recs = cap.pending.by_topic[topic] = []
+        recs.extend(transaction_records(tx_id, self.tx_ts_ms, commit_ts_ms, counts, pos % 0,
+                                        pos % sum(counts.values())))
+        cap.pending.count += 2
 
     def _other(self, m: bytes, marker: bytes | None) -> None:
         start = _xlog_start(m, 1)[0]
@@ -442,11 +464,11 @@ class PgStreamingSource(StreamingSource):
         idx = self.index
         self.index = idx + 1
         topic = tc.topic
+        dco = self.dco.get(topic, 0) + 1  # counted when skipped too: the same orders on re-read
+        self.dco[topic] = dco
         if self.dedup and self.cap.is_duplicate(topic, key, (self.tx_lsn, 1, idx)):
             self.duplicates += 1
             return
-        dco = self.dco.get(topic, 0) + 1
-        self.dco[topic] = dco
         a, b, c = self.prefixes.get(tc.relid) or self._prefix(tc)
         value = (b'{"before":%s,"after":%s,"source":%s%d%s%d%s%d,"snapshot":false}},"transaction":{"id":"%s",'
                  b'"total_order":%d,"data_collection_order":%d},"op":"%s",%s' % (

@@ -14,7 +14,7 @@ import pytest
 from kappaflow.connectors.mysql.schema_tracking import TableState
 from kappaflow.connectors.mysql.types import ColumnSpec
 from kappaflow.connectors.mysql.writer import ChangeBatcher
-from kappaflow.events import BinlogPosition, ChangeEvent, EventCodec, Op, SourceInfo
+from kappaflow.events import BinlogPosition, ChangeEvent, EventCodec, Op, SourceInfo, TransactionInfo
 from kappaflow.log.embedded import EmbeddedLog
 
 SPECS = (
@@ -56,17 +56,19 @@ def test_fast_path_is_byte_identical_to_the_codec(tmp_path: Path, mode: str, op:
         else:
             raw = {"values": dict(RAW), "none_sources": dict(none_sources)}
         nxt = batcher.add_rows(state, op, [copy.deepcopy(raw)], "binlog.000003", 1234, 5, "0-1-9", 1, 1700000000000,
-                               1800000000000)
+                               1800000000000, thread=42, query="UPDATE t SET ti=6 WHERE id=7")
         assert nxt == 6
         recs = batcher._pending[("src.shop.t", None)]
 
         model_before = state.convert_binlog_row(dict(RAW), none_sources)
         model_after = state.convert_binlog_row(dict(after), none_sources)
         pos = BinlogPosition("binlog.000003", 1234, 5, "0-1-9", 1)
-        src = SourceInfo("mysql", "src", "shop", None, "t", pos, 1700000000000, "0-1-9")
+        # Debezium's thread and query in the source block, the transaction block (GTID as its id)
+        src = SourceInfo("mysql", "src", "shop", None, "t", pos, 1700000000000, "0-1-9",
+                         extra={"thread": 42, "query": "UPDATE t SET ti=6 WHERE id=7"})
         ev = ChangeEvent(op, {"id": 7}, None if op is Op.CREATE else model_before,
                          None if op is Op.DELETE else (model_after if op is Op.UPDATE else model_before), src,
-                         1800000000000)
+                         1800000000000, TransactionInfo("0-1-9", 6, 1))
         assert recs[0].value == codec.encode_value(ev, state.schema)
         assert recs[0].key == codec.encode_key({"id": 7}, state.schema)
         assert dict(recs[0].headers)["kf.pos"] == orjson.dumps(pos.to_dict())
@@ -103,4 +105,7 @@ def test_key_change_becomes_delete_and_create(tmp_path: Path) -> None:
             (b'{"id":1}', "d"), (b'{"id":1}', None), (b'{"id":2}', "c")]
         rows = [orjson.loads(r.value)["source"]["row"] for r in recs if r.value is not None]
         assert rows == [0, 1]  # two positions: nothing shares a position
+        assert [orjson.loads(r.value)["transaction"] for r in recs if r.value is not None] == [
+            {"id": "file=b.000001,pos=10", "total_order": 1, "data_collection_order": 1},
+            {"id": "file=b.000001,pos=10", "total_order": 2, "data_collection_order": 2}]
         batcher.close()
