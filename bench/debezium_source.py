@@ -35,8 +35,8 @@ TOPIC = "bench.public.orders"
 
 
 def _schema() -> dict[str, Any]:
-    def f(t: str, name: str, opt: bool = True, **kw: Any) -> dict[str, Any]:
-        return {"type": t, "optional": opt, **kw, "field": name}
+    def f(t: str, field: str, opt: bool = True, **kw: Any) -> dict[str, Any]:
+        return {"type": t, "optional": opt, **kw, "field": field}
 
     row = [f("int32", "id", False), f("int32", "customer_id"), f("string", "status"),
            f("bytes", "amount", name="org.apache.kafka.connect.data.Decimal", version=1,

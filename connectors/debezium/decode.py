@@ -47,7 +47,6 @@ from kappaflow.errors import ValidationError
 from kappaflow.events import (
     ChangeEvent,
     EventCodec,
-    KafkaPosition,
     Op,
     Position,
     Snapshot,
@@ -59,7 +58,6 @@ from kappaflow.events.sources import layout_for_connector
 __all__ = ["DebeziumDecoder", "Decoded"]
 
 _OPS = {o.value: o for o in Op}
-_NO_POSITION = KafkaPosition(0, 0, -1)  # marks "the source block names none" until ordering places it
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,6 +101,7 @@ class DebeziumDecoder:
         self.known: dict[str, TableSchema] = {}  # kappaflow topic -> last schema (for key-only deletes)
         self.last_source: dict[str, SourceInfo] = {}  # kappaflow topic -> the last event's source block
         self._keyed: dict[tuple[int, tuple[str, ...], str], TableSchema] = {}
+        self._key_schemas: dict[bytes, tuple[str, ...]] = {}
 
     # -- classification --------------------------------------------------------------------------
     def decode(self, topic: str, partition: int, offset: int, key: bytes | None, value: bytes | None, *,
@@ -115,14 +114,16 @@ class DebeziumDecoder:
             return Decoded("skip", reason="heartbeat")
         if value is None:
             return self._key_delete(topic, partition, offset, key, "tombstone", timestamp_ms or 0)
-        if self.flattened.get(topic) is not True and not self.placeholder.may_hold(value):
+        if self.flattened.get(topic) is not True:
             try:
-                ev, table = self.codec.decode_envelope(value, position_fallback=_no_position)
+                ev, table = self.codec.decode_envelope(value, place=self._placer(topic, partition, offset),
+                                                       source_name=self.source)
             except ValidationError:
                 pass  # not a plain envelope (or a bad one): the full classification says which
             else:
                 self.flattened[topic] = False
-                return self._event(topic, partition, offset, key, ev, table, ())
+                gone = self._scan(ev)
+                return self._event(topic, partition, offset, key, ev, table, gone)
         return self._slow(topic, partition, offset, key, value)
 
     def _slow(self, topic: str, partition: int, offset: int, key: bytes | None, value: bytes) -> Decoded:
@@ -164,26 +165,44 @@ class DebeziumDecoder:
             if type(payload.get("before")) is dict:
                 self.placeholder.strip(payload["before"])
             wrapped = {"schema": schema_part, "payload": payload} if schema_part is not None else payload
-            ev, table = self.codec.decode_envelope(value, position_fallback=_no_position, parsed=wrapped)
+            ev, table = self.codec.decode_envelope(value, place=self._placer(topic, partition, offset),
+                                                   parsed=wrapped, source_name=self.source)
             return self._event(topic, partition, offset, key, ev, table, tuple(unavailable))
         self.flattened[topic] = True
         return self._flat(topic, partition, offset, key, schema_part, payload)
 
     # -- envelopes -------------------------------------------------------------------------------
+    def _placer(self, topic: str, partition: int, offset: int) -> Callable[[Position | None, Any, Any], Position]:
+        order = self.order
+
+        def place(own: Position | None, block: Any, snapshot: Any) -> Position:
+            return order.place(topic, partition, offset, own)
+
+        return place
+
+    def _scan(self, ev: ChangeEvent) -> tuple[str, ...]:
+        """Placeholders found in a decoded event's rows (removed from them): the after image's names."""
+        scan = self.placeholder.scan
+        if ev.before is not None:
+            scan(ev.before)
+        return tuple(scan(ev.after)) if ev.after is not None else ()
+
     def _event(self, topic: str, partition: int, offset: int, key: bytes | None, ev: ChangeEvent,
                table: TableSchema | None, unavailable: tuple[str, ...]) -> Decoded:
+        """The decoded envelope (already named and placed) as an event of its kappaflow topic."""
         src = ev.source
         qualified = f"{src.schema if src.schema is not None else src.db}.{src.table}"
         out = f"{self.source}.{qualified}"
         self.out_topics[topic] = out
-        raw_key = _raw_key(key)
-        names = self.key_columns.get(qualified) or (tuple(raw_key) if raw_key else ())
+        names = self.key_columns.get(qualified) or self._key_names(key)
+        raw_key: dict[str, Any] | None = None
         before, after = ev.before, ev.after
         if table is not None:
             schema = self._with_key(out, table, names)
         else:  # schemaless: JSON values, the schema inferred from them
             before = None if before is None else decode_schemaless_row(before, "before")
             after = None if after is None else decode_schemaless_row(after, "after")
+            raw_key = _raw_key(key)
             schema = self.inferred.observe(out, [r for r in (before, after) if r is not None],
                                            raw_key if not self.key_columns.get(qualified) else None)
             if names and schema.key != names:
@@ -195,19 +214,18 @@ class DebeziumDecoder:
             row = after if after is not None else before
             if row is not None and all(c in row for c in schema.key):
                 k = {c: row[c] for c in schema.key}
-            elif raw_key:
-                k = {c: raw_key[c] for c in schema.key if c in raw_key}
-        own = None if src.position is _NO_POSITION else src.position
-        pos = self.order.place(topic, partition, offset, own)
+            else:
+                raw_key = raw_key if raw_key is not None else _raw_key(key)
+                if raw_key:
+                    k = {c: raw_key[c] for c in schema.key if c in raw_key}
         if ev.op is Op.DELETE:
             self.order.note_delete(topic, partition, offset, key)
         else:
             self.order.note_other(topic, partition)
-        source = replace(src, name=self.source, position=pos)
-        self.last_source[out] = source
-        if unavailable or before is not ev.before or after is not ev.after or k != ev.key or source is not src:
-            ev = replace(ev, key=k, before=before, after=after, source=source,
-                         unavailable=tuple(dict.fromkeys((*ev.unavailable, *unavailable))))
+        self.last_source[out] = src
+        if ev.unavailable:
+            unavailable = tuple(dict.fromkeys((*ev.unavailable, *unavailable)))
+        ev = ChangeEvent(ev.op, k, before, after, src, ev.ts_ms, ev.transaction, unavailable, ev.ts_us, ev.ts_ns)
         return Decoded("event", topic=out, event=ev, schema=schema)
 
     def _mongodb(self, topic: str, partition: int, offset: int, key: bytes | None, value: bytes,
@@ -239,9 +257,29 @@ class DebeziumDecoder:
                 doc = row.get("document")
                 return {**row, "document": apply_update(doc, desc)} if isinstance(doc, dict) else row
 
-        ev, _ = self.codec.decode_envelope(value, mongodb_schema(out), position_fallback=_no_position, parsed=rows)
+        ev, _ = self.codec.decode_envelope(value, mongodb_schema(out), place=self._placer(topic, partition, offset),
+                                           parsed=rows, source_name=self.source)
         d = self._event(topic, partition, offset, key, ev, mongodb_schema(out), unavailable)
         return replace(d, patch=patch) if patch is not None else d
+
+    def _key_names(self, key: bytes | None) -> tuple[str, ...]:
+        """The record key's column names; a key written with its schema part is parsed once per schema."""
+        if key is None:
+            return ()
+        if key.startswith(b'{"schema":'):
+            i = key.find(b',"payload":')
+            if i > 0:
+                part = key[10:i]
+                hit = self._key_schemas.get(part)
+                if hit is None:
+                    doc = _raw_key(key)
+                    hit = tuple(doc) if doc else ()
+                    if len(self._key_schemas) > 1024:
+                        self._key_schemas.clear()
+                    self._key_schemas[part] = hit
+                return hit
+        doc = _raw_key(key)
+        return tuple(doc) if doc else ()
 
     def _with_key(self, out: str, table: TableSchema, names: tuple[str, ...]) -> TableSchema:
         """The record's table schema named after the kappaflow topic, keyed by ``names``."""
@@ -426,10 +464,6 @@ def _complete_source(payload: dict[str, Any], schema_part: Any, topic: str) -> N
         src.setdefault("table", parts[-1])
         src.setdefault("schema", parts[-2])
         src.setdefault("db", "")
-
-
-def _no_position(block: Mapping[str, Any], snapshot: Snapshot) -> Position:
-    return _NO_POSITION
 
 
 def _int_or(v: Any, default: int) -> int:

@@ -62,46 +62,50 @@ class Placeholder:
             text, b64, urlsafe_b64encode(raw).decode(), raw.hex(), raw.hex().upper(),
             orjson.dumps({text: text}).decode(), f'{{"{text}" : "{text}"}}',  # hstore as JSON
         })
+        uid = _java_name_uuid(raw)
         self._lists: tuple[list[Any], ...] = (
-            [text], [b64], list(raw), [_java_name_uuid(raw)],
+            [text], [b64], [raw], list(raw), [uid], [uuid.UUID(uid)],
         )
         self._wkb = frozenset({b64encode(_GEOMETRY_WKB).decode(), b64encode(_GEOGRAPHY_WKB).decode(),
-                               _GEOMETRY_WKB.hex(), _GEOGRAPHY_WKB.hex()})
-        # byte strings of which at least one is in every message holding a placeholder: a message
-        # without any of them is passed over with one substring search each
-        self.markers = tuple(sorted({
-            raw, b64.rstrip("=").encode()[:24], urlsafe_b64encode(raw).rstrip(b"=")[:24], raw.hex().encode()[:24],
-            raw.hex().upper().encode()[:24], b",".join(b"%d" % x for x in raw[:8]),
-            _java_name_uuid(raw).encode(), b"-99999999", b"-9.9999999E7", *(w[:24].encode() for w in self._wkb),
-        }))
-
-    def may_hold(self, data: bytes) -> bool:
-        """Cheap pre-check on a message's bytes."""
-        return any(m in data for m in self.markers)
+                               _GEOMETRY_WKB.hex(), _GEOGRAPHY_WKB.hex(), _GEOMETRY_WKB, _GEOGRAPHY_WKB})
+        self._raw = raw
 
     def matches(self, v: Any) -> bool:
+        """A column value (as written on the wire, or decoded to Python) that is the placeholder."""
         t = type(v)
         if t is str:
             return v in self._strings
+        if t is bytes:
+            return v == self._raw
         if t is list:
-            return any(v == p for p in self._lists)
+            return bool(v) and any(v == p for p in self._lists)
         if t is dict:
             if len(v) == 1 and v.get(self.text) == self.text:  # hstore, map mode
                 return True
             wkb = v.get("wkb")
-            if wkb is not None and wkb in self._wkb:
+            if (type(wkb) is str or type(wkb) is bytes) and wkb in self._wkb:
                 return True
             return v.get("x") in (-99999999, -99999999.0) and v.get("y") in (-99999999, -99999999.0)
         return False
 
     def strip(self, row: dict[str, Any] | None) -> list[str]:
-        """Remove the columns holding the placeholder from a wire row; returns their names."""
+        """Remove the columns holding the placeholder from a row; returns their names."""
         if not row:
             return []
-        gone = [k for k, v in row.items() if v is not None and self.matches(v)]
+        strings = self._strings
+        gone: list[str] = []
+        for k, v in row.items():
+            t = type(v)
+            if t is str:
+                if v in strings:
+                    gone.append(k)
+            elif v is not None and t is not int and t is not float and t is not bool and self.matches(v):
+                gone.append(k)
         for k in gone:
             del row[k]
         return gone
+
+    scan = strip
 
 
 class ToastState:

@@ -154,7 +154,7 @@ class DebeziumSource(Connector):
         assert d.event is not None and d.schema is not None and d.topic is not None
         ev, schema, topic = d.event, d.schema, d.topic
         if ev.op is Op.TRUNCATE:
-            self._schema_record(topic, schema, ev.source.position.to_dict())
+            self._schema_record(topic, schema, ev.source.position)
             self._truncate(topic, ev, schema)
             return
         if not schema.key:  # a table without a key: an append-only topic, in input partition order
@@ -164,7 +164,7 @@ class DebeziumSource(Connector):
                     f"key: null, but {topic!r} holds a keyed table (a compacted topic): the table lost its primary "
                     "key, or another table maps to the same topic; give the table its key back, or declare "
                     f"key_columns for {topic[len(self.name) + 1:]!r}")
-            self._schema_record(topic, schema, ev.source.position.to_dict())
+            self._schema_record(topic, schema, ev.source.position)
             self._add(topic, [TrustedRecord(None, self.codec.encode_value(ev, schema),
                                             (_OP_HEADERS[ev.op], self._src))], in_partition % n)
             return
@@ -177,7 +177,7 @@ class DebeziumSource(Connector):
                                   f"key columns {list(schema.key)}: key_columns or the table's key changed")
         key = self.codec.encode_key(ev.key, schema)
         assert key is not None
-        self._schema_record(topic, schema, ev.source.position.to_dict())
+        self._schema_record(topic, schema, ev.source.position)
         if ev.unavailable or self.toast.tracked(topic):
             ev = self._repair(topic, key, ev, schema, d.patch)
         value = self.codec.encode_value(ev, schema)
@@ -254,12 +254,13 @@ class DebeziumSource(Connector):
                     self.toast.remember(topic, rec.key, typed, doc.get("kf_unavailable") or ())
         self.toast.loaded.add(topic)
 
-    def _schema_record(self, topic: str, schema: TableSchema, pos: dict[str, Any]) -> None:
+    def _schema_record(self, topic: str, schema: TableSchema, position: Any) -> None:
         """``<source>.__schema`` like kappaflow's own connectors: key ``"db.table"``, value the TableSchema."""
         qualified = topic[len(self.name) + 1:]
         fp = schema.fingerprint()
         if self._schemas.get(qualified) == fp:
             return
+        pos = position.to_dict()
         self._ensure(self.schema_topic, partitions=1)
         value = dict(schema.to_dict())
         value.update({"kf_pos": pos, "table": qualified, "ts_ms": int(time.time() * 1000), "change": "CREATE"

@@ -195,8 +195,9 @@ def _str_field(s: Mapping[str, Any], key: str, optional: bool = False) -> Any:
 _SNAPSHOTS = {s.value: s for s in Snapshot}
 _OPS = {o.value: o for o in Op}
 
-# A position for a source block that names none: called with (block, snapshot).
-PositionFallback = Callable[[Mapping[str, Any], Snapshot], Position]
+# Places a decoded record: called with (the position its source block names, or None; the block; its
+# snapshot value), returns the position the event gets (e.g. Debezium records' order, connectors/debezium).
+PositionHook = Callable[[Position | None, Mapping[str, Any], Snapshot], Position]
 
 
 def _opt_int(s: Mapping[str, Any], key: str) -> int | None:
@@ -208,7 +209,7 @@ def _opt_int(s: Mapping[str, Any], key: str) -> int | None:
     raise ValidationError(f"source.{key}: expected an integer or null, got {short_repr(v)}")
 
 
-def _decode_source(s: Any, fallback: PositionFallback | None = None) -> SourceInfo:
+def _decode_source(s: Any, place: PositionHook | None = None, name_as: str | None = None) -> SourceInfo:
     if type(s) is not dict:
         raise ValidationError(f"source: expected an object, got {short_repr(s)}")
     get = s.get
@@ -248,20 +249,28 @@ def _decode_source(s: Any, fallback: PositionFallback | None = None) -> SourceIn
     else:
         in_snapshot = snapshot is not Snapshot.FALSE and snapshot is not Snapshot.INCREMENTAL
         position = layout.position(s, in_snapshot)
-        if position is None:
-            if fallback is None:
-                raise ValidationError(
-                    f"source.kf_pos: missing, and the {connector} source block names no position "
-                    f"(expected {_POSITION_FIELDS.get(layout.kind, 'position fields')})")
-            position = fallback(s, snapshot)
+        if position is None and place is None:
+            raise ValidationError(
+                f"source.kf_pos: missing, and the {connector} source block names no position "
+                f"(expected {_POSITION_FIELDS.get(layout.kind, 'position fields')})")
+    if place is not None:
+        position = place(position, s, snapshot)
     ts_us, ts_ns = get("ts_us"), get("ts_ns")
     if ts_us is not None or ts_ns is not None:
-        ts_us, ts_ns = _precise_times(ts_ms, _opt_int(s, "ts_us"), _opt_int(s, "ts_ns"))
-    info = SourceInfo(connector, name, db, schema, table, position, ts_ms, tx_id, snapshot, ts_us, ts_ns)
-    extra = layout.extra_from(s, info)
+        if type(ts_us) is not int or type(ts_ns) is not int:
+            ts_us, ts_ns = _opt_int(s, "ts_us"), _opt_int(s, "ts_ns")
+        if ts_us == ts_ms * 1000 and ts_ns == ts_ms * 1_000_000:
+            ts_us = ts_ns = None
+    assert position is not None
+    info = SourceInfo(connector, name if name_as is None else name_as, db, schema, table, position, ts_ms, tx_id,
+                      snapshot, ts_us, ts_ns)
+    extra = layout.extra_from(s, info)  # what the (placed) position does not say the same
     if extra is not None:
-        info = SourceInfo(connector, name, db, schema, table, position, ts_ms, tx_id, snapshot, ts_us, ts_ns, extra)
+        _set_extra(info, extra)
     return info
+
+
+_set_extra = SourceInfo.__dict__["extra"].__set__  # set once, right after construction
 
 
 _POSITION_FIELDS = {"pg": "'lsn'", "binlog": "binlog 'file'/'pos'", "sqlserver": "'commit_lsn'/'change_lsn'",
@@ -292,14 +301,6 @@ def _merge_exact(edited: Any, exact: Any) -> Any:
     if type(edited) is float and type(exact) is Decimal:
         return exact
     return edited
-
-
-def _precise_times(ts_ms: int, ts_us: int | None, ts_ns: int | None) -> tuple[int | None, int | None]:
-    """None for what follows from ``ts_ms`` (so events kappaflow writes compare equal after a
-    round trip); the values as they are when they hold more than ``ts_ms``."""
-    if ts_us == ts_ms * 1000 and ts_ns == ts_ms * 1_000_000:
-        return None, None
-    return ts_us, ts_ns
 
 
 def _envelope_int(payload: Mapping[str, Any], key: str) -> int | None:
@@ -590,31 +591,32 @@ class EventCodec:
         data: bytes | str | None,
         schema: TableSchema | None = None,
         *,
-        position_fallback: PositionFallback | None = None,
+        place: PositionHook | None = None,
     ) -> ChangeEvent:
         """Parse value bytes into a ChangeEvent.
 
         Messages with an embedded ``schema`` are decoded by it. Schemaless messages are
         decoded by ``schema``; without one, row values stay raw JSON types. The event's
         key is taken from the row (``schema.key`` or the embedded ``kf.key``); use
-        ``decode_record`` to take it from the record key instead. ``position_fallback``
-        gives the position of a source block that names none (else that is an error).
+        ``decode_record`` to take it from the record key instead. ``place`` gives the event its
+        position from the one its source block names (None when it names none, else an error).
         """
-        return self.decode_envelope(data, schema, position_fallback=position_fallback)[0]
+        return self.decode_envelope(data, schema, place=place)[0]
 
     def decode_envelope(
         self,
         data: bytes | str | None,
         schema: TableSchema | None = None,
         *,
-        position_fallback: PositionFallback | None = None,
+        place: PositionHook | None = None,
         parsed: dict[str, Any] | None = None,
+        source_name: str | None = None,
     ) -> tuple[ChangeEvent, TableSchema | None]:
         """``decode_value`` that also returns the table schema the message's ``schema`` part
         describes (None without one). ``parsed``: the message already parsed (and edited) by the
-        caller, decoded instead of ``data``."""
+        caller, decoded instead of ``data``; ``source_name``: the source's name to give the event."""
         try:
-            return self._decode_value(data, schema, position_fallback, parsed)
+            return self._decode_value(data, schema, place, parsed, source_name)
         except NumericDecimal:
             # a Connect Decimal written as a JSON number (decimal.format=NUMERIC): parse exactly
             import json
@@ -625,10 +627,11 @@ class EventCodec:
                 raise ValidationError(f"value: malformed JSON ({e})") from None
             if parsed is not None:  # keep the caller's edits: take only the exact numbers
                 exact = _merge_exact(parsed, exact)
-            return self._decode_value(data, schema, position_fallback, exact)
+            return self._decode_value(data, schema, place, exact, source_name)
 
     def _decode_value(
-        self, data: Any, schema: TableSchema | None, position_fallback: PositionFallback | None, parsed: Any
+        self, data: Any, schema: TableSchema | None, place: PositionHook | None, parsed: Any,
+        source_name: str | None = None,
     ) -> tuple[ChangeEvent, TableSchema | None]:
         if data is None:
             raise ValidationError("value: null (a tombstone) is not a change event")
@@ -676,7 +679,7 @@ class EventCodec:
             if "op" not in payload:
                 raise ValidationError("op: missing (not a Debezium change event envelope?)")
             raise ValidationError(f"op: expected one of {list(_OPS)}, got {op_code!r}")
-        source = _decode_source(payload.get("source"), position_fallback)
+        source = _decode_source(payload.get("source"), place, source_name)
         try:
             before = rows(payload.get("before"), "before")
             after = rows(payload.get("after"), "after")
@@ -693,9 +696,12 @@ class EventCodec:
             else:
                 raise ValidationError(
                     f"ts_ms: expected an integer (ms since the epoch) or null, got {short_repr(ts_ms)}")
-        ts_us = ts_ns = None
-        if "ts_us" in payload or "ts_ns" in payload:
-            ts_us, ts_ns = _precise_times(ts_ms, _envelope_int(payload, "ts_us"), _envelope_int(payload, "ts_ns"))
+        ts_us, ts_ns = payload.get("ts_us"), payload.get("ts_ns")
+        if ts_us is not None or ts_ns is not None:
+            if type(ts_us) is not int or type(ts_ns) is not int:
+                ts_us, ts_ns = _envelope_int(payload, "ts_us"), _envelope_int(payload, "ts_ns")
+            if ts_us == ts_ms * 1000 and ts_ns == ts_ms * 1_000_000:
+                ts_us = ts_ns = None
         unavailable = payload.get("kf_unavailable") or ()
         if unavailable:
             if type(unavailable) is not list or not all(type(u) is str for u in unavailable):
