@@ -100,7 +100,8 @@ class DebeziumDecoder:
         self.out_topics: dict[str, str] = {}  # input topic -> kappaflow topic
         self.known: dict[str, TableSchema] = {}  # kappaflow topic -> last schema (for key-only deletes)
         self.last_source: dict[str, SourceInfo] = {}  # kappaflow topic -> the last event's source block
-        self._keyed: dict[tuple[int, tuple[str, ...], str], TableSchema] = {}
+        self._keyed: dict[tuple[int, tuple[str, ...], str], tuple[TableSchema, TableSchema]] = {}
+        self._named: dict[tuple[str | None, str, str], tuple[str, str]] = {}  # (schema, db, table) -> names
         self._key_schemas: dict[bytes, tuple[str, ...]] = {}
 
     # -- classification --------------------------------------------------------------------------
@@ -191,8 +192,14 @@ class DebeziumDecoder:
                table: TableSchema | None, unavailable: tuple[str, ...]) -> Decoded:
         """The decoded envelope (already named and placed) as an event of its kappaflow topic."""
         src = ev.source
-        qualified = f"{src.schema if src.schema is not None else src.db}.{src.table}"
-        out = f"{self.source}.{qualified}"
+        names_of = (src.schema, src.db, src.table)
+        named = self._named.get(names_of)
+        if named is None:
+            qualified = f"{src.schema if src.schema is not None else src.db}.{src.table}"
+            if len(self._named) > 4096:
+                self._named.clear()
+            named = self._named[names_of] = (qualified, f"{self.source}.{qualified}")
+        qualified, out = named
         self.out_topics[topic] = out
         names = self.key_columns.get(qualified) or self._key_names(key)
         raw_key: dict[str, Any] | None = None
@@ -212,9 +219,11 @@ class DebeziumDecoder:
         k: dict[str, Any] | None = None
         if ev.op is not Op.TRUNCATE and schema.key:
             row = after if after is not None else before
-            if row is not None and all(c in row for c in schema.key):
-                k = {c: row[c] for c in schema.key}
-            else:
+            try:
+                k = None if row is None else {c: row[c] for c in schema.key}
+            except KeyError:
+                k = None
+            if k is None:
                 raw_key = raw_key if raw_key is not None else _raw_key(key)
                 if raw_key:
                     k = {c: raw_key[c] for c in schema.key if c in raw_key}
@@ -286,16 +295,18 @@ class DebeziumDecoder:
         if table.name == out and table.key == names:
             return table
         ck = (id(table), names, out)
-        hit = self._keyed.get(ck)
-        if hit is None:
-            cols = table.columns
-            missing = [n for n in names if n not in {c.name for c in cols}]
-            if missing:
-                raise ValidationError(f"key: column(s) {missing} are not columns of {out!r} "
-                                      f"(columns: {[c.name for c in cols]})")
-            if len(self._keyed) > 4096:
-                self._keyed.clear()
-            hit = self._keyed[ck] = TableSchema(out, cols, names)
+        cached = self._keyed.get(ck)
+        if cached is not None and cached[0] is table:  # (an id can be reused once a table is gone)
+            return cached[1]
+        cols = table.columns
+        missing = [n for n in names if n not in {c.name for c in cols}]
+        if missing:
+            raise ValidationError(f"key: column(s) {missing} are not columns of {out!r} "
+                                  f"(columns: {[c.name for c in cols]})")
+        if len(self._keyed) > 4096:
+            self._keyed.clear()
+        hit = TableSchema(out, cols, names)
+        self._keyed[ck] = (table, hit)
         return hit
 
     # -- deletes of a key ------------------------------------------------------------------------

@@ -99,7 +99,7 @@ class Placeholder:
             if t is str:
                 if v in strings:
                     gone.append(k)
-            elif v is not None and t is not int and t is not float and t is not bool and self.matches(v):
+            elif (t is dict or t is list or t is bytes) and self.matches(v):
                 gone.append(k)
         for k in gone:
             del row[k]
