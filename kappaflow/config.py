@@ -245,6 +245,8 @@ class _PgLogicalSource(_DbSource):
 
 class PostgresSourceConfig(_PgLogicalSource):
     kind: Literal["postgres"] = "postgres"
+    # Debezium's xmin.fetch.interval.ms: how often the slot's xmin (source.xmin) is read; 0 = never (null)
+    xmin_fetch_interval_s: float = Field(0.0, ge=0)
 
 
 class MySQLSourceConfig(_DbSource):

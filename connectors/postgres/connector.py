@@ -187,7 +187,9 @@ class PostgresConnector(Connector):
             PgStreamingSource(cap, repl, slot=slot_name, publication=pub,
                               heartbeat_interval_s=cfg.heartbeat_interval_s,
                               status_interval_s=self.status_interval_s, batch_records=self.batch_records,
-                              linger_s=self.linger_s).execute(offset, stop, until_caught_up=until_caught_up)
+                              linger_s=self.linger_s,
+                              xmin_fetch_interval_s=getattr(cfg, "xmin_fetch_interval_s", 0.0),
+                              ).execute(offset, stop, until_caught_up=until_caught_up)
             return self._finish(cap, offset, stop, started)
         except BaseException:
             failed = True

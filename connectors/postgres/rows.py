@@ -663,19 +663,20 @@ class TableCodec:
 
     # -- envelope ----------------------------------------------------------------------------
     def source_parts(self, ts_ms: int, snapshot: str, tx_id: int | None, lsn: int,
-                     last_commit_lsn: int | None) -> tuple[bytes, bytes, bytes]:
+                     last_commit_lsn: int | None, xmin: int | None = None) -> tuple[bytes, bytes, bytes]:
         """The source block around the change's own LSN, which it holds twice (Debezium 2.6+ order)::
 
             a + b"%d" % change_lsn + b + b"%d" % change_lsn + c + b"%d" % index + b',"snapshot":false}}'
 
         ``sequence`` is Debezium's ``["<last committed LSN>","<this change's LSN>"]`` and ``lsn``
         the change's LSN; ``kf_pos`` holds the transaction's commit LSN and the change's index.
+        ``xmin``: the slot's xmin when the connector reads it (Debezium's ``xmin.fetch.interval.ms``).
         """
         last = b"null" if not last_commit_lsn else b'\\"%d\\"' % last_commit_lsn
         a = b'%s%d,"snapshot":"%s"%s%s,\\"' % (self._src_head, ts_ms, snapshot.encode(), self._src_db, last)
         b = b'\\"]","ts_us":%d,"ts_ns":%d%s%s,"lsn":' % (
             ts_ms * 1000, ts_ms * 1_000_000, self._src_mid, b"null" if tx_id is None else b"%d" % tx_id)
-        c = b',"xmin":null,"kf_pos":{"kind":"pg","lsn":%d,"index":' % lsn
+        c = b',"xmin":%s,"kf_pos":{"kind":"pg","lsn":%d,"index":' % (b"null" if xmin is None else b"%d" % xmin, lsn)
         return a, b, c
 
     def source_prefix(self, ts_ms: int, snapshot: str, tx_id: int | None, lsn: int,

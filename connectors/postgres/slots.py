@@ -426,6 +426,13 @@ def emit_heartbeat(conn: psycopg.Connection, slot: str, content: str = "") -> in
     return _lsn_or_none(row[0]) or 0
 
 
+def slot_xmin(conn: psycopg.Connection, slot: str) -> int | None:
+    """The slot's catalog xmin (what Debezium's ``xmin.fetch.interval.ms`` reads into ``source.xmin``)."""
+    row = conn.execute("SELECT catalog_xmin::text FROM pg_replication_slots WHERE slot_name = %s",
+                       (slot,)).fetchone()
+    return int(row[0]) if row is not None and row[0] is not None else None
+
+
 def current_lsn(conn: psycopg.Connection) -> int:
     row = conn.execute("SELECT pg_current_wal_insert_lsn()::text").fetchone()
     assert row is not None

@@ -95,8 +95,10 @@ def _times(now_ms: int) -> bytes:
 class PgStreamingSource(StreamingSource):
     def __init__(self, cap: PgCapture, repl: ReplicationConnection, *, slot: str, publication: str,
                  heartbeat_interval_s: float = 10.0, status_interval_s: float = 1.0,
-                 batch_records: int = 20_000, linger_s: float = 0.05) -> None:
+                 batch_records: int = 20_000, linger_s: float = 0.05, xmin_fetch_interval_s: float = 0.0) -> None:
         self.cap = cap
+        self.xmin_fetch_interval_s = xmin_fetch_interval_s
+        self.xmin: int | None = None  # the slot's xmin as last read (source.xmin), None when not read
         self.repl = repl
         self.slot = slot
         self.publication = publication
@@ -145,6 +147,7 @@ class PgStreamingSource(StreamingSource):
         now = time.monotonic()
         next_status = now + self.status_interval_s
         next_heartbeat = now + self.heartbeat_interval_s
+        next_xmin = now if self.xmin_fetch_interval_s > 0 else float("inf")
         last_idle_save = 0.0
         self.idle_candidate = 0
         summary = cap.summary
@@ -182,6 +185,9 @@ class PgStreamingSource(StreamingSource):
                 # the send time rides along: its round trip is the source lag when idle (_other)
                 slots.emit_heartbeat(cap.conn, self.slot, _SENT.decode() + str(int(time.time() * 1000)))
                 next_heartbeat = now + self.heartbeat_interval_s
+            if now >= next_xmin:  # used by the transactions that begin from now on
+                self.xmin = slots.slot_xmin(cap.conn, self.slot)
+                next_xmin = now + self.xmin_fetch_interval_s
             if self.caught_up and not self.in_tx and not cap.pending:
                 writer.drain()
                 durable = writer.durable_token
@@ -449,7 +455,7 @@ class PgStreamingSource(StreamingSource):
         p = self.prefixes.get(tc.relid)
         if p is None:
             p = self.prefixes[tc.relid] = tc.source_parts(self.tx_ts_ms, "false", self.tx_xid, self.tx_lsn,
-                                                          self.tx_last_commit)
+                                                          self.tx_last_commit, self.xmin)
         return p
 
     def _tuple(self, m: bytes, pos: int, what: str) -> tuple[tuple[Any, ...], int]:

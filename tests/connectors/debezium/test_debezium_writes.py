@@ -64,6 +64,7 @@ def test_postgresql_capture_writes_debeziums_layout_and_transaction_topic(pg_dsn
         assert this == str(src["lsn"]) and (last is None or int(last) < src["lsn"])
         assert src["lsn"] < src["kf_pos"]["lsn"]  # kf_pos holds the commit LSN, after every change
         assert e["transaction"]["total_order"] == i
+        assert src["xmin"] is None  # xmin_fetch_interval_s = 0, Debezium's default (xmin.fetch.interval.ms=0)
     assert [e["transaction"]["data_collection_order"] for e in events] == [1, 1, 2]
     assert len({e["transaction"]["id"] for e in events}) == 1
     assert events[0]["source"]["lsn"] < events[1]["source"]["lsn"] < events[2]["source"]["lsn"]
@@ -87,6 +88,28 @@ def test_postgresql_capture_writes_debeziums_layout_and_transaction_topic(pg_dsn
     # a third run re-reads nothing twice, the transaction topic included
     PostgresConnector(cfg, embedded_log, partitions=2, progress=False).run(until_caught_up=True)
     assert [orjson.loads(r.value)["id"] for r in embedded_log.iter_partition("pgtx.transaction", 0)].count(tx_id) == 2
+
+
+def test_postgresql_fills_xmin_when_fetched(pg_dsn: str, embedded_log: Any) -> None:
+    """Debezium's ``xmin.fetch.interval.ms`` > 0: ``source.xmin`` is the slot's catalog xmin
+    (PostgreSQL connector docs, "xmin.fetch.interval.ms"; the source field ``xmin``)."""
+    import psycopg
+
+    from kappaflow.connectors.postgres.connector import PostgresConnector
+
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        conn.execute("CREATE TABLE x (id int PRIMARY KEY)")
+    cfg = PostgresSourceConfig(name="pgxmin", dsn=pg_dsn, tables=["public.x"], heartbeat_interval_s=0.5,
+                               xmin_fetch_interval_s=0.05)
+    PostgresConnector(cfg, embedded_log, partitions=1, progress=False).run(until_caught_up=True)
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        conn.execute("INSERT INTO x VALUES (1)")
+    PostgresConnector(cfg, embedded_log, partitions=1, progress=False).run(until_caught_up=True)
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        slot_xmin = conn.execute("SELECT catalog_xmin::text FROM pg_replication_slots WHERE slot_name = %s",
+                                 (cfg.slot_name,)).fetchone()[0]  # type: ignore[index]
+    ev = orjson.loads(next(r.value for r in _all(embedded_log, "pgxmin.public.x") if r.value is not None))
+    assert type(ev["source"]["xmin"]) is int and 0 < ev["source"]["xmin"] <= int(slot_xmin)  # read before
 
 
 def test_mysql_capture_writes_thread_transaction_block_and_topic(mariadb_server: Any, mariadb_db: str,
