@@ -7,12 +7,13 @@ raise for an unreachable service: unreachability is itself a finding.
 from __future__ import annotations
 
 import socket
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from enum import Enum
 from typing import Any
 from urllib.parse import urlsplit
 
+import orjson
 from rich.filesize import decimal
 
 from kappaflow.config import (
@@ -74,8 +75,9 @@ def check_log(settings: Settings) -> Iterator[Finding]:
             yield _fail(area, "reachable", str(exc), "start the broker or correct log.url / KAPPAFLOW_LOG__URL")
             return
         yield _ok(area, "reachable", f"{settings.log.url}: {len(topics)} topics")
+        keyless = _keyless_debezium_tables(settings, log, topics)
         for topic, cfg in sorted(topics.items()):
-            want_compacted = _wants_compaction(settings, topic)
+            want_compacted = False if topic in keyless else _wants_compaction(settings, topic)
             if want_compacted is None or want_compacted == cfg.compacted:
                 continue
             if want_compacted:
@@ -95,12 +97,34 @@ def check_log(settings: Settings) -> Iterator[Finding]:
 
 
 # Topics a source kind writes append-only (cleanup.policy=delete) by design; its other topics are
-# compacted. Debezium: dead letters and verbatim-routed metadata; ledger: one topic per stream type.
+# compacted. Debezium: dead letters, logical messages and verbatim-routed metadata (and the topics of
+# tables without a key, see _keyless_debezium_tables); PostgreSQL/MySQL: the transaction metadata topic
+# (connectors/transactions.py); ledger: one topic per stream type.
 _APPEND_ONLY_TOPICS: dict[str, Callable[[str, str], bool]] = {
-    "debezium": lambda src, topic: topic in {f"{src}.__dead_letter", f"{src}.__transactions",
+    "debezium": lambda src, topic: topic in {f"{src}.__dead_letter", f"{src}.transaction", f"{src}.message",
                                              f"{src}.__debezium_schema"},
+    "postgres": lambda src, topic: topic == f"{src}.transaction",
+    "mysql": lambda src, topic: topic == f"{src}.transaction",
     "ledger": lambda src, topic: topic != f"{src}.__schema",
 }
+
+
+def _keyless_debezium_tables(settings: Settings, log: Any, topics: Mapping[str, Any]) -> set[str]:
+    """The topics of tables a Debezium source read without a key (its ``__schema`` records name no key
+    columns): written append-only by design (connectors/debezium/source.py)."""
+    out: set[str] = set()
+    for src in settings.sources.values():
+        schema_topic = f"{src.name}.__schema"
+        if src.kind != "debezium" or schema_topic not in topics:
+            continue
+        last: dict[bytes, bytes | None] = {}
+        for rec in log.iter_partition(schema_topic, 0):
+            if rec.key is not None:
+                last[rec.key] = rec.value
+        for key, value in last.items():
+            if value is not None and not orjson.loads(value).get("key"):
+                out.add(f"{src.name}.{orjson.loads(key)}")
+    return out
 
 
 def _wants_compaction(settings: Settings, topic: str) -> bool | None:

@@ -6,13 +6,14 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
+import orjson
 import pytest
 from typer.testing import CliRunner
 
 from kappaflow.cli.app import app
 from kappaflow.config import MySQLSourceConfig, PostgresSourceConfig, Settings
 from kappaflow.doctor import Finding, Status, run_checks
-from kappaflow.log import CleanupPolicy, TopicConfig
+from kappaflow.log import CleanupPolicy, Record, TopicConfig
 from kappaflow.testing.servers._process import free_port
 from kappaflow.testing.servers.postgres import PrivatePostgres
 
@@ -149,9 +150,9 @@ def test_binlog_row_metadata_is_checked(tmp_path: Path, mariadb_server: Any) -> 
 
 
 def test_append_only_topics_of_debezium_and_ledger_sources(tmp_path: Path) -> None:
-    """The Debezium source's dead-letter topic is append-only by design (connectors/debezium/source.py), and so
-    are a ledger source's stream topics (connectors/ledger/connector.py): no false FAIL; compaction on a ledger
-    stream topic is the real problem."""
+    """The Debezium source's dead-letter, message and transaction topics and its keyless tables' topics are
+    append-only by design (connectors/debezium/source.py), and so are a ledger source's stream topics
+    (connectors/ledger/connector.py): no false FAIL; compaction on a ledger stream topic is the real problem."""
     from kappaflow.config import DebeziumSourceConfig, LedgerSourceConfig
 
     s = _settings(tmp_path, sources={
@@ -160,8 +161,15 @@ def test_append_only_topics_of_debezium_and_ledger_sources(tmp_path: Path) -> No
     delete = TopicConfig(partitions=1, cleanup_policy=CleanupPolicy.DELETE)
     with s.open_log() as log:
         log.create_topic("dbz.__dead_letter", delete)
-        log.create_topic("dbz.__transactions", delete)
+        log.create_topic("dbz.transaction", delete)
+        log.create_topic("dbz.message", delete)
         log.create_topic("dbz.public.t", delete)  # a converted table topic: must be compacted
+        # a table Debezium sent without a key: its __schema record names no key columns, append-only by design
+        log.create_topic("dbz.__schema", TopicConfig(partitions=1, cleanup_policy=CleanupPolicy.COMPACT))
+        log.append("dbz.__schema", [Record(b'"public.nokey"', orjson.dumps(
+            {"name": "dbz.public.nokey", "columns": [{"name": "v", "type": "string", "optional": True}],
+             "key": []}))], partition=0)
+        log.create_topic("dbz.public.nokey", delete)
         log.create_topic("bank.Account", delete)
         log.create_topic("bank.Transfer", TopicConfig(partitions=1, cleanup_policy=CleanupPolicy.COMPACT))
     findings = [f for f in run_checks(s) if f.area == "log" and f.check.startswith("topic ")]
