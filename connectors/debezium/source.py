@@ -3,9 +3,9 @@
 Projections then consume ``<source>.<db|schema>.<table>`` exactly like the topics kappaflow's
 own connectors write: same key (``{"id": 1}``), same value (the Debezium envelope with
 ``source.kf_pos``; decimals as strings by default, every other semantic type as Debezium wrote
-it), a tombstone after every delete, ``op=t`` markers plus a delete (the row the log last held) and a tombstone per key for a
-truncate (``connectors/truncate.py``). What
-Debezium writes besides change events is skipped or routed (see ``decode.py``); a record that
+it), a tombstone after every delete, ``op=t`` markers plus a delete (the row the log last
+held) and a tombstone per key for a truncate (``connectors/truncate.py``). What Debezium
+writes besides change events is skipped or routed (see ``decode.py``); a record that
 cannot be decoded goes to ``<source>.__dead_letter`` with the reason and its Kafka position
 (topic, partition, offset), and the rest goes on.
 
