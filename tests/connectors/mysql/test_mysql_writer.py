@@ -109,3 +109,28 @@ def test_key_change_becomes_delete_and_create(tmp_path: Path) -> None:
             {"id": "file=b.000001,pos=10", "total_order": 1, "data_collection_order": 1},
             {"id": "file=b.000001,pos=10", "total_order": 2, "data_collection_order": 2}]
         batcher.close()
+
+
+def test_data_collection_order_runs_through_key_changes_and_rows_events(tmp_path: Path) -> None:
+    """Debezium numbers a transaction's events per table (data_collection_order) and overall (total_order);
+    a key change in the middle of a rows event is two events, and a second rows event of the same
+    transaction carries on from where the first one stopped."""
+    specs = (ColumnSpec("id", "int", nullable=False), ColumnSpec("v", "varchar"))
+    state = TableState("shop", "t", "src.shop.t", specs, ("id",))
+
+    def upd(old: int, new: int) -> dict[str, Any]:
+        return {"before_values": {"id": old, "v": "a"}, "before_none_sources": {},
+                "after_values": {"id": new, "v": "b"}, "after_none_sources": {}}
+
+    with EmbeddedLog(tmp_path / "log") as log:
+        batcher = ChangeBatcher(log, source="src", codec=EventCodec(), partitions=1, threaded=False)
+        nxt = batcher.add_rows(state, Op.UPDATE, [upd(5, 5), upd(1, 2), upd(6, 6)], "b.000001", 10, 0, None, 1, 0, 0)
+        assert nxt == 4
+        nxt = batcher.add_rows(state, Op.DELETE, [{"values": {"id": 7, "v": "c"}, "none_sources": {}}], "b.000001",
+                               10, nxt, None, 1, 0, 0)
+        assert nxt == 5
+        recs = batcher._pending[("src.shop.t", None)]
+        blocks = [orjson.loads(r.value)["transaction"] for r in recs if r.value is not None]
+        assert [(b["total_order"], b["data_collection_order"]) for b in blocks] == [(i, i) for i in range(1, 6)]
+        assert batcher.tx_counts == {"src.shop.t": 5}
+        batcher.close()
