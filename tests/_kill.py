@@ -3,7 +3,7 @@
 Importable from every test folder as ``tests._kill`` (pytest puts the repository root on
 ``sys.path``): a bounded polling wait, the source offset the capture stored in the log,
 a background writer thread, and the trial loop that starts the capture and SIGKILLs it
-during the snapshot and while streaming.
+during the snapshot (at a seeded writer step, through the fault hook) and while streaming.
 """
 
 from __future__ import annotations
@@ -90,36 +90,105 @@ class BackgroundWriter(threading.Thread):
         self.join()
 
 
+# Runs ``kappaflow.cli.capture`` (argv as for ``python -m kappaflow.cli.capture``) with the writer's fault
+# hook (connectors/writer.py) set on every PostgreSQL connector (the ledger connector wraps one): at the
+# step ``KF_TEST_KILL_AT`` = "BATCH:STEP" of the BATCH-th batch the snapshot writes in this run, the
+# capture SIGKILLs itself, while its main thread reads the next chunk. If the snapshot ends first it
+# exits with SNAPSHOT_TOO_SHORT and says so. Test code only: the product has no such switch.
+SNAPSHOT_TOO_SHORT = 86
+_KILL_AT_SNAPSHOT_BATCH = f"""
+import os, runpy, signal, sys
+from kappaflow.connectors.postgres.connector import PostgresConnector
+
+batch, step = os.environ["KF_TEST_KILL_AT"].split(":")
+batch = int(batch)
+init = PostgresConnector.__init__
+
+
+def with_fault(self, *args, **kwargs):
+    written = [0]
+
+    def fault(at):
+        phase = self.summary.phase if self.summary is not None else "starting"
+        if phase == "snapshot":
+            if at == "before_records":
+                written[0] += 1
+            if written[0] == batch and at == step:
+                print(f"kill test: SIGKILL at {{at}} of snapshot batch {{batch}}", flush=True)
+                os.kill(os.getpid(), signal.SIGKILL)
+        elif phase == "streaming" and written[0] < batch:
+            print(f"kill test: the snapshot ended after {{written[0]}} batches, before batch {{batch}}", flush=True)
+            os._exit({SNAPSHOT_TOO_SHORT})
+
+    kwargs["fault"] = fault
+    init(self, *args, **kwargs)
+
+
+PostgresConnector.__init__ = with_fault
+sys.argv[0] = "kappaflow.cli.capture"
+runpy.run_module("kappaflow.cli.capture", run_name="__main__", alter_sys=True)
+"""
+FAULT_STEPS = ("before_records", "after_records", "after_offset")
+CAPTURE_MODULE = ["-m", "kappaflow.cli.capture"]
+
+
+def _tail(path: Path) -> str:
+    return path.read_bytes()[-4000:].decode(errors="replace") if path.exists() else ""
+
+
 def kill_trials(cmd: Sequence[str], cwd: Path, log_url: str, name: str, *, kafka: bool, kills: int,
-                snapshot_kills: int, rng: random.Random, streaming_pause: tuple[float, float]) -> list[Any]:
-    """Start the capture `kills` times and SIGKILL it: the first `snapshot_kills` times as soon
-    as its stored offset moved in that run (during the snapshot), the others once it streams,
-    each after a seeded random pause. Returns the phase stored just before each kill."""
+                snapshot_kills: int, rng: random.Random, streaming_pause: tuple[float, float],
+                snapshot_batches: tuple[int, int]) -> list[Any]:
+    """Start the capture `kills` times and SIGKILL it; returns the phase stored at each kill.
+
+    The first `snapshot_kills` runs kill themselves mid-snapshot, at a seeded step (writer fault
+    hook step) of a seeded batch in `snapshot_batches` (inclusive; the snapshot must have that many
+    batches left, or the trial fails saying so): a wall-clock moment cannot be relied on to land in a
+    snapshot that a fast log client finishes in a fraction of a second. The other runs are killed
+    from here once they stream, after a seeded random pause. `cmd` is
+    ``python -m kappaflow.cli.capture ARGS...``.
+    """
+    assert list(cmd[1:3]) == CAPTURE_MODULE, f"kill_trials runs the capture module, got {cmd}"
     phases = []
     for trial in range(kills):
-        before = stored_offset(log_url, name, kafka)
-        proc = subprocess.Popen(list(cmd), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, cwd=str(cwd))
-
-        def progressed(proc: subprocess.Popen[bytes] = proc, before: dict[str, Any] | None = before) -> bool:
-            off = stored_offset(log_url, name, kafka)
-            return (off is not None and off != before) or proc.poll() is not None
-
-        def streaming(proc: subprocess.Popen[bytes] = proc) -> bool:
-            off = stored_offset(log_url, name, kafka)
-            return (off is not None and off["phase"] == "streaming") or proc.poll() is not None
-
-        try:
+        out_path = cwd / f"capture-trial-{trial}.out"
+        with open(out_path, "wb") as out:  # a file, not a pipe: nobody reads while it runs
             if trial < snapshot_kills:
-                wait_for(progressed, 60, "snapshot progress")
-                time.sleep(rng.uniform(0, 0.05))
-            else:
-                wait_for(streaming, 60, "streaming")
-                time.sleep(rng.uniform(*streaming_pause))
-            assert proc.poll() is None, proc.stdout.read().decode() if proc.stdout else ""
-            phases.append((stored_offset(log_url, name, kafka) or {}).get("phase"))
-            os.kill(proc.pid, signal.SIGKILL)
-        finally:
-            proc.wait()
+                batch, step = rng.randint(*snapshot_batches), rng.choice(FAULT_STEPS)
+                env = {**os.environ, "KF_TEST_KILL_AT": f"{batch}:{step}"}
+                proc = subprocess.Popen([cmd[0], "-c", _KILL_AT_SNAPSHOT_BATCH, *cmd[3:]], stdout=out,
+                                        stderr=subprocess.STDOUT, cwd=str(cwd), env=env)
+                try:
+                    rc = proc.wait(timeout=120)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
+                    raise AssertionError(f"trial {trial}: the capture did not reach {step} of snapshot batch {batch} "
+                                         f"within 120s:\n{_tail(out_path)}") from None
+                assert rc == -signal.SIGKILL, (f"trial {trial}: expected the capture to kill itself at {step} of "
+                                               f"snapshot batch {batch}, it exited with {rc}:\n{_tail(out_path)}")
+                off = stored_offset(log_url, name, kafka)
+                assert off is not None and off["phase"] == "snapshot" and not off["snapshot"]["completed"], (
+                    f"trial {trial}: killed at {step} of snapshot batch {batch}, but the stored offset is not "
+                    f"mid-snapshot: {off}")
+                phases.append(off["phase"])
+                continue
+            proc = subprocess.Popen(list(cmd), stdout=out, stderr=subprocess.STDOUT, cwd=str(cwd))
+
+            def streaming(proc: subprocess.Popen[bytes] = proc) -> bool:
+                off = stored_offset(log_url, name, kafka)
+                return (off is not None and off["phase"] == "streaming") or proc.poll() is not None
+
+            try:
+                wait_for(streaming, 60, f"trial {trial}: the capture to stream")
+                time.sleep(rng.uniform(*streaming_pause))  # a seeded moment while streaming (it streams on)
+                assert proc.poll() is None, f"trial {trial}: the capture ended before the kill:\n{_tail(out_path)}"
+                phases.append((stored_offset(log_url, name, kafka) or {}).get("phase"))
+                os.kill(proc.pid, signal.SIGKILL)
+            finally:
+                if proc.poll() is None:
+                    proc.kill()
+                proc.wait()
     return phases
 
 

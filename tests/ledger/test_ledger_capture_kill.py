@@ -1,10 +1,11 @@
-"""kill -9 the ledger capture process at seeded random moments while appends go on.
+"""kill -9 the ledger capture process at seeded moments while appends go on.
 
 The capture runs as a real process (``python -m kappaflow.cli.capture NAME --config ...``,
-source kind ``ledger``). The first trials kill it during the snapshot, the others while
-streaming; each time it is started again. At the end, with the writer stopped and one
-clean ``--until-caught-up`` run, every ledger event is in the log exactly once, as the
-very record `to_log_record` defines (same topic, partition, key, value, headers).
+source kind ``ledger``). The first trials kill it during the snapshot (at a seeded writer step
+of a seeded snapshot batch), the others while streaming; each time it is started again. At the
+end, with the writer stopped and one clean ``--until-caught-up`` run, every ledger event is in
+the log exactly once, as the very record `to_log_record` defines (same topic, partition, key,
+value, headers).
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ class Appender(BackgroundWriter):
 def trials(tmp_path: Path, ledger: Ledger, dsn: str, name: str, log_url: str, *, kafka: bool, kills: int,
            seed: int, client: str | None = None) -> None:
     rng = random.Random(seed)
-    for b in range(12):  # 12,000 events before the first start: a snapshot of many chunks
+    for b in range(12):  # 12,000 events before the first start: 80 snapshot batches, two kills at 2..30 land inside
         ledger.append(f"account-{b}", [NewEvent("Opened", {"n": k}) for k in range(1000)])
     config = tmp_path / "kappaflow.toml"
     config.write_text(f'[log]\nurl = "{log_url}"\npartitions = {PARTITIONS}\n\n'
@@ -59,7 +60,7 @@ def trials(tmp_path: Path, ledger: Ledger, dsn: str, name: str, log_url: str, *,
     writer.start()
     try:
         phases = kill_trials(cmd, tmp_path, log_url, name, kafka=kafka, kills=kills, snapshot_kills=2, rng=rng,
-                             streaming_pause=(0.05, 0.5))
+                             streaming_pause=(0.05, 0.5), snapshot_batches=(2, 30))
     finally:
         writer.stop()
     assert writer.error is None, writer.error

@@ -1,8 +1,9 @@
-"""kill -9 the capture process at seeded random moments while a writer runs; then check exactness.
+"""kill -9 the capture process at seeded moments while a writer runs; then check exactness.
 
 The capture runs as a real process (``python -m kappaflow.cli.capture NAME --config ...``).
-Each trial kills it during the snapshot (first trials) or while streaming, and starts it
-again. At the end, with the writer stopped and one clean ``--until-caught-up`` run:
+Each trial kills it during the snapshot (first trials: at a seeded writer step of a seeded
+snapshot batch) or while streaming (after a seeded pause), and starts it again. At the end,
+with the writer stopped and one clean ``--until-caught-up`` run:
 
 * the compacted log equals the tables, row for row;
 * no record was written twice (positions are unique per topic);
@@ -111,15 +112,14 @@ def _trials(tmp_path: Path, dsn: str, name: str, log_url: str, kafka: bool, kill
         conn.execute("INSERT INTO acct SELECT i, 1000, repeat('x', i % 50) FROM generate_series(1, 6000) i")
         conn.execute(f'CREATE PUBLICATION "kappaflow_{name}" FOR TABLE acct, audit')
         conn.execute("SELECT pg_create_logical_replication_slot('verify', 'pgoutput')")
-    # Smaller snapshot chunks on Kafka: with the librdkafka client a 250-row chunk is appended so fast
-    # that the whole snapshot is over before a kill can land in it.
-    config = _write_config(tmp_path, name, dsn, log_url, client, chunk_rows=50 if kafka else 250)
+    # 50-row chunks: a snapshot of 120+ batches, so three kills at batches 2..30 all land inside it
+    config = _write_config(tmp_path, name, dsn, log_url, client, chunk_rows=50)
     cmd = _capture_cmd(config, name)
     writer = Writer(dsn, seed)
     writer.start()
     try:
         phases = kill_trials(cmd, tmp_path, log_url, name, kafka=kafka, kills=kills, snapshot_kills=3, rng=rng,
-                             streaming_pause=(0.05, 0.6))
+                             streaming_pause=(0.05, 0.6), snapshot_batches=(2, 30))
     finally:
         writer.stop()
     assert writer.error is None, writer.error
