@@ -31,7 +31,7 @@ from kappaflow.projections.replay import as_spec
 from kappaflow.projections.runtime import Runtime
 from kappaflow.projections.simulate import TableWriter
 from kappaflow.projections.sinks.base import Sink, Target, ViewSpec
-from kappaflow.projections.sinks.postgres import PostgresSink
+from kappaflow.projections.sinks.postgres import KF_SCHEMA, PostgresSink
 from kappaflow.projections.sinks.redis import RedisSink
 from kappaflow.projections.sinks.search import SearchSink
 from tests._kill import wait_for
@@ -85,7 +85,14 @@ def leftovers(sinks: dict[str, Sink], view: ViewSpec, pg_dsn: str) -> list[str]:
             "SELECT schemaname || '.' || tablename FROM pg_tables WHERE tablename LIKE %s",
             (f"%{view.name}%",),
         ).fetchall()
-        out += [f"postgres table {t}" for (t,) in tables if t != f"public.{view.name}"]
+        # the live view's own tables: the view, and beside it (kappaflow schema) its deleted keys and, for a
+        # grouped view, its state and group changes; a killed replay's shadow ones carry a __<label> suffix
+        pg = sinks["postgres"]
+        assert isinstance(pg, PostgresSink)
+        live = Target(view, view.name)
+        keep = {f"public.{view.name}"} | {
+            f"{KF_SCHEMA}.{t}" for t in (pg.deleted_table(live), pg.state_table(live), pg.changes_table(live))}
+        out += [f"postgres table {t}" for (t,) in tables if t not in keep]
         targets = conn.execute(
             "SELECT DISTINCT target FROM kappaflow.projection_positions WHERE projection = %s", (view.projection,)
         ).fetchall()
