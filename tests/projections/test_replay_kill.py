@@ -160,7 +160,8 @@ def test_replay_killed_with_sigkill_at_any_moment_keeps_serving_and_reruns_clean
                 def reached(p: subprocess.Popen[bytes] = proc) -> bool:
                     return signal_file.exists() or p.poll() is not None
 
-                wait_for(reached, 120, f"replay to reach {hold}")
+                # a Spark start and build: ~20 s alone, minutes on two cores shared with other Spark jobs
+                wait_for(reached, 300, f"replay to reach {hold}")
                 assert proc.poll() is None, f"{hold}: the replay ended before the kill:\n{output(proc)}"
                 if hold == "build":
                     time.sleep(rnd.uniform(0.2, 1.5))  # a seeded moment inside the Spark build
@@ -173,7 +174,7 @@ def test_replay_killed_with_sigkill_at_any_moment_keeps_serving_and_reruns_clean
             wait_for(lambda: not any(s.is_locked(spec.name) for s in sinks.values()), 5 + 2 * LOCK_TTL_S,
                      f"the projection lock to come free after the kill at {hold}")
         proc = run("none")
-        out, _ = proc.communicate(timeout=180)
+        out, _ = proc.communicate(timeout=300)
         assert proc.returncode == 0, out.decode(errors="replace")[-4000:]
     finally:
         reader.stop()
