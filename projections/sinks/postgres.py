@@ -68,7 +68,6 @@ from pyspark.sql.types import (
 )
 
 from kappaflow.errors import ConfigError, Retry, SinkError
-from kappaflow.projections.sinks._rows import SinkStateLostError
 from kappaflow.projections.sinks.base import (
     DELETED,
     VERSION,
@@ -82,6 +81,7 @@ from kappaflow.projections.sinks.base import (
     ViewSpec,
     WriteResult,
 )
+from kappaflow.projections.sinks.errors import SinkStateLostError
 
 KF_SCHEMA = "kappaflow"
 POSITIONS = "projection_positions"

@@ -18,7 +18,7 @@ Keys (``kf`` is the configurable ``prefix``)
 
 Exactly-once in effect
 ----------------------
-Every write carries its version (the log offset; see ``_rows.py``) and goes through one
+Every write carries its version (the log offset; see ``keys.py``) and goes through one
 Lua script (``EVALSHA``, loaded once, reloaded on ``NOSCRIPT``) that writes a key only
 if the new version is greater than the stored one; a stale or duplicate write has no
 effect and is counted as skipped. Versions are compared as decimal strings (length, then
@@ -75,22 +75,6 @@ import pyarrow as pa
 from pydantic import BaseModel, ConfigDict, Field
 
 from kappaflow.errors import ConfigError, Retry, SinkError
-from kappaflow.projections.sinks._rows import (
-    DUMPS_OPTS,
-    MAX_VERSION,
-    Change,
-    Lease,
-    LockLostError,
-    RowDecoder,
-    SinkStateLostError,
-    check_batch,
-    encode_json,
-    iter_changes,
-    json_default,
-    key_str,
-    log_rejected,
-    sort_key,
-)
 from kappaflow.projections.sinks.base import (
     VERSION,
     Positions,
@@ -102,6 +86,12 @@ from kappaflow.projections.sinks.base import (
     ViewSpec,
     WriteResult,
 )
+from kappaflow.projections.sinks.changes import Change, check_batch, iter_changes
+from kappaflow.projections.sinks.codec import DUMPS_OPTS, RowDecoder, encode_json, json_default
+from kappaflow.projections.sinks.document import log_rejected
+from kappaflow.projections.sinks.errors import LockLostError, SinkStateLostError
+from kappaflow.projections.sinks.keys import MAX_VERSION, key_str, sort_key
+from kappaflow.projections.sinks.lease import Lease
 
 log = logging.getLogger(__name__)
 

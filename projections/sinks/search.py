@@ -3,7 +3,7 @@
 Why it is exactly-once in effect without transactions
 -----------------------------------------------------
 Every document is written with ``version_type=external`` and ``version`` = the log offset
-of the change that produced it (``_kf_version``; see ``_rows.py`` for why the offset alone
+of the change that produced it (``_kf_version``; see ``keys.py`` for why the offset alone
 is monotonic per key), so the *server* refuses a write that is not newer than what it
 holds: HTTP 409, counted as ``skipped``, never an error. Retries, replays, a batch
 delivered twice, an older change after a newer one: the newest document stays. Deletes
@@ -82,22 +82,6 @@ import pyarrow as pa
 from pydantic import BaseModel, ConfigDict, Field
 
 from kappaflow.errors import ConfigError, Retry, SinkError
-from kappaflow.projections.sinks._rows import (
-    MAX_VERSION,
-    Change,
-    Lease,
-    LockLostError,
-    RowDecoder,
-    SinkStateLostError,
-    check_batch,
-    encode_json,
-    fence_generation,
-    iter_changes,
-    key_str,
-    lease_margin,
-    log_rejected,
-    sort_key,
-)
 from kappaflow.projections.sinks.base import (
     VERSION,
     Positions,
@@ -109,6 +93,12 @@ from kappaflow.projections.sinks.base import (
     ViewSpec,
     WriteResult,
 )
+from kappaflow.projections.sinks.changes import Change, check_batch, iter_changes
+from kappaflow.projections.sinks.codec import RowDecoder, encode_json
+from kappaflow.projections.sinks.document import log_rejected
+from kappaflow.projections.sinks.errors import LockLostError, SinkStateLostError
+from kappaflow.projections.sinks.keys import MAX_VERSION, key_str, sort_key
+from kappaflow.projections.sinks.lease import Lease, fence_generation, lease_margin
 
 log = logging.getLogger(__name__)
 
