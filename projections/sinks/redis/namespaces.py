@@ -5,29 +5,28 @@ the projection lock's lease that every other part of the sink uses."""
 from __future__ import annotations
 
 import logging
-import random
 import re
 import secrets
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import orjson
 
-from kappaflow.errors import ConfigError, Retry, SinkError
+from kappaflow.errors import ConfigError, SinkError
 from kappaflow.projections.sinks.base import (
     Positions,
-    Sink,
     Target,
     TopicPartition,
     ViewSchemaMismatch,
     ViewSpec,
 )
+from kappaflow.projections.sinks.document import DocumentSink
 from kappaflow.projections.sinks.errors import SinkStateLostError
 from kappaflow.projections.sinks.keys import key_str
 from kappaflow.projections.sinks.lease import Lease
 from kappaflow.projections.sinks.redis.codec import _s
-from kappaflow.projections.sinks.redis.options import RedisSinkOptions, _parse_options
+from kappaflow.projections.sinks.redis.options import RedisSinkOptions
 from kappaflow.projections.sinks.redis.scripts import _evalsha, _fenced
 
 log = logging.getLogger(__name__)
@@ -49,8 +48,11 @@ def _glob_escape(text: str) -> str:
     return re.sub(r"([\\*?\[\]])", r"\\\1", text)
 
 
-class RedisNamespaces(Sink):
+class RedisNamespaces(DocumentSink):
     """Connection, options, retries, the lock, builds and their positions (see the module docstring)."""
+
+    label = "redis sink"
+    options_model = RedisSinkOptions
 
     def __init__(self, url_or_client: Any, *, options: RedisSinkOptions | Mapping[str, Any] | None = None) -> None:
         import redis
@@ -61,23 +63,11 @@ class RedisNamespaces(Sink):
         else:
             self._url = None
             self.client = url_or_client
-        self.options = (options if isinstance(options, RedisSinkOptions)
-                        else _parse_options(options or {}, "redis sink options"))
+        super().__init__(options)
+        self.options: RedisSinkOptions
         if not _PREFIX_RE.match(self.options.prefix):
             raise ConfigError(f"redis sink option 'prefix': expected letters, digits, '_', '.', '-', got "
                               f"{self.options.prefix!r}")
-        self._sleep: Callable[[float], None] = time.sleep
-        self._leases: dict[str, Lease] = {}
-        self._fences: dict[str, str] = {}
-        self.rejected_in_load: list[tuple[tuple[Any, ...], str]] = []
-
-    def close(self) -> None:
-        for name in list(self._leases):
-            self.unlock(name)
-        try:
-            self.client.close()
-        except Exception:  # closing is best effort
-            pass
 
     # --- the projection lock (one replay or follow at a time) ---------------------------
     def _lock_key(self, projection: str) -> str:
@@ -98,33 +88,11 @@ class RedisNamespaces(Sink):
         if not raw:
             return False
         token = _s(raw)
-        self._leases[projection] = Lease(
+        self._hold(projection, Lease(
             f"redis:{projection}", self.options.lock_ttl_s,
             renew=lambda: bool(_evalsha(self.client, "renew", [key], [token, ttl_ms])),
-            release=lambda: _evalsha(self.client, "release", [key], [token]), token=token, taken_at=sent)
-        self._fences[projection] = token
+            release=lambda: _evalsha(self.client, "release", [key], [token]), token=token, taken_at=sent))
         return True
-
-    def unlock(self, projection: str) -> None:
-        lease = self._leases.pop(projection, None)
-        if lease is not None:
-            if self._fences.get(projection) == lease.token:
-                del self._fences[projection]
-            lease.release()
-
-    def holds_lock(self, projection: str) -> bool:
-        lease = self._leases.get(projection)
-        return lease is not None and lease.held
-
-    def lock_fence(self, projection: str) -> str | None:
-        lease = self._leases.get(projection)
-        return lease.token if lease is not None and lease.held else None
-
-    def fence(self, projection: str, token: str | None) -> None:
-        if token is None:
-            self._fences.pop(projection, None)
-        else:
-            self._fences[projection] = token
 
     def _fence_args(self, view: ViewSpec) -> tuple[bytes, bytes]:
         """The fence every view-changing script call ends with: (lock key, token), or ('', '')."""
@@ -137,14 +105,6 @@ class RedisNamespaces(Sink):
         return bool(self._retrying("read lock", lambda: self.client.exists(self._lock_key(projection))))
 
     # --- names and per-view options -----------------------------------------------------
-    def view_options(self, view: ViewSpec) -> RedisSinkOptions:
-        extra = view.options.get("redis") if view.options else None
-        if not extra:
-            return self.options
-        if not isinstance(extra, Mapping):
-            raise ConfigError(f"view {view.name!r}: options['redis']: expected a table of Redis sink options")
-        return _parse_options({**self.options.model_dump(), **extra}, f"view {view.name!r}: options['redis']")
-
     def base(self, view: ViewSpec) -> str:
         if not _NAME_RE.match(view.name):
             raise ConfigError(f"redis sink: view name {view.name!r}: expected letters, digits, '_', '.', '-'")
@@ -173,34 +133,22 @@ class RedisNamespaces(Sink):
         return None if raw is None else _s(raw)
 
     # --- retries ------------------------------------------------------------------------
-    def _retrying(self, what: str, fn: Callable[[], Any]) -> Any:
+    def _retryable(self, what: str, exc: Exception) -> bool:
         import redis
 
-        opts = self.options
-        delay = opts.backoff_initial_s
-        attempt = 0
-        while True:
-            try:
-                return fn()
-            except (redis.ConnectionError, redis.TimeoutError) as exc:
-                error: Exception = exc
-            except redis.ResponseError as exc:
-                text = str(exc)
-                if text.startswith("KFFENCED"):
-                    raise _fenced(what, text) from None
-                if text.startswith("KFLOST"):
-                    raise SinkStateLostError(f"redis sink: {text[7:]} (the server lost its data?); re-read "
-                                             f"positions and replay") from None
-                if not text.startswith(_RETRYABLE):
-                    raise SinkError(f"redis sink: {what} failed: {text}") from None
-                error = exc
-            attempt += 1
-            if attempt > opts.max_retries:
-                raise SinkError(f"redis sink: {what} failed after {attempt} attempts: {error}",
-                                retry=Retry.TRANSIENT) from None
-            log.warning("redis sink: %s failed (%s); retry %d in %.2fs", what, error, attempt, delay)
-            self._sleep(delay * (0.5 + random.random()))
-            delay = min(delay * 2, opts.backoff_max_s)
+        if isinstance(exc, redis.ConnectionError | redis.TimeoutError):
+            return True
+        if not isinstance(exc, redis.ResponseError):
+            return False
+        text = str(exc)
+        if text.startswith("KFFENCED"):
+            raise _fenced(what, text) from None
+        if text.startswith("KFLOST"):
+            raise SinkStateLostError(f"redis sink: {text[7:]} (the server lost its data?); re-read "
+                                     f"positions and replay") from None
+        if not text.startswith(_RETRYABLE):
+            raise SinkError(f"redis sink: {what} failed: {text}") from None
+        return True
 
     # --- targets ------------------------------------------------------------------------
     def _marker(self, view: ViewSpec, build: str) -> dict[str, str]:
@@ -336,33 +284,29 @@ class RedisNamespaces(Sink):
         cursor = 0
         count = self.options.scan_count
         while True:
-            cursor, keys = self._retrying("scan", lambda c=cursor: self.client.scan(  # type: ignore[misc]
+            cursor, keys = self._retrying("scan", lambda c=cursor: self.client.scan(
                 cursor=c, match=pattern, count=count))
             if keys:
-                removed += int(self._retrying("unlink", lambda k=keys: self.client.unlink(*k)))  # type: ignore[misc]
+                removed += int(self._retrying("unlink", lambda k=keys: self.client.unlink(*k)))
             if int(cursor) == 0:
                 break
         self._retrying("forget build", lambda: self.client.srem(self._registry(view), build))
         return removed
 
     # --- positions (in the build's marker) ----------------------------------------------
-    def read_positions(self, target: Target) -> dict[TopicPartition, int]:
-        """Next offsets stored in the build's marker; {} when there is no build (or it was lost)."""
-        build = self._build_of(target)
-        if build is None:
-            return {}
+    def _positions_home(self, target: Target) -> str | None:
+        return self._build_of(target)
+
+    def _read_positions(self, view: ViewSpec, home: str) -> dict[TopicPartition, int]:
         out: dict[TopicPartition, int] = {}
-        for name, value in self._marker(target.view, build).items():
+        for name, value in self._marker(view, home).items():
             if name.startswith("p:"):
                 topic, _, part = name[2:].rpartition(":")
                 out[(topic, int(part))] = int(value)
         return out
 
-    def store_positions(self, target: Target, positions: Positions) -> None:
-        build = self._build_of(target)
-        if build is None:
-            raise SinkStateLostError(f"redis sink: view {target.view.name!r} has no live build (lost?)")
-        self._store(target.view, build, positions)
+    def _write_positions(self, view: ViewSpec, home: str, positions: Positions) -> None:
+        self._store(view, home, positions)
 
     def _store(self, view: ViewSpec, build: str, positions: Positions) -> None:
         if not positions:

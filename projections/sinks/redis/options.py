@@ -5,9 +5,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
-from kappaflow.errors import ConfigError
+from kappaflow.projections.sinks.document import DocumentSinkOptions, parse_options
 
 ValueFormat = Literal["json", "hash"]
 
@@ -15,10 +15,9 @@ ValueFormat = Literal["json", "hash"]
 DEFAULT_MAX_KEY_BYTES = 64 * 1024
 
 
-class RedisSinkOptions(BaseModel):
-    """Redis sink options. Sink-wide here; per view under ``view.options["redis"]`` (same names)."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
+class RedisSinkOptions(DocumentSinkOptions):
+    """Redis sink options. Sink-wide here; per view under ``view.options["redis"]`` (same names).
+    Retries and the lock's lease: see :class:`DocumentSinkOptions` (backoff defaults: 0.1 s to 10 s)."""
 
     prefix: str = "kf"
     value_format: ValueFormat = "json"
@@ -32,20 +31,10 @@ class RedisSinkOptions(BaseModel):
     batch_bytes: int = Field(4 * 1024 * 1024, ge=1024)
     pipeline_depth: int = Field(8, ge=1, le=1000)
     scan_count: int = Field(1000, ge=10)
-    max_retries: int = Field(8, ge=0)
     backoff_initial_s: float = Field(0.1, gt=0)
     backoff_max_s: float = Field(10.0, gt=0)
-    lock_ttl_s: float = Field(30.0, ge=1)
-    """Lease of the projection lock (try_lock): renewed every third of it, expires after a kill -9."""
 
 
 def _parse_options(data: Mapping[str, Any], where: str) -> RedisSinkOptions:
     """Options from a mapping; a bad value is a ConfigError naming the field and what was given."""
-    import pydantic
-
-    from kappaflow.config import format_validation_error
-
-    try:
-        return RedisSinkOptions(**data)
-    except pydantic.ValidationError as exc:
-        raise ConfigError(format_validation_error(exc, where)) from None
+    return parse_options(RedisSinkOptions, data, where)

@@ -60,7 +60,6 @@ this sink targets standalone Redis (or Sentinel), not Redis Cluster.
 from __future__ import annotations
 
 import logging
-import random
 from collections import deque
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -80,7 +79,7 @@ from kappaflow.projections.sinks.base import (
 )
 from kappaflow.projections.sinks.changes import Change, check_batch, iter_changes
 from kappaflow.projections.sinks.codec import DUMPS_OPTS, RowDecoder, json_default
-from kappaflow.projections.sinks.document import log_rejected
+from kappaflow.projections.sinks.document import Backoff
 from kappaflow.projections.sinks.errors import SinkStateLostError
 from kappaflow.projections.sinks.keys import MAX_VERSION, sort_key
 from kappaflow.projections.sinks.redis.codec import _hash_fields, _ms, _resp, _s, _typed_hash
@@ -277,8 +276,7 @@ class RedisSink(RedisNamespaces):
         pending: deque[bytes] = deque()  # sent, reply not read yet
         resend: deque[bytes] = deque()  # to send again, first
         exhausted = False
-        delay = opts.backoff_initial_s
-        attempt = 0
+        backoff = Backoff(self, opts)
         loaded = False
         pool = self.client.connection_pool
         conn = pool.get_connection()
@@ -337,30 +335,12 @@ class RedisSink(RedisNamespaces):
                     pending.clear()
                     conn.disconnect()
                     error = exc
-                attempt += 1
-                if attempt > opts.max_retries:
-                    raise SinkError(f"redis sink: writing failed after {attempt} attempts: {error}",
-                                    retry=Retry.TRANSIENT) from None
-                log.warning("redis sink: write failed (%s); retry %d in %.2fs", error, attempt, delay)
-                self._sleep(delay * (0.5 + random.random()))
-                delay = min(delay * 2, opts.backoff_max_s)
+                backoff.wait("writing", error)
         finally:
             pool.release(conn)
             result.upserted += ups
             result.deleted += dels
             result.skipped += stale
-
-    def load(self, target: Target, batches: Iterable[pa.Table | pa.RecordBatch]) -> int:
-        """Bulk-load a replay's rows (one Spark partition) batch by batch; refused rows are logged by key
-        and reason (``load`` returns a count only), the rest is loaded."""
-        n = 0
-        for b in batches:
-            res = self.write(target, b if isinstance(b, pa.Table) else pa.Table.from_batches([b]))
-            n += res.upserted
-            if res.rejected:
-                self.rejected_in_load.extend(res.rejected)
-                log_rejected("redis sink", target, res.rejected)
-        return n
 
     # --- reads -----------------------------------------------------------------------------
     def _decode(self, view: ViewSpec, dec: RowDecoder, raw: Any, kind: str) -> dict[str, Any] | None:

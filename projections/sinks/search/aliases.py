@@ -15,9 +15,7 @@ import orjson
 
 from kappaflow.errors import ConfigError, SinkError
 from kappaflow.projections.sinks.base import (
-    Positions,
     Target,
-    TopicPartition,
     ViewSchemaMismatch,
     ViewSpec,
 )
@@ -213,23 +211,5 @@ class AliasLifecycle(PositionsIndex):
         if index is not None:
             self._drop_index(index)
 
-    def read_positions(self, target: Target) -> dict[TopicPartition, int]:
-        """Stored next offsets of the target's index; {} when the view (or its positions) do not exist —
-        e.g. after the server lost its data, which makes the runner replay from the start of the log."""
-        index = self.physical_index(target)
-        if index is None:
-            return {}
-        return self._get_positions(index)
-
-    def store_positions(self, target: Target, positions: Positions) -> None:
-        if not positions:
-            return
-        index = self.physical_index(target)
-        if index is None:
-            raise SinkStateLostError(f"search sink: view {target.view.name!r} has no live index (lost?); "
-                                     f"re-read positions and replay")
-        merged = self._get_positions(index)
-        for tp, offset in positions.items():
-            merged[tp] = max(int(offset), merged.get(tp, 0))
-        self._check_fence(target.view, f"storing the positions of {index!r}")
-        self._put_positions(target.view, index, merged)
+    def _positions_home(self, target: Target) -> str | None:
+        return self.physical_index(target)

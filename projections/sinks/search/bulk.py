@@ -4,8 +4,7 @@ as rejects, then the positions."""
 
 from __future__ import annotations
 
-import random
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -21,7 +20,7 @@ from kappaflow.projections.sinks.base import (
 )
 from kappaflow.projections.sinks.changes import Change, check_batch, iter_changes
 from kappaflow.projections.sinks.codec import encode_json
-from kappaflow.projections.sinks.document import log_rejected
+from kappaflow.projections.sinks.document import Backoff
 from kappaflow.projections.sinks.errors import SinkStateLostError
 from kappaflow.projections.sinks.keys import MAX_VERSION
 from kappaflow.projections.sinks.search.aliases import AliasLifecycle
@@ -141,8 +140,7 @@ class BulkWriter(AliasLifecycle):
     def _send(self, bulk: _Bulk, target: Target, opts: SearchSinkOptions, result: WriteResult) -> None:
         """One bulk request; retries what the server was too busy for, classifies every item."""
         lines, changes = bulk.lines, bulk.changes
-        delay = opts.backoff_initial_s
-        attempt = 0
+        backoff = Backoff(self, opts)
         while lines:
             self._check_fence(target.view, f"writing into {target.name!r}")
             body = b"".join(lines)
@@ -193,22 +191,7 @@ class BulkWriter(AliasLifecycle):
                     f"server lost its data?); re-read positions and replay")
             lines, changes = retry_lines, retry_changes
             if lines:
-                attempt += 1
-                if attempt > opts.max_retries:
-                    raise SinkError(f"search sink: {len(lines)} documents still refused as busy after {attempt} "
-                                    f"attempts (first: key {changes[0][0]}, version {changes[0][3]})",
-                                    retry=Retry.TRANSIENT)
-                self._sleep(delay * (0.5 + random.random()))
-                delay = min(delay * 2, opts.backoff_max_s)
-
-    def load(self, target: Target, batches: Iterable[pa.Table | pa.RecordBatch]) -> int:
-        """Bulk-load a replay's rows (one Spark partition) batch by batch; refused rows are logged by key
-        and reason (``load`` returns a count only), the rest is loaded."""
-        n = 0
-        for b in batches:
-            res = self.write(target, b if isinstance(b, pa.Table) else pa.Table.from_batches([b]))
-            n += res.upserted
-            if res.rejected:
-                self.rejected_in_load.extend(res.rejected)
-                log_rejected("search sink", target, res.rejected)
-        return n
+                busy = changes[0]
+                backoff.wait("bulk items", None, warn=False, exhausted=lambda n, k=len(lines), c=busy: (
+                    f"search sink: {k} documents still refused as busy after {n} attempts (first: key {c[0]}, "
+                    f"version {c[3]})"))

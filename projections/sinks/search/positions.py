@@ -5,29 +5,33 @@ the options and the backoff every other part of the sink uses."""
 from __future__ import annotations
 
 import logging
-import random
 import secrets
 import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from kappaflow.errors import ConfigError, Retry, SinkError
+from kappaflow.errors import SinkError
 from kappaflow.projections.sinks.base import (
-    Sink,
+    Positions,
     TopicPartition,
     ViewSpec,
 )
+from kappaflow.projections.sinks.document import DocumentSink
 from kappaflow.projections.sinks.errors import LockLostError, SinkStateLostError
 from kappaflow.projections.sinks.lease import Lease, fence_generation, lease_margin
 from kappaflow.projections.sinks.search.adapters import connect, wrap_client
 from kappaflow.projections.sinks.search.client import Flavor, _HttpError, _Unavailable
-from kappaflow.projections.sinks.search.options import SearchSinkOptions, _parse_options
+from kappaflow.projections.sinks.search.options import SearchSinkOptions
 
 log = logging.getLogger(__name__)
 
 
-class PositionsIndex(Sink):
+class PositionsIndex(DocumentSink):
     """Connection, options, retries, the positions index and the projection lock."""
+
+    label = "search sink"
+    options_model = SearchSinkOptions
+    build_noun = "index"
 
     def __init__(self, url_or_client: Any, *, flavor: Flavor = "opensearch",
                  options: SearchSinkOptions | Mapping[str, Any] | None = None,
@@ -40,23 +44,11 @@ class PositionsIndex(Sink):
             self._url = None
             self.client = wrap_client(url_or_client)
         self.flavor: Flavor = self.client.flavor
-        self.options = (options if isinstance(options, SearchSinkOptions)
-                        else _parse_options(options or {}, "search sink options"))
+        super().__init__(options)
+        self.options: SearchSinkOptions
         self._client_options = dict(client_options or {})
-        self._sleep: Callable[[float], None] = time.sleep
         self._positions_ready = False
-        self._leases: dict[str, Lease] = {}
-        self._fences: dict[str, str] = {}
         self._fence_until: dict[str, float] = {}  # projection -> monotonic time the lease doc was read valid to
-        self.rejected_in_load: list[tuple[tuple[Any, ...], str]] = []
-
-    def close(self) -> None:
-        for name in list(self._leases):
-            self.unlock(name)
-        try:
-            self.client.close()
-        except Exception:  # closing is best effort
-            pass
 
     def try_lock(self, projection: str) -> bool:
         """Take the projection's lock if free: a lease document in the positions index, created only if
@@ -112,31 +104,12 @@ class PositionsIndex(Sink):
             except (_HttpError, _Unavailable) as exc:
                 log.warning("search sink: releasing the lock of %s: %s (it expires on its own)", projection, exc)
 
-        self._leases[projection] = Lease(f"search:{projection}", ttl, renew, release, token=token, taken_at=sent)
-        self._fences[projection] = token
+        self._hold(projection, Lease(f"search:{projection}", ttl, renew, release, token=token, taken_at=sent))
         return True
-
-    def unlock(self, projection: str) -> None:
-        lease = self._leases.pop(projection, None)
-        if lease is not None:
-            if self._fences.get(projection) == lease.token:
-                del self._fences[projection]
-            lease.release()
-
-    def holds_lock(self, projection: str) -> bool:
-        lease = self._leases.get(projection)
-        return lease is not None and lease.held
-
-    def lock_fence(self, projection: str) -> str | None:
-        lease = self._leases.get(projection)
-        return lease.token if lease is not None and lease.held else None
 
     def fence(self, projection: str, token: str | None) -> None:
         self._fence_until.pop(projection, None)
-        if token is None:
-            self._fences.pop(projection, None)
-        else:
-            self._fences[projection] = token
+        super().fence(projection, token)
 
     def _check_fence(self, view: ViewSpec, what: str) -> None:
         """Refuse (LockLostError) a write to a fenced projection's view once its lease is gone."""
@@ -171,34 +144,10 @@ class PositionsIndex(Sink):
         held = self._call("read lock", lambda: self.client.get_doc_meta(index, doc_id))
         return held is not None and held[0].get("expires_ms", 0) > time.time() * 1000
 
-    def view_options(self, view: ViewSpec) -> SearchSinkOptions:
-        extra = view.options.get("search") if view.options else None
-        if not extra:
-            return self.options
-        if not isinstance(extra, Mapping):
-            raise ConfigError(f"view {view.name!r}: options['search']: expected a table of search sink options")
-        return _parse_options({**self.options.model_dump(), **extra}, f"view {view.name!r}: options['search']")
-
-    def _retrying(self, what: str, fn: Callable[[], Any], opts: SearchSinkOptions | None = None) -> Any:
-        opts = opts or self.options
-        delay = opts.backoff_initial_s
-        attempt = 0
-        while True:
-            try:
-                return fn()
-            except _Unavailable as exc:
-                error: Exception = exc
-            except _HttpError as exc:
-                if exc.status not in (429, 500, 502, 503, 504):
-                    raise
-                error = exc
-            attempt += 1
-            if attempt > opts.max_retries:
-                raise SinkError(f"search sink: {what} failed after {attempt} attempts: {error}",
-                                retry=Retry.TRANSIENT) from None
-            log.warning("search sink: %s failed (%s); retry %d in %.2fs", what, error, attempt, delay)
-            self._sleep(delay * (0.5 + random.random()))
-            delay = min(delay * 2, opts.backoff_max_s)
+    def _retryable(self, what: str, exc: Exception) -> bool:
+        if isinstance(exc, _Unavailable):
+            return True
+        return isinstance(exc, _HttpError) and exc.status in (429, 500, 502, 503, 504)
 
     def _call(self, what: str, fn: Callable[[], Any]) -> Any:
         """_retrying, with non-retryable HTTP errors turned into SinkError naming `what`."""
@@ -254,3 +203,13 @@ class PositionsIndex(Sink):
                 raise SinkStateLostError(f"search sink: the positions index {self.options.positions_index!r} is "
                                          f"gone (the server lost its data?); re-read positions and replay") from None
             raise SinkError(f"search sink: storing positions of {index!r}: {exc}") from None
+
+    def _read_positions(self, view: ViewSpec, home: str) -> dict[TopicPartition, int]:
+        return self._get_positions(home)
+
+    def _write_positions(self, view: ViewSpec, home: str, positions: Positions) -> None:
+        merged = self._get_positions(home)
+        for tp, offset in positions.items():
+            merged[tp] = max(int(offset), merged.get(tp, 0))
+        self._check_fence(view, f"storing the positions of {home!r}")
+        self._put_positions(view, home, merged)
