@@ -282,7 +282,7 @@ def check_views(settings: Settings) -> Iterator[Finding]:
             yield _ok("views", "postgres", f"PostgreSQL {version[0] if version else '?'}")
         except (psycopg.Error, KappaflowError) as exc:
             yield _fail("views", "postgres", f"{views.postgres_dsn}: {str(exc).strip().splitlines()[0]}",
-                        "check views.postgres_dsn and its password variable")
+                        "check views.postgres.dsn and its password_env")
     if views.search_url:
         import json
         import urllib.request
@@ -296,9 +296,9 @@ def check_views(settings: Settings) -> Iterator[Finding]:
             if (distro == "opensearch") != (views.search_flavor == "opensearch"):
                 want = "opensearch" if distro == "opensearch" else "elasticsearch"
                 yield _warn("views", "search flavor", f"server is {distro}, config says {views.search_flavor}",
-                            f'set views.search_flavor = "{want}"')
+                            f'set flavor = "{want}" under [views.search]')
         except (OSError, ValueError) as exc:
-            yield _fail("views", "search", f"{views.search_url}: {exc}", "check views.search_url")
+            yield _fail("views", "search", f"{views.search_url}: {exc}", "check views.search.url")
     if views.redis_url:
         import redis
 
@@ -306,7 +306,7 @@ def check_views(settings: Settings) -> Iterator[Finding]:
             redis.Redis.from_url(views.redis_url, socket_timeout=3).ping()
             yield _ok("views", "redis", "ping ok")
         except redis.RedisError as exc:
-            yield _fail("views", "redis", f"{views.redis_url}: {exc}", "check views.redis_url")
+            yield _fail("views", "redis", f"{views.redis_url}: {exc}", "check views.redis.url")
 
 
 def check_spark(settings: Settings) -> Iterator[Finding]:

@@ -69,6 +69,7 @@ from kappaflow.projections.sinks.postgres.ddl import (
 )
 from kappaflow.projections.sinks.postgres.groups import GroupedState
 from kappaflow.projections.sinks.postgres.mirror import CHANGES_BASE
+from kappaflow.projections.sinks.postgres.settings import PostgresSettings
 from kappaflow.projections.sinks.postgres.tables import sink_error
 
 SWAP_LOCK_TIMEOUT_MS = 2000
@@ -94,6 +95,11 @@ class PostgresSink(GroupedState, Sink):
     """Views as PostgreSQL tables (see the module docstring)."""
 
     kind = "postgres"
+
+    @classmethod
+    def from_settings(cls, settings: PostgresSettings, **kwargs: Any) -> PostgresSink:
+        """From ``[views.postgres]`` (``dsn``, ``password_env``); the sink registry's opener."""
+        return cls(settings.connect_dsn(), **kwargs)
 
     def config(self) -> PostgresSinkConfig:
         return PostgresSinkConfig(self.dsn, self.default_schema)

@@ -51,7 +51,7 @@ class PostgresTables:
         import psycopg
 
         if not dsn.startswith(("postgresql://", "postgres://")) and "=" not in dsn:
-            raise ConfigError("views.postgres_dsn: expected a postgresql://user@host:port/db URL")
+            raise ConfigError("views.postgres.dsn: expected a postgresql://user@host:port/db URL")
         self.dsn = dsn
         self.default_schema = schema
         if migrate:

@@ -87,6 +87,7 @@ from kappaflow.projections.sinks.redis.namespaces import _RETRYABLE, RedisNamesp
 from kappaflow.projections.sinks.redis.options import RedisSinkOptions
 from kappaflow.projections.sinks.redis.read import _read
 from kappaflow.projections.sinks.redis.scripts import _SCRIPTS, _SHAS, _fenced
+from kappaflow.projections.sinks.redis.settings import RedisSettings
 
 log = logging.getLogger(__name__)
 
@@ -112,11 +113,17 @@ class RedisSink(RedisNamespaces):
     kind = "redis"
 
     @classmethod
+    def from_settings(cls, settings: RedisSettings, **kwargs: Any) -> RedisSink:
+        """From ``[views.redis]`` (``url``); the sink registry's opener."""
+        if not settings.url:
+            raise ConfigError("views.redis.url: not set; add url under [views.redis] in kappaflow.toml or set "
+                              "KAPPAFLOW_VIEWS__REDIS__URL")
+        return cls(settings.url, **kwargs)
+
+    @classmethod
     def from_config(cls, views: Any, **kwargs: Any) -> RedisSink:
-        """From `kappaflow.config.ViewsConfig` (``redis_url``)."""
-        if not getattr(views, "redis_url", None):
-            raise ConfigError("views.redis_url: not set; add it to kappaflow.toml or KAPPAFLOW_VIEWS__REDIS_URL")
-        return cls(views.redis_url, **kwargs)
+        """From `kappaflow.config.ViewsConfig` (its ``redis`` settings)."""
+        return cls.from_settings(views.redis, **kwargs)
 
     def config(self) -> RedisSinkConfig:
         if self._url is None:

@@ -12,18 +12,54 @@
 ``from kappaflow.projections.sinks.search import SearchSink`` stays the import to use.
 """
 
-from kappaflow.projections.sinks.errors import SinkStateLostError
-from kappaflow.projections.sinks.search.adapters import ElasticsearchClient, OpenSearchClient, connect, wrap_client
-from kappaflow.projections.sinks.search.client import Flavor, SearchClient, _HttpError, _Unavailable
-from kappaflow.projections.sinks.search.mapping import derive_mapping
-from kappaflow.projections.sinks.search.options import SearchSinkOptions, _parse_options
-from kappaflow.projections.sinks.search.sink import SearchSink, SearchSinkConfig
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from kappaflow.projections.sinks.errors import SinkStateLostError
+    from kappaflow.projections.sinks.search.adapters import ElasticsearchClient, OpenSearchClient, connect, wrap_client
+    from kappaflow.projections.sinks.search.client import Flavor, SearchClient, _HttpError, _Unavailable
+    from kappaflow.projections.sinks.search.mapping import derive_mapping
+    from kappaflow.projections.sinks.search.options import SearchSinkOptions, _parse_options
+    from kappaflow.projections.sinks.search.settings import SearchSettings
+    from kappaflow.projections.sinks.search.sink import SearchSink, SearchSinkConfig
+
+# Imported on first use, so that reading the settings (``settings.py``) does not load the sink.
+_EXPORTS = {
+    "SearchSettings": "kappaflow.projections.sinks.search.settings",
+    "SinkStateLostError": "kappaflow.projections.sinks.errors",
+    "ElasticsearchClient": "kappaflow.projections.sinks.search.adapters",
+    "OpenSearchClient": "kappaflow.projections.sinks.search.adapters",
+    "connect": "kappaflow.projections.sinks.search.adapters",
+    "wrap_client": "kappaflow.projections.sinks.search.adapters",
+    "Flavor": "kappaflow.projections.sinks.search.client",
+    "SearchClient": "kappaflow.projections.sinks.search.client",
+    "_HttpError": "kappaflow.projections.sinks.search.client",
+    "_Unavailable": "kappaflow.projections.sinks.search.client",
+    "derive_mapping": "kappaflow.projections.sinks.search.mapping",
+    "SearchSinkOptions": "kappaflow.projections.sinks.search.options",
+    "_parse_options": "kappaflow.projections.sinks.search.options",
+    "SearchSink": "kappaflow.projections.sinks.search.sink",
+    "SearchSinkConfig": "kappaflow.projections.sinks.search.sink",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
 
 __all__ = [
     "ElasticsearchClient",
     "Flavor",
     "OpenSearchClient",
     "SearchClient",
+    "SearchSettings",
     "SearchSink",
     "SearchSinkConfig",
     "SearchSinkOptions",

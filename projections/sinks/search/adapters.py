@@ -234,7 +234,7 @@ def connect(url: str | Sequence[str], flavor: Flavor = "opensearch", *, timeout_
         try:
             from opensearchpy import OpenSearch
         except ImportError:  # pragma: no cover - a core dependency
-            raise ConfigError("views.search_flavor = 'opensearch' needs opensearch-py: pip install opensearch-py") \
+            raise ConfigError("views.search.flavor = 'opensearch' needs opensearch-py: pip install opensearch-py") \
                 from None
         opts = {"timeout": timeout_s, "max_retries": 0, "retry_on_timeout": False, **client_options}
         return OpenSearchClient(OpenSearch(hosts=hosts, **opts))
@@ -242,11 +242,11 @@ def connect(url: str | Sequence[str], flavor: Flavor = "opensearch", *, timeout_
         try:
             from elasticsearch import Elasticsearch
         except ImportError:  # pragma: no cover - a core dependency
-            raise ConfigError("views.search_flavor = 'elasticsearch' needs elasticsearch-py: "
+            raise ConfigError("views.search.flavor = 'elasticsearch' needs elasticsearch-py: "
                               "pip install elasticsearch") from None
         opts = {"request_timeout": timeout_s, "max_retries": 0, "retry_on_timeout": False, **client_options}
         return ElasticsearchClient(Elasticsearch(hosts=hosts, **opts))
-    raise ConfigError(f"views.search_flavor: expected 'opensearch' or 'elasticsearch', got {flavor!r}")
+    raise ConfigError(f"views.search.flavor: expected 'opensearch' or 'elasticsearch', got {flavor!r}")
 
 
 def wrap_client(client: Any) -> SearchClient:

@@ -5,9 +5,9 @@ Elasticsearch adapters (``adapters.py``) implement it."""
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import Any, Literal
+from typing import Any
 
-Flavor = Literal["opensearch", "elasticsearch"]
+from kappaflow.projections.sinks.search.settings import Flavor
 
 
 class _HttpError(Exception):

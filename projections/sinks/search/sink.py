@@ -80,6 +80,7 @@ from kappaflow.projections.sinks.codec import RowDecoder
 from kappaflow.projections.sinks.keys import key_str, sort_key
 from kappaflow.projections.sinks.search.bulk import BulkWriter
 from kappaflow.projections.sinks.search.client import Flavor, _HttpError, _IndexGone
+from kappaflow.projections.sinks.search.settings import SearchSettings
 
 
 @dataclass(frozen=True)
@@ -106,11 +107,17 @@ class SearchSink(BulkWriter):
     kind = "search"
 
     @classmethod
+    def from_settings(cls, settings: SearchSettings, **kwargs: Any) -> SearchSink:
+        """From ``[views.search]`` (``url``, ``flavor``); the sink registry's opener."""
+        if not settings.url:
+            raise ConfigError("views.search.url: not set; add url under [views.search] in kappaflow.toml or set "
+                              "KAPPAFLOW_VIEWS__SEARCH__URL")
+        return cls(settings.url, flavor=settings.flavor, **kwargs)
+
+    @classmethod
     def from_config(cls, views: Any, **kwargs: Any) -> SearchSink:
-        """From `kappaflow.config.ViewsConfig` (``search_url``, ``search_flavor``)."""
-        if not getattr(views, "search_url", None):
-            raise ConfigError("views.search_url: not set; add it to kappaflow.toml or KAPPAFLOW_VIEWS__SEARCH_URL")
-        return cls(views.search_url, flavor=views.search_flavor, **kwargs)
+        """From `kappaflow.config.ViewsConfig` (its ``search`` settings)."""
+        return cls.from_settings(views.search, **kwargs)
 
     def config(self) -> SearchSinkConfig:
         if self._url is None:
