@@ -97,7 +97,8 @@ def check_log(settings: Settings) -> Iterator[Finding]:
 
 
 # Topics a source kind writes append-only (cleanup.policy=delete) by design; its other topics are
-# compacted. Debezium: dead letters, logical messages and verbatim-routed metadata (and the topics of
+# compacted. Debezium: dead letters (their name before kappaflow/deadletters.py), logical messages and
+# verbatim-routed metadata (and the topics of
 # tables without a key, see _keyless_debezium_tables); PostgreSQL/MySQL: the transaction metadata topic
 # (connectors/transactions.py); ledger: one topic per stream type.
 _APPEND_ONLY_TOPICS: dict[str, Callable[[str, str], bool]] = {
