@@ -21,9 +21,12 @@ from typing import Annotated, Any, Literal
 from urllib.parse import quote, urlsplit, urlunsplit
 
 import pydantic
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 
 from kappaflow.errors import ConfigError
+from kappaflow.projections.sinks.postgres.settings import PostgresSettings
+from kappaflow.projections.sinks.redis.settings import RedisSettings
+from kappaflow.projections.sinks.search.settings import SearchSettings
 
 CONFIG_FILE = "kappaflow.toml"
 ENV_PREFIX = "KAPPAFLOW_"
@@ -316,20 +319,82 @@ SourceConfig = Annotated[
 ]
 
 
+# ``[views]`` keys before the per-sink tables, still read: old key -> (sink, setting).
+LEGACY_VIEWS_KEYS = {
+    "postgres_dsn": ("postgres", "dsn"),
+    "postgres_password_env": ("postgres", "password_env"),
+    "search_url": ("search", "url"),
+    "search_flavor": ("search", "flavor"),
+    "redis_url": ("redis", "url"),
+}
+
+
+def _nest_legacy_views(views: Any) -> Any:
+    """``[views] postgres_dsn = ...`` (the old flat keys, also ``KAPPAFLOW_VIEWS__POSTGRES_DSN``) ->
+    ``[views.postgres] dsn = ...``. Applied to each layer (file, profile, environment) before they are
+    merged, so a later layer overrides an earlier one whichever spelling each uses."""
+    if not isinstance(views, dict) or not any(k in views for k in LEGACY_VIEWS_KEYS):
+        return views
+    out = {k: v for k, v in views.items() if k not in LEGACY_VIEWS_KEYS}
+    for old, (sink, key) in LEGACY_VIEWS_KEYS.items():
+        if old not in views:
+            continue
+        table = out.get(sink)
+        table = dict(table) if isinstance(table, dict) else {}
+        if key in table and table[key] != views[old]:
+            raise ConfigError(f"views.{old} and views.{sink}.{key} are the same setting and differ; "
+                              f"keep views.{sink}.{key} ([views.{sink}] {key} = ...)")
+        table[key] = views[old]
+        out[sink] = table
+    return out
+
+
+def _nest_legacy_layer(layer: dict[str, Any]) -> dict[str, Any]:
+    if isinstance(layer.get("views"), dict):
+        return {**layer, "views": _nest_legacy_views(layer["views"])}
+    return layer
+
+
 class ViewsConfig(_Model):
-    postgres_dsn: str | None = None
-    postgres_password_env: str | None = None
-    search_url: str | None = None
-    search_flavor: Literal["opensearch", "elasticsearch"] = "opensearch"
-    redis_url: str | None = None
+    """``[views]``: one table per sink kind (``[views.postgres]``, ``[views.search]``, ``[views.redis]``);
+    a sink is configured when its table says where the store is. The models live with the sinks
+    (``projections/sinks/<kind>/settings.py``) and the sink registry names them. The old flat keys
+    (``postgres_dsn``, ``search_url``, ...) are still read, and still readable as attributes."""
+
+    postgres: PostgresSettings = Field(default_factory=PostgresSettings)
+    search: SearchSettings = Field(default_factory=SearchSettings)
+    redis: RedisSettings = Field(default_factory=RedisSettings)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _legacy_keys(cls, data: Any) -> Any:
+        try:
+            return _nest_legacy_views(data)
+        except ConfigError as exc:
+            raise ValueError(str(exc)) from None
+
+    @property
+    def postgres_dsn(self) -> str | None:
+        return self.postgres.dsn
+
+    @property
+    def postgres_password_env(self) -> str | None:
+        return self.postgres.password_env
+
+    @property
+    def search_url(self) -> str | None:
+        return self.search.url
+
+    @property
+    def search_flavor(self) -> str:
+        return self.search.flavor
+
+    @property
+    def redis_url(self) -> str | None:
+        return self.redis.url
 
     def postgres_connect_dsn(self) -> str:
-        if not self.postgres_dsn:
-            raise ConfigError("views.postgres_dsn: not set; add it to kappaflow.toml or KAPPAFLOW_VIEWS__POSTGRES_DSN")
-        if not self.postgres_password_env:
-            return self.postgres_dsn
-        src = PostgresSourceConfig(name="views", dsn=self.postgres_dsn, password_env=self.postgres_password_env)
-        return src.connect_dsn()
+        return self.postgres.connect_dsn()
 
 
 class LedgerConfig(_Model):
@@ -428,8 +493,8 @@ class Settings(_Model):
             if profile not in profiles:
                 known = ", ".join(sorted(profiles)) or "none defined"
                 raise ConfigError(f"--profile {profile!r}: no [profile.{profile}] in {file} (known: {known})")
-            data = _deep_merge(data, profiles[profile])
-        data = _deep_merge(data, _env_overrides(env))
+            data = _deep_merge(_nest_legacy_layer(data), _nest_legacy_layer(profiles[profile]))
+        data = _deep_merge(_nest_legacy_layer(data), _nest_legacy_layer(_env_overrides(env)))
         for name, src in (data.get("sources") or {}).items():
             if isinstance(src, dict):
                 src.setdefault("name", name)

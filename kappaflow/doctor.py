@@ -97,7 +97,8 @@ def check_log(settings: Settings) -> Iterator[Finding]:
 
 
 # Topics a source kind writes append-only (cleanup.policy=delete) by design; its other topics are
-# compacted. Debezium: dead letters, logical messages and verbatim-routed metadata (and the topics of
+# compacted. Debezium: dead letters (their name before kappaflow/deadletters.py), logical messages and
+# verbatim-routed metadata (and the topics of
 # tables without a key, see _keyless_debezium_tables); PostgreSQL/MySQL: the transaction metadata topic
 # (connectors/transactions.py); ledger: one topic per stream type.
 _APPEND_ONLY_TOPICS: dict[str, Callable[[str, str], bool]] = {
@@ -282,7 +283,7 @@ def check_views(settings: Settings) -> Iterator[Finding]:
             yield _ok("views", "postgres", f"PostgreSQL {version[0] if version else '?'}")
         except (psycopg.Error, KappaflowError) as exc:
             yield _fail("views", "postgres", f"{views.postgres_dsn}: {str(exc).strip().splitlines()[0]}",
-                        "check views.postgres_dsn and its password variable")
+                        "check views.postgres.dsn and its password_env")
     if views.search_url:
         import json
         import urllib.request
@@ -296,9 +297,9 @@ def check_views(settings: Settings) -> Iterator[Finding]:
             if (distro == "opensearch") != (views.search_flavor == "opensearch"):
                 want = "opensearch" if distro == "opensearch" else "elasticsearch"
                 yield _warn("views", "search flavor", f"server is {distro}, config says {views.search_flavor}",
-                            f'set views.search_flavor = "{want}"')
+                            f'set flavor = "{want}" under [views.search]')
         except (OSError, ValueError) as exc:
-            yield _fail("views", "search", f"{views.search_url}: {exc}", "check views.search_url")
+            yield _fail("views", "search", f"{views.search_url}: {exc}", "check views.search.url")
     if views.redis_url:
         import redis
 
@@ -306,7 +307,7 @@ def check_views(settings: Settings) -> Iterator[Finding]:
             redis.Redis.from_url(views.redis_url, socket_timeout=3).ping()
             yield _ok("views", "redis", "ping ok")
         except redis.RedisError as exc:
-            yield _fail("views", "redis", f"{views.redis_url}: {exc}", "check views.redis_url")
+            yield _fail("views", "redis", f"{views.redis_url}: {exc}", "check views.redis.url")
 
 
 def check_spark(settings: Settings) -> Iterator[Finding]:

@@ -71,20 +71,12 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from kappaflow.errors import ConfigError
+from kappaflow.projections.sinks.registry import SINKS
 
 NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,62}$")
 
-SINK_KINDS = ("postgres", "search", "redis")
-"""Sink names a projection may declare in ``sinks``."""
-
-# Per-sink option names that change the shape of the stored view (so they are part of the
-# definition's fingerprint); the others (TTLs, batch sizes, retries) only tune how it is written.
-_SHAPE_OPTIONS = {
-    "search": ("index", "fields", "string_default", "settings"),
-    "redis": ("prefix", "value_format"),
-}
-# Friendly aliases accepted in ``sink_options`` -> the sink's own option name.
-_OPTION_ALIASES: dict[str, dict[str, str]] = {"redis": {"format": "value_format", "ttl": "ttl_s"}}
+SINK_KINDS = tuple(SINKS)
+"""Sink names a projection may declare in ``sinks`` (the sink registry's kinds)."""
 
 
 # --- aggregates -----------------------------------------------------------------------------------
@@ -338,7 +330,9 @@ class ProjectionSpec:
         if isinstance(self.fold, GroupFold):
             parts.append(repr([(n, a.func, a.column) for n, a in self.fold.aggregates]))
         shape = {
-            sink: {k: opts[k] for k in _SHAPE_OPTIONS.get(sink, ()) if k in opts}
+            # options that change the stored view's shape are part of the definition; the others
+            # (TTLs, batch sizes, retries) only tune how it is written
+            sink: {k: opts[k] for k in SINKS[sink].shape_options if k in opts}
             for sink, opts in sorted(self.sink_options.items())
         }
         shape = {k: v for k, v in shape.items() if v}
@@ -544,33 +538,12 @@ def _validate_sinks(
             raise ConfigError(f"{where}: 'sink_options'[{name!r}]: expected a dict of option -> value, got {opts!r}")
         if not opts:
             continue
-        if name == "postgres":
-            raise ConfigError(
-                f"{where}: 'sink_options'['postgres']: the PostgreSQL sink takes no per-view options "
-                f"(got {sorted(opts)}); the table name is 'view' and the schema 'namespace'"
-            )
-        aliases = _OPTION_ALIASES.get(name, {})
-        mapped: dict[str, Any] = {}
-        for k, v in opts.items():
-            real = str(aliases.get(k) or k)
-            if real in mapped:
-                raise ConfigError(f"{where}: 'sink_options'[{name!r}]: {k!r} and {real!r} are the same option")
-            mapped[real] = v
-        _check_sink_options(f"{where}: 'sink_options'[{name!r}]", name, mapped)
+        kind = SINKS[name]
+        here = f"{where}: 'sink_options'[{name!r}]"
+        mapped = kind.resolve_aliases(opts, here)
+        kind.parse_options(mapped, here)  # the sink's own options model: errors name the option
         options[name] = mapped
     return sinks, options
-
-
-def _check_sink_options(where: str, sink: str, options: Mapping[str, Any]) -> None:
-    """Validate with the sink's own options model (errors name the option and what was given)."""
-    if sink == "search":
-        from kappaflow.projections.sinks.search import _parse_options as parse_search
-
-        parse_search(options, where)
-    elif sink == "redis":
-        from kappaflow.projections.sinks.redis import _parse_options as parse_redis
-
-        parse_redis(options, where)
 
 
 def load_projection(path: str) -> ProjectionSpec:

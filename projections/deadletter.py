@@ -2,7 +2,9 @@
 
 Nothing is dropped silently: a record that cannot be folded (malformed value, an
 ``apply()`` that raises, a row that does not fit the view schema) goes to the topic
-``kf.deadletter.<projection>`` and the rest of the batch proceeds. Each dead letter is a
+``kf.dead_letter.projection.<projection>`` (the naming scheme of every component's dead letters:
+``kappaflow/deadletters.py``; dead letters written under the old name ``kf.deadletter.<projection>``
+are still read) and the rest of the batch proceeds. Each dead letter is a
 JSON object ``{"projection", "topic", "partition", "offset", "key" (base64 or null),
 "reason", "ts_ms"}`` keyed by ``topic:partition:offset``, so re-processing the same batch
 after a crash overwrites rather than duplicates once the topic is compacted. A row a sink
@@ -25,14 +27,20 @@ from typing import Any
 
 import orjson
 
+from kappaflow.deadletters import dead_letter_topic as _topic
+from kappaflow.deadletters import legacy_dead_letter_topics
 from kappaflow.errors import LogUnavailableError
 from kappaflow.log.base import CleanupPolicy, Record, TopicConfig
 
-PREFIX = "kf.deadletter."
-
 
 def dead_letter_topic(projection: str) -> str:
-    return PREFIX + projection
+    """Where a projection's dead letters are written."""
+    return _topic("projection", projection)
+
+
+def dead_letter_topics(projection: str) -> tuple[str, ...]:
+    """Every topic that may hold a projection's dead letters: the current one, then older names."""
+    return (dead_letter_topic(projection), *legacy_dead_letter_topics("projection", projection))
 
 
 def dead_letter_log_url(log_url: str) -> str:
@@ -108,17 +116,18 @@ def read_dead_letters(log_url: str, client_options: Mapping[str, Any] | None, pr
         return []
     try:
         out: dict[bytes | None, dict[str, Any]] = {}
-        try:
-            n = log.partitions(dead_letter_topic(projection))
-        except UnknownTopicError:
-            return []
-        for p in range(n):
-            for rec in log.iter_partition(dead_letter_topic(projection), p):
-                if rec.value is not None:
-                    out[rec.key] = orjson.loads(rec.value)
+        for topic in reversed(dead_letter_topics(projection)):  # the current name last: it wins
+            try:
+                n = log.partitions(topic)
+            except UnknownTopicError:
+                continue
+            for p in range(n):
+                for rec in log.iter_partition(topic, p):
+                    if rec.value is not None:
+                        out[rec.key] = orjson.loads(rec.value)
         return sorted(out.values(), key=lambda d: (d["topic"] or "", d["partition"] or 0, d["offset"] or 0))
     finally:
         log.close()
 
 
-__all__ = ["dead_letter_log_url", "dead_letter_topic", "read_dead_letters", "write_dead_letters"]
+__all__ = ["dead_letter_log_url", "dead_letter_topic", "dead_letter_topics", "read_dead_letters", "write_dead_letters"]

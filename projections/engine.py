@@ -36,8 +36,8 @@ from kappaflow.projections.executor import LOAD_RESULT_DDL, FoldJob, fold_arrow_
 from kappaflow.projections.plan import Plan, fold_output_type
 from kappaflow.projections.runtime import Offsets, Runtime
 from kappaflow.projections.schemas import load_table_schemas
-from kappaflow.projections.sinks._rows import key_str
 from kappaflow.projections.sinks.base import DELETED, VERSION, Positions, Sink, Target, TopicPartition
+from kappaflow.projections.sinks.keys import key_str
 
 log = logging.getLogger("kappaflow.projections")
 

@@ -77,7 +77,7 @@ def make_loader(
 
 def _refused_batch(target: Target, batch: pa.RecordBatch, refused: list[tuple[tuple[Any, ...], str]]) -> pa.RecordBatch:
     """Dead-letter rows for rows a sink refused while loading (see ``engine.sink_rejections``)."""
-    from kappaflow.projections.sinks._rows import key_str
+    from kappaflow.projections.sinks.keys import key_str
 
     keys = [batch.column(k).to_pylist() for k in target.view.key]
     versions = batch.column(VERSION).to_pylist()

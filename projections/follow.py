@@ -60,8 +60,8 @@ from kappaflow.projections.engine import BatchResult, ProjectionBusy, apply_batc
 from kappaflow.projections.mirror import is_mirror, sync
 from kappaflow.projections.replay import _record, as_spec
 from kappaflow.projections.schema_watch import NeedsRebuild, SchemaWatch, mark_needs_rebuild
-from kappaflow.projections.sinks._rows import SinkStateLostError
 from kappaflow.projections.sinks.base import ViewSchemaMismatch
+from kappaflow.projections.sinks.errors import SinkStateLostError
 
 log = logging.getLogger("kappaflow.projections")
 

@@ -38,8 +38,9 @@ from kappaflow.errors import ConfigError
 from kappaflow.projections.api import GroupFold, ProjectionSpec
 from kappaflow.projections.engine import BatchResult, _dead_letter, sink_rejections, watermark
 from kappaflow.projections.plan import Plan
-from kappaflow.projections.sinks._rows import SinkStateLostError, key_str
 from kappaflow.projections.sinks.base import DELETED, VERSION, Sink, Target, TopicPartition, batch_from_rows
+from kappaflow.projections.sinks.errors import SinkStateLostError
+from kappaflow.projections.sinks.keys import key_str
 
 
 def is_mirror(spec: ProjectionSpec, sink: str) -> bool:

@@ -76,7 +76,7 @@ from kappaflow.projections.schemas import (
     spark_type,
 )
 from kappaflow.projections.sinks.base import DELETED, VERSION, ViewColumn, ViewSpec
-from kappaflow.projections.sinks.postgres import STATE_KEY, STATE_TOPIC, pg_type
+from kappaflow.projections.sinks.postgres import STATE_KEY, STATE_TOPIC, aggregate_sql_of, pg_type
 
 META = ("_kf_topic", "_kf_partition", "_kf_offset", "_kf_key")
 VALID_OPS = ("c", "u", "d", "r", "t")
@@ -196,7 +196,7 @@ class Plan:
                 "aggregates": [
                     {
                         "name": n,
-                        "sql": _pg_agg_sql(a, types.get(a.column) if a.column else None),
+                        "sql": aggregate_sql_of(a, types.get(a.column) if a.column else None),
                         "pg_type": pg_type(next(c.type for c in cols if c.name == n)),
                     }
                     for n, a in spec.fold.aggregates
@@ -623,30 +623,6 @@ def _spark_agg(agg: Aggregate) -> SparkColumn:
         return F.array_sort(F.collect_list(c))
     if isinstance(agg, CollectSet):
         return F.array_sort(F.collect_set(c))
-    raise ConfigError(f"unsupported aggregate {agg!r}")
-
-
-def _pg_agg_sql(agg: Aggregate, dt: DataType | None) -> str:
-    """The same aggregate in PostgreSQL over the keyed-state table (identifiers quoted)."""
-    if agg.column is None:
-        return "count(*)"
-    col = '"' + agg.column.replace('"', '""') + '"'
-    text = isinstance(dt, StringType)
-    coll = f'{col} COLLATE "C"' if text else col
-    if isinstance(agg, Count):
-        return f"count({col})"
-    if isinstance(agg, Sum):
-        return f"sum({col})"
-    if isinstance(agg, (Min, Max)):
-        if isinstance(dt, BooleanType):
-            return f"{'bool_and' if isinstance(agg, Min) else 'bool_or'}({col})"
-        return f"{agg.func}({coll})"
-    if isinstance(agg, Avg):
-        return f"(sum({col})::double precision / nullif(count({col}), 0))"
-    if isinstance(agg, CollectList):
-        return f"coalesce(array_agg({col} ORDER BY {coll}) FILTER (WHERE {col} IS NOT NULL), '{{}}')"
-    if isinstance(agg, CollectSet):
-        return f"coalesce(array_agg(DISTINCT {coll} ORDER BY {coll}) FILTER (WHERE {col} IS NOT NULL), '{{}}')"
     raise ConfigError(f"unsupported aggregate {agg!r}")
 
 

@@ -1,7 +1,8 @@
 """What replay/follow/verify run against: a SparkSession, the log, the view sinks.
 
 ``Runtime.from_settings(settings)`` builds it from ``kappaflow.toml`` (one sink per
-configured ``[views]`` store: ``postgres_dsn``, ``search_url``, ``redis_url``); tests and
+configured ``[views.<kind>]`` table: ``postgres.dsn``, ``search.url``, ``redis.url``; see the sink
+registry, ``sinks/registry.py``); tests and
 applications may build one directly: ``Runtime(spark, log_url, sink)`` (one sink) or
 ``Runtime(spark, log_url, pg_sink, sinks={"postgres": pg_sink, "redis": redis_sink})``.
 A projection writes to the sinks it names (``Projection.sinks``), see ``sinks_for``.
@@ -21,34 +22,12 @@ from pyspark.sql import DataFrame, SparkSession
 from kappaflow.errors import ConfigError
 from kappaflow.projections.datasource import FORMAT, log_options_to_spark, offsets_to_json, open_cached_log, register
 from kappaflow.projections.sinks.base import Sink
+from kappaflow.projections.sinks.registry import SINKS, open_sinks
 
 Offsets = dict[str, dict[int, int]]
 
-SINK_SETTINGS = {"postgres": "views.postgres_dsn", "search": "views.search_url", "redis": "views.redis_url"}
-"""The ``kappaflow.toml`` key that configures each sink."""
-
-
-def open_sinks(views: Any) -> dict[str, Sink]:
-    """A sink for every store configured in ``[views]`` (connections open lazily or cheaply)."""
-    from kappaflow.projections.sinks.postgres import PostgresSink
-
-    sinks: dict[str, Sink] = {}
-    if views.postgres_dsn:
-        sinks["postgres"] = PostgresSink(views.postgres_connect_dsn())
-    if views.search_url:
-        from kappaflow.projections.sinks.search import SearchSink
-
-        sinks["search"] = SearchSink.from_config(views)
-    if views.redis_url:
-        from kappaflow.projections.sinks.redis import RedisSink
-
-        sinks["redis"] = RedisSink.from_config(views)
-    if not sinks:
-        raise ConfigError(
-            "views: no view store configured; set views.postgres_dsn (and/or views.search_url, views.redis_url) "
-            "in kappaflow.toml or KAPPAFLOW_VIEWS__POSTGRES_DSN"
-        )
-    return sinks
+SINK_SETTINGS = {name: kind.setting_key for name, kind in SINKS.items()}
+"""The ``kappaflow.toml`` key that configures each sink (from the sink registry)."""
 
 
 def spark_session(master: str = "local[*]", app_name: str = "kappaflow", conf: dict[str, str] | None = None,
@@ -178,7 +157,7 @@ class Runtime:
             log_url = str(p if p.is_absolute() else settings.base_dir / p)
         options = settings.log.open_options()  # {} for the embedded log
         sinks = open_sinks(settings.views)
-        dsn = settings.views.postgres_connect_dsn() if settings.views.postgres_dsn else None
+        dsn = settings.views.postgres.connect_dsn() if settings.views.postgres.configured else None
         if spark is None and with_spark:
             spark = session_from_settings(settings)
         primary = sinks.get("postgres") or next(iter(sinks.values()))
@@ -230,7 +209,7 @@ class Runtime:
         from kappaflow.projections.registry import Registry
 
         if not self.dsn:
-            raise ConfigError("views.postgres_dsn: the projections registry lives in the PostgreSQL views database")
+            raise ConfigError("views.postgres.dsn: the projections registry lives in the PostgreSQL views database")
         return Registry(self.dsn)
 
     def close(self) -> None:

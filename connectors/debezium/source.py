@@ -6,8 +6,9 @@ own connectors write: same key (``{"id": 1}``), same value (the Debezium envelop
 it), a tombstone after every delete, ``op=t`` markers plus a delete (the row the log last
 held) and a tombstone per key for a truncate (``connectors/truncate.py``). What Debezium
 writes besides change events is skipped or routed (see ``decode.py``); a record that
-cannot be decoded goes to ``<source>.__dead_letter`` with the reason and its Kafka position
-(topic, partition, offset), and the rest goes on.
+cannot be decoded goes to ``kf.dead_letter.source.<source>`` (``kappaflow/deadletters.py``; before:
+``<source>.__dead_letter``) with the reason and its Kafka position (topic, partition, offset), and
+the rest goes on.
 
 Tables without a key (Debezium's record key is null: no primary key, ``REPLICA IDENTITY FULL``
 or ``DEFAULT``) go to an append-only topic (cleanup policy ``delete``), in the order of their
@@ -55,6 +56,7 @@ from kappaflow.connectors.debezium.placeholder import DEFAULT_PLACEHOLDER, Toast
 from kappaflow.connectors.offsets import OFFSETS_TOPIC, OffsetStore
 from kappaflow.connectors.truncate import TRUNCATE_KEY, live_rows, truncate_records
 from kappaflow.connectors.writer import Batch, CaptureWriter, FaultHook
+from kappaflow.deadletters import dead_letter_topic
 from kappaflow.errors import ConfigError, KappaflowError, SourceError, ValidationError
 from kappaflow.events import ChangeEvent, EventCodec, Op, TableSchema
 from kappaflow.log.base import CleanupPolicy, Log, Record, TopicConfig
@@ -97,7 +99,7 @@ class DebeziumSource(Connector):
         self.poll_timeout_ms = poll_timeout_ms
         self.fault = fault
         self.threaded_writer = threaded_writer
-        self.dead_letter_topic = f"{name}.__dead_letter"
+        self.dead_letter_topic = dead_letter_topic("source", name)  # kappaflow/deadletters.py
         self.summary = CaptureSummary(source=name, connector="debezium")
         self.skipped: dict[str, int] = {}
         self.dead_letters = 0

@@ -190,6 +190,7 @@ def run_demo(
     from kappaflow.connectors.postgres import PostgresConnector
     from kappaflow.projections.replay import replay
     from kappaflow.projections.runtime import Runtime
+    from kappaflow.projections.sinks.postgres import PostgresSettings
 
     dsn = dsn or os.environ.get("KAPPAFLOW_DEMO_DSN")
     server = None
@@ -210,7 +211,7 @@ def run_demo(
         settings = Settings(
             log=LogConfig(url=str(work / ".kappaflow" / "log")),
             spark=SparkConfig(master=spark_master, checkpoint_dir=str(work / ".kappaflow" / "checkpoints")),
-            views=ViewsConfig(postgres_dsn=db),
+            views=ViewsConfig(postgres=PostgresSettings(dsn=db)),
             sources={"shop": PostgresSourceConfig(name="shop", dsn=db, tables=list(SHOP_TABLES))},
             base_dir=work,
         )

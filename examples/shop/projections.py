@@ -16,7 +16,7 @@ Redis caches of the same tables, each declaring its sink (``sinks``) and that si
 
 Each is its own projection (own lock and positions per sink) and can be replayed and followed
 independently of the PostgreSQL views: ``kappaflow replay examples.shop:ProductSearch`` needs
-``[views] search_url``, the caches need ``[views] redis_url``.
+``[views.search] url``, the caches need ``[views.redis] url``.
 """
 
 from __future__ import annotations

@@ -64,7 +64,8 @@ def check(report: Report, health: Any) -> list[Problem]:
                                           f"({s.lag_records:,} records; threshold {health.max_lag_seconds:,.0f}s)"))
         if p.dead_letters > health.max_dead_letters:
             out.append(Problem("dead_letters", f"projection {p.name}: {p.dead_letters:,} dead letters in "
-                                               f"kf.deadletter.{p.name} (threshold {health.max_dead_letters:,})"))
+                                               f"kf.dead_letter.projection.{p.name} "
+                                               f"(threshold {health.max_dead_letters:,})"))
     for src in report.sources:
         r = src.reading
         if src.error:

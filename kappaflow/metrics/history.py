@@ -1,7 +1,7 @@
 """The short history behind the status page's plots: selected samples kept in the views database.
 
 Why in the views database: every follower already writes there, and a capture usually has it
-configured too (``[views] postgres_dsn``), so the page needs no extra store, and the history
+configured too (``[views.postgres] dsn``), so the page needs no extra store, and the history
 outlives the processes (the page shows the last hour even after a restart). Size is bounded by
 construction: each series owns ``retention / interval + 1`` slots that are overwritten in turn
 (see ``migrations/versions/metrics_0001_history.py``).

@@ -110,7 +110,7 @@ _DEFS = [
               "1 when a process holds the projection's lock in the sink (a follower or a replay runs).",
               "status"),
     MetricDef("kappaflow_projection_dead_letters", "gauge", ("projection",),
-              "Records in the projection's dead-letter topic kf.deadletter.<projection>.", "status"),
+              "Records in the projection's dead-letter topic kf.dead_letter.projection.<projection>.", "status"),
 ]
 
 METRICS: dict[str, MetricDef] = {d.name: d for d in _DEFS}

@@ -138,7 +138,7 @@ def _sources(settings: Any, log: Any, report: Report) -> None:
 
 
 def _projections(settings: Any, report: Report) -> None:
-    from kappaflow.projections.deadletter import dead_letter_log_url, dead_letter_topic
+    from kappaflow.projections.deadletter import dead_letter_log_url, dead_letter_topics
     from kappaflow.projections.runtime import Runtime
     from kappaflow.projections.status import projection_status
 
@@ -158,11 +158,13 @@ def _projections(settings: Any, report: Report) -> None:
         now = time.time()
         for st in statuses:
             dead = 0
-            if dead_log is not None:
-                try:
-                    dead = sum(dead_log.end_offsets(dead_letter_topic(st.name)).values())
+            for topic in dead_letter_topics(st.name):
+                if dead_log is None:
+                    break
+                try:  # the current topic and the one older versions wrote (see kappaflow/deadletters.py)
+                    dead += sum(dead_log.end_offsets(topic).values())
                 except Exception:
-                    dead = 0
+                    pass  # never written
             prow = ProjectionRow(st.name, st.kind, st.view, st.updated_at, dead)
             for s in st.sinks:
                 parts = []

@@ -167,7 +167,7 @@ def render_page(settings: Any) -> str:
         finally:
             store.close()
     else:
-        note = "no history: the plots need [views] postgres_dsn, where the processes keep it"
+        note = "no history: the plots need [views.postgres] dsn, where the processes keep it"
     lag_plot, rate_plot = _plots(history)
     errors = "".join(f'<li class="bad">{_e(e)}</li>' for e in report.errors)
     taken = datetime.fromtimestamp(report.taken_at, UTC).strftime("%Y-%m-%d %H:%M:%S UTC")

@@ -134,3 +134,42 @@ def test_save_round_trip_without_secrets(tmp_path: Path) -> None:
 def test_redact() -> None:
     assert redact("failed: postgresql://u:pw@h:5/db and redis://:tok@r") == (
         "failed: postgresql://u:***@h:5/db and redis://:***@r")
+
+
+# --- [views]: one table per sink, the old flat keys still read ----------------------------------------
+def test_views_per_sink_tables_and_the_old_flat_keys(tmp_path: Path) -> None:
+    new = tmp_path / "new.toml"
+    new.write_text('[views.postgres]\ndsn = "postgresql://app@db/views"\npassword_env = "VIEWS_PW"\n'
+                   '[views.search]\nurl = "http://search:9200"\nflavor = "elasticsearch"\n'
+                   '[views.redis]\nurl = "redis://cache:6379/0"\n')
+    old = tmp_path / "old.toml"
+    old.write_text('[views]\npostgres_dsn = "postgresql://app@db/views"\npostgres_password_env = "VIEWS_PW"\n'
+                   'search_url = "http://search:9200"\nsearch_flavor = "elasticsearch"\nredis_url = "redis://cache:6379/0"\n')
+    a, b = Settings.load(new, environ={}).views, Settings.load(old, environ={}).views
+    assert a == b
+    assert (a.postgres.dsn, a.postgres.password_env, a.search.url, a.search.flavor, a.redis.url) == (
+        "postgresql://app@db/views", "VIEWS_PW", "http://search:9200", "elasticsearch", "redis://cache:6379/0")
+    # the old names still read as attributes (code written against them keeps working)
+    assert (b.postgres_dsn, b.search_url, b.search_flavor, b.redis_url) == (
+        a.postgres.dsn, a.search.url, a.search.flavor, a.redis.url)
+
+
+def test_views_environment_overrides_the_file_whichever_spelling_each_uses(tmp_path: Path) -> None:
+    old = tmp_path / "old.toml"
+    old.write_text('[views]\npostgres_dsn = "postgresql://app@file/views"\n')
+    env = {"KAPPAFLOW_VIEWS__POSTGRES__DSN": "postgresql://app@env/views"}
+    assert Settings.load(old, environ=env).views.postgres.dsn == "postgresql://app@env/views"
+    new = tmp_path / "new.toml"
+    new.write_text('[views.postgres]\ndsn = "postgresql://app@file/views"\n')
+    env = {"KAPPAFLOW_VIEWS__POSTGRES_DSN": "postgresql://app@env/views"}
+    assert Settings.load(new, environ=env).views.postgres.dsn == "postgresql://app@env/views"
+
+
+def test_views_old_and_new_key_disagreeing_in_one_file_is_an_error(tmp_path: Path) -> None:
+    f = tmp_path / "both.toml"
+    f.write_text('[views]\nredis_url = "redis://a:6379/0"\n[views.redis]\nurl = "redis://b:6379/0"\n')
+    with pytest.raises(ConfigError, match=r"views\.redis_url and views\.redis\.url are the same setting"):
+        Settings.load(f, environ={})
+    f.write_text('[views.search]\nflavour = "opensearch"\n')
+    with pytest.raises(ConfigError, match=r"views\.search\.flavour"):
+        Settings.load(f, environ={})

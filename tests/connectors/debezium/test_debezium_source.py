@@ -79,7 +79,7 @@ def _events(log: Any, source: str, table: str) -> list[tuple[str, Any, Any, Any]
 
 
 def _dead(log: Any, source: str) -> list[dict[str, Any]]:
-    t = f"{source}.__dead_letter"
+    t = f"kf.dead_letter.source.{source}"  # kappaflow/deadletters.py
     if t not in log.list_topics():
         return []
     return [orjson.loads(r.value) for r in log.iter_partition(t, 0)]

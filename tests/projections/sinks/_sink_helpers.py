@@ -10,8 +10,8 @@ from typing import Any
 
 from pyspark.sql import types as T
 
-from kappaflow.projections.sinks._rows import SinkStateLostError
 from kappaflow.projections.sinks.base import Sink, Target, ViewColumn, ViewSpec, batch_from_rows
+from kappaflow.projections.sinks.errors import SinkStateLostError
 
 TOPIC = "shop.public.customers"
 

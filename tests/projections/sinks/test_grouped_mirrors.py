@@ -231,7 +231,7 @@ def test_a_mirror_behind_a_rebuilt_postgres_view_is_copied_again(
     the mirror follower copies the view again."""
     from kappaflow.projections.mirror import sync
     from kappaflow.projections.replay import rebuild
-    from kappaflow.projections.sinks._rows import SinkStateLostError
+    from kappaflow.projections.sinks.errors import SinkStateLostError
 
     proj = _projection(("postgres", "redis"))
     log_dir = tmp_path / "log"

@@ -19,8 +19,8 @@ from urllib.parse import urlsplit
 
 import pytest
 
-from kappaflow.projections.sinks._rows import LockLostError
 from kappaflow.projections.sinks.base import Sink, batch_from_rows
+from kappaflow.projections.sinks.errors import LockLostError
 from kappaflow.projections.sinks.redis import RedisSink
 from kappaflow.projections.sinks.search import SearchSink
 from tests._netproxy import TcpProxy, proxy_to

@@ -13,8 +13,8 @@ from _sink_helpers import TOPIC, customer_view, drive, final_state, history, row
 from pyspark.sql import types as T
 
 from kappaflow.errors import ConfigError
-from kappaflow.projections.sinks._rows import SinkStateLostError
 from kappaflow.projections.sinks.base import ViewColumn, ViewSchemaMismatch, ViewSpec, batch_from_rows
+from kappaflow.projections.sinks.errors import SinkStateLostError
 from kappaflow.projections.sinks.redis import RedisSink, get, get_many
 from kappaflow.projections.sinks.testing import SinkContract
 

@@ -14,8 +14,8 @@ from _sink_helpers import TOPIC, customer_view, drive, final_state, history, row
 from pyspark.sql import types as T
 
 from kappaflow.errors import ConfigError, SinkError
-from kappaflow.projections.sinks._rows import SinkStateLostError
 from kappaflow.projections.sinks.base import ViewColumn, ViewSchemaMismatch, ViewSpec, batch_from_rows
+from kappaflow.projections.sinks.errors import SinkStateLostError
 from kappaflow.projections.sinks.search import (
     ElasticsearchClient,
     SearchClient,

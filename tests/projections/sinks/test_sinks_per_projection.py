@@ -195,7 +195,7 @@ def test_unconfigured_and_unknown_sinks_are_clear_errors(spark: Any, pg_dsn: str
     try:
         with pytest.raises(ConfigError) as err:
             replay(proj, rt)
-        assert proj.name in str(err.value) and "views.search_url" in str(err.value)
+        assert proj.name in str(err.value) and "views.search.url" in str(err.value)
         with pytest.raises(ConfigError) as err:
             replay(proj, rt, sinks=["nosuch"])
         assert "--sink" in str(err.value) and "nosuch" in str(err.value)
