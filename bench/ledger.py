@@ -12,7 +12,11 @@ Baselines measured in the same run, on the same server:
 - ``floor_transfers_per_s``: the same transfer workload stripped to the bone
   (``bench/ledger_lockfree_probe.py``: one read and one minimal durable append function per
   transfer, no hash chain, no ordering, no typed events) -- what no ledger with the guarantees can
-  beat here; ``transfers_vs_floor`` is the ledger's share of it;
+  beat here; ``transfers_vs_floor`` is the ledger's share of it; ``floor_cpu_ms_client`` /
+  ``floor_cpu_ms_server`` its CPU per transfer (measured like ``transfer_cpu_ms_*``), and
+  ``transfers_vs_floor_cpu`` the share those CPU costs predict (floor CPU / ledger CPU per
+  transfer, client + server; the box is CPU-bound): it says whether the gap is spent in the
+  client or the server;
 - ``ceiling_min_durable_txn_per_s``: the writers doing nothing but a minimal durable transaction;
 - ``peer_read_all_events_per_s``: the `eventsourcing` library (9.5, PostgreSQL recorder and
   mapper; ``bench/ledger_peer.py``) reading the same number of events in global order into typed
@@ -392,8 +396,13 @@ def main() -> None:
               file=sys.stderr)
         import ledger_lockfree_probe
 
-        floor = ledger_lockfree_probe.run(dsn, args.writers, args.accounts, args.seconds)
-        print(f"floor (stripped transfer workload): {floor['lockfree_transfers_per_s']:,}/s", file=sys.stderr)
+        floor = ledger_lockfree_probe.run(dsn, args.writers, args.accounts, args.seconds,
+                                          server_cpu=server_cpu_seconds)
+        print(f"floor (stripped transfer workload): {floor['lockfree_transfers_per_s']:,}/s; CPU per transfer "
+              f"client {floor['client_cpu_ms_per_transfer']:.3f} ms + server "
+              f"{floor['server_cpu_ms_per_transfer']:.3f} ms "
+              f"(ledger: {tr['client_cpu_ms_per_transfer']:.3f} + {tr['server_cpu_ms_per_transfer']:.3f} ms)",
+              file=sys.stderr)
         ceil = transfers(dsn, args.writers, args.accounts, args.seconds / 2, ceiling=True)
         print(f"ceiling (a minimal durable 2-row INSERT transaction): {ceil['transfers_per_s']:,.0f}/s with "
               f"{args.writers} writers", file=sys.stderr)
@@ -426,6 +435,12 @@ def main() -> None:
             "floor_transfers_per_s": floor["lockfree_transfers_per_s"],
             "transfers_vs_floor": round(tr["transfers_per_s"] / max(floor["lockfree_transfers_per_s"], 1), 3),
             "floor_cpu_ms_client": floor["client_cpu_ms_per_transfer"],
+            "floor_cpu_ms_server": floor["server_cpu_ms_per_transfer"],
+            # the share the CPU cost per transfer (client + server) predicts on a CPU-bound box: where
+            # transfers_vs_floor's gap is spent (compare the *_cpu_ms_* figures)
+            "transfers_vs_floor_cpu": round(
+                (floor["client_cpu_ms_per_transfer"] + floor["server_cpu_ms_per_transfer"])
+                / max(tr["client_cpu_ms_per_transfer"] + tr["server_cpu_ms_per_transfer"], 1e-9), 3),
             "append_latency_p50_ms": round(pct(tr["append_lat"], .5), 3),
             "append_latency_p99_ms": round(pct(tr["append_lat"], .99), 3),
             "transfer_command_latency_p50_ms": round(pct(tr["transfer_lat"], .5), 3),

@@ -30,6 +30,7 @@ import os
 import random
 import time
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 DDL = """
@@ -61,7 +62,7 @@ END $$;
 """
 
 
-def writer(dsn: str, seed: int, accounts: int, seconds: float, ready: Any, go: Any, out: Any) -> None:
+def writer(dsn: str, seed: int, accounts: int, seconds: float, ready: Any, go: Any, out: Any, finish: Any) -> None:
     import orjson
     import psycopg
 
@@ -98,10 +99,16 @@ def writer(dsn: str, seed: int, accounts: int, seconds: float, ready: Any, go: A
                 except psycopg.errors.RaiseException:
                     conflicts += 1  # someone appended to the account meanwhile: catch up, decide again
         out.put((done, conflicts, time.process_time() - cpu0))
+        finish.wait(600)  # keep the connection (and its server process's CPU count) until measured
 
 
-def run(dsn: str, writers: int, accounts: int, seconds: float) -> dict[str, Any]:
-    """The probe's workload on `dsn` (its own ``p_*`` tables): the floor for bench/ledger.py."""
+def run(dsn: str, writers: int, accounts: int, seconds: float,
+        server_cpu: Callable[[str], float] | None = None) -> dict[str, Any]:
+    """The probe's workload on `dsn` (its own ``p_*`` tables): the floor for bench/ledger.py.
+
+    `server_cpu(dsn)`: the server's CPU seconds so far (bench/ledger.py's ``server_cpu_seconds``);
+    read before the start and before the writers disconnect, so ``server_cpu_ms_per_transfer``
+    is measured exactly as the ledger's ``transfer_cpu_ms_server`` is."""
     import psycopg
 
     with psycopg.connect(dsn, autocommit=True) as conn:
@@ -110,14 +117,18 @@ def run(dsn: str, writers: int, accounts: int, seconds: float) -> dict[str, Any]
         durable = {k: str(conn.execute(f"SHOW {k}").fetchone()[0])  # type: ignore[index]
                    for k in ("fsync", "synchronous_commit")}
     ctx = mp.get_context("spawn")
-    out, ready, go = ctx.Queue(), ctx.Queue(), ctx.Event()
-    procs = [ctx.Process(target=writer, args=(dsn, s, accounts, seconds, ready, go, out)) for s in range(writers)]
+    out, ready, go, finish = ctx.Queue(), ctx.Queue(), ctx.Event(), ctx.Event()
+    procs = [ctx.Process(target=writer, args=(dsn, s, accounts, seconds, ready, go, out, finish))
+             for s in range(writers)]
     for p in procs:
         p.start()
     for _ in procs:  # every writer has its connection open: start them at the same instant
         ready.get(timeout=120)
+    cpu0 = server_cpu(dsn) if server_cpu is not None else 0.0
     go.set()
     results = [out.get(timeout=seconds + 120) for _ in procs]
+    server = server_cpu(dsn) - cpu0 if server_cpu is not None else None
+    finish.set()
     for p in procs:
         p.join(timeout=30)
     done = sum(r[0] for r in results)
@@ -125,6 +136,7 @@ def run(dsn: str, writers: int, accounts: int, seconds: float) -> dict[str, Any]
         "lockfree_transfers_per_s": round(done / seconds),
         "conflicts_retried": sum(r[1] for r in results),
         "client_cpu_ms_per_transfer": round(1000 * sum(r[2] for r in results) / max(done, 1), 3),
+        "server_cpu_ms_per_transfer": None if server is None else round(1000 * server / max(done, 1), 3),
         "writers": writers, "accounts": accounts, "durable": durable,
         "load_avg_1m": round(os.getloadavg()[0], 2), "cpus": os.cpu_count(),
     }
