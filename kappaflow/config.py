@@ -86,8 +86,8 @@ class KafkaClientConfig(_Model):
     consumer: dict[str, Any] = Field(default_factory=dict)  # consumer-only options (fetch sizes..)
 
     def security(self) -> Any:
-        """The settings as a `kappaflow.log.kafka_common.KafkaSecurity` (ConfigError when incomplete)."""
-        from kappaflow.log.kafka_common import KafkaSecurity
+        """The settings as a `kappaflow.log.kafka.common.KafkaSecurity` (ConfigError when incomplete)."""
+        from kappaflow.log.kafka.common import KafkaSecurity
 
         sasl = self.security_protocol in (SecurityProtocol.SASL_PLAINTEXT, SecurityProtocol.SASL_SSL)
         if sasl and (self.sasl_mechanism is None or not self.sasl_username or self.sasl_password is None):

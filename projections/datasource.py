@@ -327,7 +327,7 @@ def _op_of(headers: Any) -> str | None:
         if headers.startswith(_OP_PREFIX):
             v = headers[11:12]
         else:
-            from kappaflow.log.embedded_codec import decode_headers
+            from kappaflow.log.embedded.codec import decode_headers
 
             return _op_of(decode_headers(headers))
     else:

@@ -132,7 +132,7 @@ def kafka_log(kafka_broker: Any) -> Iterator[Any]:
 @pytest.fixture
 def confluent_log(kafka_broker: Any) -> Iterator[Any]:
     """The Kafka log through the librdkafka (confluent-kafka) client."""
-    from kappaflow.log.confluent import ConfluentKafkaLog
+    from kappaflow.log.kafka.confluent import ConfluentKafkaLog
 
     log = ConfluentKafkaLog(kafka_broker.bootstrap)
     try:

@@ -73,7 +73,7 @@ def compact(
     and this prints what it did.
     """
     from kappaflow.errors import KappaflowError
-    from kappaflow.log.embedded_control import compact_embedded
+    from kappaflow.log.embedded.control import compact_embedded
 
     s = settings(ctx)
     if s.log.is_kafka:

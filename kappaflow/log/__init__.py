@@ -64,9 +64,9 @@ class KafkaClient:
 #: The registry of Kafka clients, in order of preference: the first installed one is the default.
 KAFKA_CLIENTS: dict[str, KafkaClient] = {
     c.name: c for c in (
-        KafkaClient("confluent", "kappaflow.log.confluent", "ConfluentKafkaLog", "kappaflow[kafka]",
+        KafkaClient("confluent", "kappaflow.log.kafka.confluent", "ConfluentKafkaLog", "kappaflow[kafka]",
                     "confluent_kafka"),
-        KafkaClient("kafka-python", "kappaflow.log.kafka", "KafkaLog", "kafka-python", "kafka"),
+        KafkaClient("kafka-python", "kappaflow.log.kafka.kafka_python", "KafkaLog", "kafka-python", "kafka"),
     )
 }
 

@@ -156,7 +156,7 @@ class CompactionStats:
     per_partition: dict[int, int] = field(default_factory=dict)
     bytes_before: int | None = None  # the topic's files on disk before compaction
     bytes_after: int | None = None  # ... and after it gave the freed space back
-    full_vacuum: bool = False  # the file was rewritten whole (see kappaflow.log.embedded_space)
+    full_vacuum: bool = False  # the file was rewritten whole (see kappaflow.log.embedded.space)
 
     def to_dict(self) -> dict[str, Any]:
         return {"topic": self.topic, "removed": self.removed, "kept": self.kept,

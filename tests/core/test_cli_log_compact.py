@@ -19,7 +19,7 @@ from kappaflow.cli.capture import open_log_for
 from kappaflow.config import Settings
 from kappaflow.log.base import CleanupPolicy, Record, TopicConfig
 from kappaflow.log.embedded import EmbeddedLog
-from kappaflow.log.embedded_space import file_bytes
+from kappaflow.log.embedded.space import file_bytes
 from kappaflow.log.testing import read_all
 
 _WRITER = """

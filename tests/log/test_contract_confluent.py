@@ -10,7 +10,7 @@ import pytest
 
 from kappaflow.log.base import Log
 
-confluent = pytest.importorskip("kappaflow.log.confluent")
+confluent = pytest.importorskip("kappaflow.log.kafka.confluent")
 from kappaflow.log.testing import LogContract  # noqa: E402
 
 ConfluentKafkaLog = confluent.ConfluentKafkaLog

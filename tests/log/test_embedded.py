@@ -30,7 +30,7 @@ from kappaflow.errors import (
 from kappaflow.log import open_log
 from kappaflow.log.base import CleanupPolicy, LogRecord, Record, TopicConfig
 from kappaflow.log.embedded import EmbeddedLog, RecordColumns
-from kappaflow.log.embedded_codec import decode_headers, murmur2_many, partitions_for
+from kappaflow.log.embedded.codec import decode_headers, murmur2_many, partitions_for
 from kappaflow.log.partitioner import murmur2, partition_for
 from kappaflow.log.testing import KAFKA_MURMUR2_VECTORS, read_all
 
@@ -343,7 +343,7 @@ def test_background_compaction(tmp_path: Path) -> None:
 
 
 def test_compaction_while_appending(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    import kappaflow.log.embedded as embedded
+    import kappaflow.log.embedded.log as embedded
 
     monkeypatch.setattr(embedded, "_COMPACT_CHUNK_RECORDS", 500)  # many small compaction transactions
     with EmbeddedLog(tmp_path, batch_records=64) as log:
@@ -420,7 +420,7 @@ def test_bulk_built_results_equal_constructed_ones() -> None:
     from dataclasses import dataclass
 
     from kappaflow.log.base import Appended
-    from kappaflow.log.embedded_codec import build
+    from kappaflow.log.embedded.codec import build
 
     assert build(Appended, 3, [0, 1, 2], [7, 8, 9]) == [Appended(0, 7), Appended(1, 8), Appended(2, 9)]
     rec = build(LogRecord, 1, ["t"], [1], [5], [b"k"], [None], [(("h", b"v"),)], [42])[0]

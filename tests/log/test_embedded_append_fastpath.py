@@ -10,7 +10,7 @@ import pytest
 
 from kappaflow.errors import ValidationError
 from kappaflow.log.base import CleanupPolicy, Record, TopicConfig
-from kappaflow.log.embedded_codec import encode
+from kappaflow.log.embedded.codec import encode
 
 
 def _topic(log: Any, name: str = "t", partitions: int = 4) -> str:

@@ -16,7 +16,7 @@ from kafka.admin import ConfigResource, ConfigResourceType
 
 from kappaflow.errors import ConfigError, LogError, LogUnavailableError, RecordTooLargeError, UnknownTopicError
 from kappaflow.log import CleanupPolicy, Record, TopicConfig, open_log, partition_for
-from kappaflow.log.kafka import BATCH_FRAMING, KafkaLog
+from kappaflow.log.kafka.kafka_python.log import BATCH_FRAMING, KafkaLog
 
 
 def _topic(prefix: str = "kafka-test") -> str:

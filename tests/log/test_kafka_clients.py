@@ -22,9 +22,9 @@ from kappaflow.log.kafka import KafkaLog
 from kappaflow.log.testing import KAFKA_MURMUR2_VECTORS
 
 confluent = pytest.importorskip("confluent_kafka")
-from kappaflow.log.confluent import ConfluentKafkaLog  # noqa: E402
-from kappaflow.log.confluent.clients import security_config  # noqa: E402
-from kappaflow.log.kafka_common import KafkaSecurity  # noqa: E402
+from kappaflow.log.kafka.common import KafkaSecurity  # noqa: E402
+from kappaflow.log.kafka.confluent import ConfluentKafkaLog  # noqa: E402
+from kappaflow.log.kafka.confluent.clients import security_config  # noqa: E402
 
 CLIENTS = ["confluent", "kafka-python"]
 

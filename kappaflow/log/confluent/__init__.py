@@ -1,10 +1,8 @@
-"""The Kafka log on librdkafka through confluent-kafka (`pip install 'kappaflow[kafka]'`).
+"""Former import path of the librdkafka client, kept for code that imports it from here.
 
-One module per role: `topics`, `append`, `read`, `groups`, `clients`; `log` puts them together
-as `ConfluentKafkaLog`. Chosen with ``[log.kafka] client = "confluent"`` (the default when
-confluent-kafka is installed); `kappaflow.log.kafka.KafkaLog` is the kafka-python client.
+The client lives in `kappaflow.log.kafka.confluent`.
 """
 
-from kappaflow.log.confluent.log import ConfluentKafkaLog
+from kappaflow.log.kafka.confluent import ConfluentKafkaLog
 
 __all__ = ["ConfluentKafkaLog"]

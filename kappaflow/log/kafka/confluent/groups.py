@@ -14,8 +14,8 @@ from confluent_kafka import ConsumerGroupTopicPartitions, KafkaError, KafkaExcep
 from confluent_kafka.admin import AdminClient
 
 from kappaflow.errors import LogError, UnknownTopicError
-from kappaflow.log.confluent.clients import error_of
-from kappaflow.log.confluent.topics import TopicAdmin
+from kappaflow.log.kafka.confluent.clients import error_of
+from kappaflow.log.kafka.confluent.topics import TopicAdmin
 
 __all__ = ["GroupOffsets"]
 

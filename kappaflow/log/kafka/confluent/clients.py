@@ -1,6 +1,6 @@
 """librdkafka client plumbing for the confluent-kafka log client: configs, bounded connects, errors.
 
-The counterpart of `kappaflow.log.kafka_clients` (kafka-python): which librdkafka properties
+The counterpart of `kappaflow.log.kafka.kafka_python.clients` (kafka-python): which librdkafka properties
 kappaflow sets itself (and refuses from users), how `KafkaSecurity` is spelled for librdkafka,
 how a broker that is down is reported (bounded retries with backoff, the bootstrap address in
 the message, never a credential), and how librdkafka's error codes map onto kappaflow's errors.
@@ -21,7 +21,7 @@ from typing import Any, TypeVar
 from confluent_kafka import KafkaError, KafkaException
 
 from kappaflow.errors import ConfigError, LogError, LogUnavailableError, RecordTooLargeError, Retry, UnknownTopicError
-from kappaflow.log.kafka_common import KafkaOptions, KafkaSecurity
+from kappaflow.log.kafka.common import KafkaOptions, KafkaSecurity
 
 __all__ = [
     "LIBRDKAFKA_LOGGER",

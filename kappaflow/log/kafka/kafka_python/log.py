@@ -76,16 +76,7 @@ from kappaflow.log.base import (
 from kappaflow.log.base import (
     TopicPartition as TP,
 )
-from kappaflow.log.kafka_clients import (
-    connect,
-    disable_auto_topic_creation,
-    is_too_large,
-    is_unknown_topic,
-    map_error,
-    security_options,
-    split_options,
-)
-from kappaflow.log.kafka_common import (
+from kappaflow.log.kafka.common import (
     BATCH_FRAMING,
     KafkaOptions,
     KafkaSecurity,
@@ -94,6 +85,15 @@ from kappaflow.log.kafka_common import (
     describe_key,
     partitions_of,
     topic_config_from,
+)
+from kappaflow.log.kafka.kafka_python.clients import (
+    connect,
+    disable_auto_topic_creation,
+    is_too_large,
+    is_unknown_topic,
+    map_error,
+    security_options,
+    split_options,
 )
 
 __all__ = ["BATCH_FRAMING", "KafkaLog"]

@@ -20,7 +20,7 @@ Why this shape:
   crash leaves all or none of it) committed with ``synchronous=FULL``: the WAL is
   fsync'd before `append` returns. ``synchronous="normal"`` survives a killed process
   (kill -9) but not power loss; it is offered for throwaway logs.
-* Speed: records are stored in batches (see `embedded_codec`), one SQLite row per up to
+* Speed: records are stored in batches (see `codec`), one SQLite row per up to
   `batch_records` records, so the per-row B-tree cost is paid once per batch.
 * Offsets never change: each partition's end offset is stored (not derived from the last
   record), so compaction may remove any record, including the last, without reuse.
@@ -78,7 +78,7 @@ from kappaflow.log.base import (
     split_commit_key,
     validate_topic_name,
 )
-from kappaflow.log.embedded_codec import (
+from kappaflow.log.embedded.codec import (
     Batch,
     BatchDamaged,
     build,
@@ -91,8 +91,8 @@ from kappaflow.log.embedded_codec import (
     lengths,
     partitions_for,
 )
-from kappaflow.log.embedded_control import CompactionRequest, ControlChannel
-from kappaflow.log.embedded_space import (
+from kappaflow.log.embedded.control import CompactionRequest, ControlChannel
+from kappaflow.log.embedded.space import (
     AUTO_VACUUM_INCREMENTAL,
     Pacer,
     Stopped,
@@ -139,7 +139,7 @@ class RecordColumns(NamedTuple):
     What `EmbeddedLog.read_columns` yields: the stored batches' fields without a
     `LogRecord` per record, ready for column builders such as ``pyarrow.array``.
     `headers` are the encoded header blobs (``b""`` for none;
-    `kappaflow.log.embedded_codec.decode_headers` turns one into header pairs).
+    `kappaflow.log.embedded.codec.decode_headers` turns one into header pairs).
     """
 
     offsets: list[int]
@@ -195,7 +195,7 @@ class EmbeddedLog(Log):
 
     Compaction runs in the writer only. Every writer has a maintenance thread that serves
     compaction requests from other processes (`kappaflow log compact`, see
-    `embedded_control`); `compact_interval_s` makes it also compact compact-policy topics on
+    `control`); `compact_interval_s` makes it also compact compact-policy topics on
     its own once enough has been appended since their last compaction (Kafka's log cleaner),
     at most `_BACKGROUND_SHARE` of the time, and give the freed space back to the file system.
     `min_compaction_lag_ms` (Kafka's ``min.compaction.lag.ms``) keeps every record
@@ -331,7 +331,7 @@ class EmbeddedLog(Log):
         try:
             if page_size is not None:  # only effective before the file's first write (new topic files)
                 conn.execute(f"PRAGMA page_size={page_size}")
-                conn.execute(f"PRAGMA auto_vacuum={AUTO_VACUUM_INCREMENTAL}")  # see embedded_space
+                conn.execute(f"PRAGMA auto_vacuum={AUTO_VACUUM_INCREMENTAL}")  # see space.py
             if writer:
                 mode = conn.execute("PRAGMA journal_mode=WAL").fetchone()[0]
                 if str(mode).lower() != "wal":
@@ -970,7 +970,7 @@ class EmbeddedLog(Log):
 
         ``full_vacuum``: every free page goes back (`vacuum`); a file created without
         incremental auto-vacuum (an older log) is rewritten once by a full VACUUM, which blocks
-        appends to that topic while it runs (see `embedded_space`). Without it such files only
+        appends to that topic while it runs (see `space`). Without it such files only
         reuse their free pages, and incremental files keep up to a few MiB free.
         """
         self._require_writer("compact")

@@ -41,12 +41,12 @@ from kappaflow.log.base import (
     split_commit_key,
 )
 from kappaflow.log.base import TopicPartition as TP
-from kappaflow.log.confluent.append import Appender
-from kappaflow.log.confluent.clients import ErrorLatch, base_config, connect, user_config
-from kappaflow.log.confluent.groups import GroupOffsets
-from kappaflow.log.confluent.read import KafkaColumns, Reader
-from kappaflow.log.confluent.topics import TopicAdmin
-from kappaflow.log.kafka_common import KafkaOptions, KafkaSecurity
+from kappaflow.log.kafka.common import KafkaOptions, KafkaSecurity
+from kappaflow.log.kafka.confluent.append import Appender
+from kappaflow.log.kafka.confluent.clients import ErrorLatch, base_config, connect, user_config
+from kappaflow.log.kafka.confluent.groups import GroupOffsets
+from kappaflow.log.kafka.confluent.read import KafkaColumns, Reader
+from kappaflow.log.kafka.confluent.topics import TopicAdmin
 
 __all__ = ["ConfluentKafkaLog"]
 

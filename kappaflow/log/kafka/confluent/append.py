@@ -30,10 +30,10 @@ from confluent_kafka import KafkaError, Message, Producer
 
 from kappaflow.errors import LogError, LogUnavailableError, RecordTooLargeError, UnknownTopicError, ValidationError
 from kappaflow.log.base import Appended, Record, TopicConfig
-from kappaflow.log.confluent.clients import is_too_large, is_unknown_topic, map_error
-from kappaflow.log.confluent.topics import TopicAdmin
-from kappaflow.log.embedded_codec import build
-from kappaflow.log.kafka_common import checked_append, describe_key, partitions_of
+from kappaflow.log.embedded.codec import build
+from kappaflow.log.kafka.common import checked_append, describe_key, partitions_of
+from kappaflow.log.kafka.confluent.clients import is_too_large, is_unknown_topic, map_error
+from kappaflow.log.kafka.confluent.topics import TopicAdmin
 
 __all__ = ["Appender"]
 

@@ -17,8 +17,8 @@ from confluent_kafka.admin import AdminClient, ConfigResource, NewTopic
 
 from kappaflow.errors import ConfigError, LogError, LogUnavailableError, UnknownTopicError
 from kappaflow.log.base import TopicConfig, validate_topic_name
-from kappaflow.log.confluent.clients import error_of, map_error
-from kappaflow.log.kafka_common import creation_configs, topic_config_from
+from kappaflow.log.kafka.common import creation_configs, topic_config_from
+from kappaflow.log.kafka.confluent.clients import error_of, map_error
 
 __all__ = ["TopicAdmin"]
 

@@ -7,7 +7,7 @@
   from "the broker has not answered yet". Reads are read_committed: records of aborted
   transactions are never returned, and a read stops at the last stable offset.
 * **end offsets**: ListOffsets(latest) is not trusted alone, exactly as in the kafka-python
-  client (`kappaflow.log.kafka.KafkaLog._end_offsets`): some brokers (tansu, the test broker)
+  client (`kappaflow.log.kafka.kafka_python.log.KafkaLog._end_offsets`): some brokers (tansu, the test broker)
   answer it with the base offset of the last batch + 1. The end is max(ListOffsets, a high
   watermark from a fetch) where any high watermark >= the ListOffsets answer is provably
   current; on a correct broker the fetch is skipped when a high watermark seen earlier (by any
@@ -28,8 +28,8 @@ from confluent_kafka.admin import AdminClient, OffsetSpec
 
 from kappaflow.errors import LogUnavailableError, UnknownTopicError
 from kappaflow.log.base import LogRecord
-from kappaflow.log.confluent.topics import TopicAdmin
-from kappaflow.log.embedded_codec import build
+from kappaflow.log.embedded.codec import build
+from kappaflow.log.kafka.confluent.topics import TopicAdmin
 
 __all__ = ["KafkaColumns", "Reader"]
 

@@ -16,7 +16,7 @@ from typing import Any, TypeVar
 from kafka import errors as kerr
 
 from kappaflow.errors import ConfigError, LogError, LogUnavailableError, RecordTooLargeError, Retry, UnknownTopicError
-from kappaflow.log.kafka_common import KafkaSecurity, parse_bootstrap
+from kappaflow.log.kafka.common import KafkaSecurity, parse_bootstrap
 
 __all__ = ["connect", "disable_auto_topic_creation", "is_too_large", "is_unknown_topic", "map_error",
            "parse_bootstrap", "security_options", "split_options"]

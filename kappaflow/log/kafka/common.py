@@ -2,7 +2,7 @@
 the checks an append passes before anything is sent.
 
 kappaflow talks to Kafka with either kafka-python (`kappaflow.log.kafka.KafkaLog`) or librdkafka
-through confluent-kafka (`kappaflow.log.confluent.ConfluentKafkaLog`). The rules that make a
+through confluent-kafka (`kappaflow.log.kafka.confluent.ConfluentKafkaLog`). The rules that make a
 topic, a record or a partition mean the same on both live here once, so the two clients refuse
 the same input with the same message and put every record in the same partition.
 """
@@ -211,7 +211,7 @@ def topic_config_from(name: str, partitions: int, value: Callable[[str], str | N
 
 
 def creation_configs(config: TopicConfig) -> dict[str, str]:
-    """The topic configs a new topic is created with (see `kappaflow.log.kafka` on max.message.bytes)."""
+    """The topic configs a new topic is created with (see `kafka_python.log` on max.message.bytes)."""
     return {
         "cleanup.policy": config.cleanup_policy.value,
         "delete.retention.ms": str(config.delete_retention_ms),
