@@ -343,7 +343,7 @@ def test_background_compaction(tmp_path: Path) -> None:
 
 
 def test_compaction_while_appending(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    import kappaflow.log.embedded.log as embedded
+    import kappaflow.log.embedded.compaction as embedded
 
     monkeypatch.setattr(embedded, "_COMPACT_CHUNK_RECORDS", 500)  # many small compaction transactions
     with EmbeddedLog(tmp_path, batch_records=64) as log:

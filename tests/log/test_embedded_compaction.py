@@ -125,7 +125,7 @@ def test_min_compaction_lag_keeps_the_head(tmp_path: Path) -> None:
 
 # --- bounded cost: appends go on ------------------------------------------------------------------
 def test_background_compaction_lets_appends_through(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    import kappaflow.log.embedded.log as embedded
+    import kappaflow.log.embedded.compaction as embedded
 
     monkeypatch.setattr(embedded, "_COMPACT_CHUNK_RECORDS", 400)  # many chunks
     chunks: list[float] = []
@@ -166,7 +166,7 @@ def test_background_compaction_lets_appends_through(tmp_path: Path, monkeypatch:
 # --- kill -9 mid-compaction -------------------------------------------------------------------------
 _COMPACTOR = """
 import sys
-import kappaflow.log.embedded.log as embedded
+import kappaflow.log.embedded.compaction as embedded
 from kappaflow.log.embedded import EmbeddedLog
 
 embedded._COMPACT_CHUNK_RECORDS = 300  # many chunk transactions
@@ -310,7 +310,7 @@ def test_a_request_left_by_a_dead_writer_is_run_by_the_next_one(tmp_path: Path) 
 
 def test_closing_the_writer_does_not_wait_for_a_background_compaction(tmp_path: Path,
                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
-    import kappaflow.log.embedded.log as embedded
+    import kappaflow.log.embedded.compaction as embedded
 
     monkeypatch.setattr(embedded, "_COMPACT_CHUNK_RECORDS", 200)  # a long, paced compaction: many chunks
     with EmbeddedLog(tmp_path, batch_records=50) as log:
