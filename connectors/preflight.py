@@ -2,23 +2,21 @@
 
 Why one place: a table capture would refuse must be refused by `source add` and flagged by
 `doctor` with the same words, before a snapshot has run for minutes. Each source kind has
-its own checks (``connectors/<kind>/preflight.py``); they all report :class:`TableCheck`.
+its own checks (``connectors/<kind>/preflight.py``, found through the source registry:
+``source_kind(config).tables``); they all report :class:`TableCheck`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 from kappaflow.errors import Retry, SourceError
 
 __all__ = [
     "DUPLICATES_MEAN",
     "DUPLICATE_CHECK_MAX_ROWS",
-    "TABLE_CHECKS",
     "TableCheck",
-    "check_source_tables",
     "key_columns_hint",
     "require_capturable",
 ]
@@ -58,49 +56,3 @@ def require_capturable(source: str, checks: Iterable[TableCheck]) -> None:
     lines = [f"source {source!r}: {len(bad)} table(s) cannot be captured:"]
     lines += [f"  {c.table}: {c.detail}. Fix: {c.fix}" for c in bad]
     raise SourceError("\n".join(lines), retry=Retry.TERMINAL)
-
-
-def _postgres_tables(src: Any, duplicates: bool) -> list[TableCheck]:
-    from kappaflow.connectors.postgres import preflight, slots
-
-    conn = slots.connect(src.connect_dsn(), what=f"checking the tables of source {src.name!r}")
-    try:
-        return preflight.check_tables(conn, src.tables, src.key_columns, source=src.name, duplicates=duplicates)
-    finally:
-        conn.close()
-
-
-def _mysql_tables(src: Any, duplicates: bool) -> list[TableCheck]:
-    from kappaflow.connectors.mysql import preflight
-    from kappaflow.connectors.mysql.server import connect, parse_dsn
-
-    args = parse_dsn(src.dsn, src.resolved_password())
-    conn = connect(args, what=f"checking the tables of source {src.name!r}")
-    try:
-        if src.tables:
-            names = preflight.split_names(src.tables, args.database)
-        else:
-            with conn.cursor() as cur:
-                cur.execute("SELECT TABLE_NAME FROM information_schema.TABLES WHERE TABLE_SCHEMA=%s AND "
-                            "TABLE_TYPE='BASE TABLE' ORDER BY TABLE_NAME", (args.database,))
-                names = [(args.database or "", str(r[0])) for r in cur.fetchall()]
-        return preflight.check_tables(conn, names, src.key_columns, source=src.name, duplicates=duplicates)
-    finally:
-        conn.close()
-
-
-# Source kind -> its table checks. Kinds without tables of their own (debezium: topics; ledger: its
-# events table, keyed by construction) have none.
-TABLE_CHECKS: dict[str, Callable[[Any, bool], list[TableCheck]]] = {
-    "postgres": _postgres_tables,
-    "mysql": _mysql_tables,
-}
-
-
-def check_source_tables(src: Any, *, duplicates: bool = True) -> list[TableCheck] | None:
-    """Every captured table's verdict for a source config (None: the kind has no tables to check).
-
-    Raises SourceError/ConfigError when the source cannot be reached or its password is missing.
-    """
-    check = TABLE_CHECKS.get(src.kind)
-    return None if check is None else check(src, duplicates)

@@ -318,6 +318,12 @@ SourceConfig = Annotated[
     Field(discriminator="kind"),
 ]
 
+#: Source kind -> its config model (the members of the ``SourceConfig`` union, by their ``kind``).
+SOURCE_MODELS: dict[str, type[PostgresSourceConfig | MySQLSourceConfig | DebeziumSourceConfig | LedgerSourceConfig]] = {
+    m.model_fields["kind"].default: m
+    for m in (PostgresSourceConfig, MySQLSourceConfig, DebeziumSourceConfig, LedgerSourceConfig)
+}
+
 
 # ``[views]`` keys before the per-sink tables, still read: old key -> (sink, setting).
 LEGACY_VIEWS_KEYS = {

@@ -1,29 +1,25 @@
 """`kappaflow doctor`: check a configuration against the live services and say how to fix what is wrong.
 
 Each check returns findings; a finding is OK, WARN or FAIL with a one-line fix. Checks never
-raise for an unreachable service: unreachability is itself a finding.
+raise for an unreachable service: unreachability is itself a finding. The checks of one source
+(connection, server settings, privileges, slot, tables) belong to its kind in the source registry
+(`SourceKind.doctor`, in ``connectors/<kind>/``); this module runs them, checks the log, the views
+and Spark, and what spans sources (slots on a PostgreSQL server, retained WAL, topic policies).
 """
 
 from __future__ import annotations
 
 import socket
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from enum import Enum
 from typing import Any
 from urllib.parse import urlsplit
 
-import orjson
 from rich.filesize import decimal
 
-from kappaflow.config import (
-    DebeziumSourceConfig,
-    LedgerSourceConfig,
-    MySQLSourceConfig,
-    PostgresSourceConfig,
-    Settings,
-    redact,
-)
+from kappaflow.config import Settings, redact
+from kappaflow.connectors.registry import source_kind
 from kappaflow.errors import KappaflowError, LogUnavailableError
 
 
@@ -42,15 +38,15 @@ class Finding:
     fix: str = ""
 
 
-def _ok(area: str, check: str, detail: str) -> Finding:
+def ok(area: str, check: str, detail: str) -> Finding:
     return Finding(area, check, Status.OK, detail)
 
 
-def _fail(area: str, check: str, detail: str, fix: str) -> Finding:
+def fail(area: str, check: str, detail: str, fix: str) -> Finding:
     return Finding(area, check, Status.FAIL, redact(detail), fix)
 
 
-def _warn(area: str, check: str, detail: str, fix: str) -> Finding:
+def warn(area: str, check: str, detail: str, fix: str) -> Finding:
     return Finding(area, check, Status.WARN, redact(detail), fix)
 
 
@@ -58,7 +54,7 @@ def check_log(settings: Settings) -> Iterator[Finding]:
     area = "log"
     embedded_dir = settings.resolve(settings.log.url.removeprefix("file:"))
     if not settings.log.is_kafka and not (embedded_dir / "meta.db").exists():
-        yield _ok(area, "reachable", f"{settings.log.url}: not created yet (the first capture creates it)")
+        yield ok(area, "reachable", f"{settings.log.url}: not created yet (the first capture creates it)")
         return
     try:
         # A reader: never contends with a running capture for the embedded log's writer lock.
@@ -66,210 +62,73 @@ def check_log(settings: Settings) -> Iterator[Finding]:
     except KappaflowError as exc:
         fix = ("start the broker or correct log.url / KAPPAFLOW_LOG__URL" if settings.log.is_kafka
                else "make log.url a writable directory")
-        yield _fail(area, "reachable", f"{settings.log.url}: {exc}", fix)
+        yield fail(area, "reachable", f"{settings.log.url}: {exc}", fix)
         return
     try:
         try:
             topics = log.list_topics()
         except LogUnavailableError as exc:
-            yield _fail(area, "reachable", str(exc), "start the broker or correct log.url / KAPPAFLOW_LOG__URL")
+            yield fail(area, "reachable", str(exc), "start the broker or correct log.url / KAPPAFLOW_LOG__URL")
             return
-        yield _ok(area, "reachable", f"{settings.log.url}: {len(topics)} topics")
-        keyless = _keyless_debezium_tables(settings, log, topics)
+        yield ok(area, "reachable", f"{settings.log.url}: {len(topics)} topics")
+        append_only = set[str]().union(*(source_kind(src).append_only_topics(src, log, topics)
+                                          for src in settings.sources.values()))
         for topic, cfg in sorted(topics.items()):
-            want_compacted = False if topic in keyless else _wants_compaction(settings, topic)
+            want_compacted = _wants_compaction(settings, topic, append_only)
             if want_compacted is None or want_compacted == cfg.compacted:
                 continue
             if want_compacted:
-                yield _fail(area, f"topic {topic}", "cleanup.policy=delete: old changes of a key are never "
+                yield fail(area, f"topic {topic}", "cleanup.policy=delete: old changes of a key are never "
                             "removed and deleted keys stay forever",
                             f"kafka-configs.sh --alter --entity-type topics --entity-name {topic} "
                             "--add-config cleanup.policy=compact")
             else:
-                yield _fail(area, f"topic {topic}", "cleanup.policy=compact on an append-only topic: compaction "
+                yield fail(area, f"topic {topic}", "cleanup.policy=compact on an append-only topic: compaction "
                             "keeps only the last record of each key (a ledger stream's last event)",
                             f"kafka-configs.sh --alter --entity-type topics --entity-name {topic} "
                             "--add-config cleanup.policy=delete")
     except KappaflowError as exc:
-        yield _fail(area, "topics", str(exc), "check the broker's logs and ACLs (DescribeConfigs)")
+        yield fail(area, "topics", str(exc), "check the broker's logs and ACLs (DescribeConfigs)")
     finally:
         log.close()
 
 
-# Topics a source kind writes append-only (cleanup.policy=delete) by design; its other topics are
-# compacted. Debezium: dead letters (their name before kappaflow/deadletters.py), logical messages and
-# verbatim-routed metadata (and the topics of
-# tables without a key, see _keyless_debezium_tables); PostgreSQL/MySQL: the transaction metadata topic
-# (connectors/transactions.py); ledger: one topic per stream type.
-_APPEND_ONLY_TOPICS: dict[str, Callable[[str, str], bool]] = {
-    "debezium": lambda src, topic: topic in {f"{src}.__dead_letter", f"{src}.transaction", f"{src}.message",
-                                             f"{src}.__debezium_schema"},
-    "postgres": lambda src, topic: topic == f"{src}.transaction",
-    "mysql": lambda src, topic: topic == f"{src}.transaction",
-    "ledger": lambda src, topic: topic != f"{src}.__schema",
-}
+def _wants_compaction(settings: Settings, topic: str, append_only: set[str]) -> bool | None:
+    """True/False: the cleanup policy a topic kappaflow writes must have; None: not kappaflow's topic.
 
-
-def _keyless_debezium_tables(settings: Settings, log: Any, topics: Mapping[str, Any]) -> set[str]:
-    """The topics of tables a Debezium source read without a key (its ``__schema`` records name no key
-    columns): written append-only by design (connectors/debezium/source.py)."""
-    out: set[str] = set()
-    for src in settings.sources.values():
-        schema_topic = f"{src.name}.__schema"
-        if src.kind != "debezium" or schema_topic not in topics:
-            continue
-        last: dict[bytes, bytes | None] = {}
-        for rec in log.iter_partition(schema_topic, 0):
-            if rec.key is not None:
-                last[rec.key] = rec.value
-        for key, value in last.items():
-            if value is not None and not orjson.loads(value).get("key"):
-                out.add(f"{src.name}.{orjson.loads(key)}")
-    return out
-
-
-def _wants_compaction(settings: Settings, topic: str) -> bool | None:
-    """True/False: the cleanup policy a topic kappaflow writes must have; None: not kappaflow's topic."""
+    A source's topics are compacted except those its kind writes append-only by design
+    (`SourceKind.append_only_topics`: transaction metadata, dead letters, ledger streams...)."""
     if topic.lstrip("_").startswith("kappaflow_offsets"):
         return True
     src = settings.sources.get(topic.partition(".")[0])
     if src is None or "." not in topic:
         return None
-    append_only = _APPEND_ONLY_TOPICS.get(src.kind)
-    return not (append_only is not None and append_only(src.name, topic))
-
+    return topic not in append_only
 
 
 def check_tables(src: Any, area: str, *, missing_fix: str | None = None) -> Iterator[Finding]:
     """One finding per captured table: its key, or what capture would refuse and the fix."""
-    from kappaflow.connectors.preflight import check_source_tables
-
     try:
-        checks = check_source_tables(src)
+        checks = source_kind(src).tables(src, True)
     except KappaflowError as exc:
-        yield _fail(area, "tables", str(exc).splitlines()[0], "check the connection and the user's SELECT rights")
+        yield fail(area, "tables", str(exc).splitlines()[0], "check the connection and the user's SELECT rights")
         return
     for c in checks or ():
         if not c.problem:
-            yield _ok(area, f"table {c.table}", c.detail)
+            yield ok(area, f"table {c.table}", c.detail)
         else:
             missing = "does not exist" in c.detail or "unknown table" in c.detail
             fix = missing_fix if missing_fix and missing else c.fix
-            yield _fail(area, f"table {c.table}", c.detail, fix)
+            yield fail(area, f"table {c.table}", c.detail, fix)
 
 
-def check_postgres_source(src: PostgresSourceConfig) -> Iterator[Finding]:
-    import psycopg
-
-    area = f"source {src.name}"
-    try:
-        conn = psycopg.connect(src.connect_dsn(), connect_timeout=5, autocommit=True)
-    except (psycopg.Error, KappaflowError) as exc:
-        yield _fail(area, "connect", f"{src.dsn}: {str(exc).strip().splitlines()[0]}",
-                    "check host, port, database, user and the password variable")
-        return
-    with conn:
-        version = conn.execute("show server_version").fetchone()
-        yield _ok(area, "connect", f"PostgreSQL {version[0] if version else '?'}")
-        wal = conn.execute("show wal_level").fetchone()
-        if wal and wal[0] == "logical":
-            yield _ok(area, "wal_level", "logical")
-        else:
-            yield _fail(area, "wal_level", f"wal_level={wal[0] if wal else '?'}; logical decoding is off",
-                        "ALTER SYSTEM SET wal_level = logical; then restart PostgreSQL")
-        row = conn.execute("select rolreplication or rolsuper from pg_roles where rolname = current_user").fetchone()
-        if row and row[0]:
-            yield _ok(area, "replication role", "current role may replicate")
-        else:
-            yield _fail(area, "replication role", "the role lacks REPLICATION",
-                        "ALTER ROLE <user> WITH REPLICATION (as a superuser)")
-        slots = conn.execute("show max_replication_slots").fetchone()
-        used = conn.execute("select count(*) from pg_replication_slots").fetchone()
-        if slots and used and int(used[0]) >= int(slots[0]):
-            yield _warn(area, "slots", f"all {slots[0]} replication slots are in use",
-                        "raise max_replication_slots or drop unused slots")
-        slot = conn.execute(
-            "select active, wal_status, pg_wal_lsn_diff(pg_current_wal_lsn(), confirmed_flush_lsn), "
-            "pg_wal_lsn_diff(pg_current_wal_lsn(), restart_lsn) "
-            "from pg_replication_slots where slot_name = %s", (src.slot_name,)).fetchone()
-        if slot is None:
-            yield _ok(area, "slot", f"{src.slot_name} not created yet (capture creates it)")
-        elif slot[1] == "lost":
-            yield _fail(area, "slot", f"{src.slot_name} was invalidated (WAL removed)",
-                        f"drop it (select pg_drop_replication_slot('{src.slot_name}')) and capture "
-                        "again with snapshot_mode=always")
-        elif slot[0]:
-            yield _ok(area, "slot", f"{src.slot_name} active, {int(slot[2] or 0):,} bytes behind")
-        else:
-            retained = int(slot[3] or 0)
-            yield _warn(area, "slot", f"{src.slot_name} inactive (capture not running), retains "
-                        f"{decimal(retained)} of WAL until capture resumes",
-                        f"run `kappaflow capture {src.name}`, or `kappaflow source remove {src.name}` "
-                        "to drop the slot")
-    yield from check_tables(src, area)
-
-
-def check_mysql_source(src: MySQLSourceConfig) -> Iterator[Finding]:
-    import pymysql
-
-    area = f"source {src.name}"
-    parts = urlsplit(src.connect_dsn())
-    try:
-        conn = pymysql.connect(host=parts.hostname or "127.0.0.1", port=parts.port or 3306,
-                               user=parts.username or "root", password=parts.password or "",
-                               connect_timeout=5)
-    except pymysql.MySQLError as exc:
-        yield _fail(area, "connect", f"{src.dsn}: {exc}", "check host, port, user and the password variable")
-        return
-    try:
-        with conn.cursor() as cur:
-            cur.execute("select version(), @@log_bin, @@binlog_format, @@binlog_row_image")
-            version, log_bin, fmt, image = cur.fetchone()
-            yield _ok(area, "connect", f"server {version}")
-            # Capture needs column names in row events; servers before MySQL 8.0.14 / MariaDB 10.5 lack it.
-            cur.execute("show global variables like 'binlog_row_metadata'")
-            row = cur.fetchone()
-            metadata = row[1] if row else "(not supported by this server version)"
-            expected = {"log_bin": (log_bin, 1, "--log-bin"), "binlog_format": (fmt, "ROW", "--binlog-format=ROW"),
-                        "binlog_row_image": (image, "FULL", "--binlog-row-image=FULL"),
-                        "binlog_row_metadata": (metadata, "FULL", "--binlog-row-metadata=FULL (MySQL >= 8.0.14, "
-                                                "MariaDB >= 10.5)")}
-            for name, (value, want, flag) in expected.items():
-                if str(value).upper() == str(want):
-                    yield _ok(area, name, str(value))
-                else:
-                    yield _fail(area, name, f"{name}={value}, kappaflow needs {want}",
-                                f"start the server with {flag} (or SET GLOBAL {name}='{want}' where allowed)")
-            cur.execute("show grants")
-            grants = " ".join(str(r[0]) for r in cur.fetchall()).upper()
-            if "ALL PRIVILEGES ON *.*" in grants or ("REPLICATION SLAVE" in grants and (
-                    "REPLICATION CLIENT" in grants or "BINLOG MONITOR" in grants)):
-                yield _ok(area, "privileges", "replication privileges granted")
-            else:
-                yield _fail(area, "privileges", "missing REPLICATION SLAVE / REPLICATION CLIENT",
-                            "GRANT REPLICATION SLAVE, REPLICATION CLIENT, SELECT ON *.* TO <user>")
-    finally:
-        conn.close()
-    yield from check_tables(src, area)
-
-
-def _tcp(host: str, port: int) -> str | None:
+def tcp_error(host: str, port: int) -> str | None:
+    """Why a TCP connection to host:port fails (None: it connects), for reachability findings."""
     try:
         with socket.create_connection((host, port), timeout=3):
             return None
     except OSError as exc:
         return str(exc)
-
-
-def check_debezium_source(src: DebeziumSourceConfig) -> Iterator[Finding]:
-    area = f"source {src.name}"
-    for address in src.bootstrap.split(","):
-        host, _, port = address.strip().rpartition(":")
-        err = _tcp(host, int(port or 9092))
-        if err:
-            yield _fail(area, "broker", f"{address}: {err}", "check the Debezium cluster's bootstrap address")
-        else:
-            yield _ok(area, "broker", f"{address} reachable")
 
 
 def check_views(settings: Settings) -> Iterator[Finding]:
@@ -280,9 +139,9 @@ def check_views(settings: Settings) -> Iterator[Finding]:
         try:
             with psycopg.connect(views.postgres_connect_dsn(), connect_timeout=5) as conn:
                 version = conn.execute("show server_version").fetchone()
-            yield _ok("views", "postgres", f"PostgreSQL {version[0] if version else '?'}")
+            yield ok("views", "postgres", f"PostgreSQL {version[0] if version else '?'}")
         except (psycopg.Error, KappaflowError) as exc:
-            yield _fail("views", "postgres", f"{views.postgres_dsn}: {str(exc).strip().splitlines()[0]}",
+            yield fail("views", "postgres", f"{views.postgres_dsn}: {str(exc).strip().splitlines()[0]}",
                         "check views.postgres.dsn and its password_env")
     if views.search_url:
         import json
@@ -293,53 +152,48 @@ def check_views(settings: Settings) -> Iterator[Finding]:
                 info = json.loads(resp.read() or b"{}")
             number = info.get("version", {}).get("number", "?")
             distro = info.get("version", {}).get("distribution", "elasticsearch")
-            yield _ok("views", "search", f"{distro} {number}")
+            yield ok("views", "search", f"{distro} {number}")
             if (distro == "opensearch") != (views.search_flavor == "opensearch"):
                 want = "opensearch" if distro == "opensearch" else "elasticsearch"
-                yield _warn("views", "search flavor", f"server is {distro}, config says {views.search_flavor}",
+                yield warn("views", "search flavor", f"server is {distro}, config says {views.search_flavor}",
                             f'set flavor = "{want}" under [views.search]')
         except (OSError, ValueError) as exc:
-            yield _fail("views", "search", f"{views.search_url}: {exc}", "check views.search.url")
+            yield fail("views", "search", f"{views.search_url}: {exc}", "check views.search.url")
     if views.redis_url:
         import redis
 
         try:
             redis.Redis.from_url(views.redis_url, socket_timeout=3).ping()
-            yield _ok("views", "redis", "ping ok")
+            yield ok("views", "redis", "ping ok")
         except redis.RedisError as exc:
-            yield _fail("views", "redis", f"{views.redis_url}: {exc}", "check views.redis.url")
+            yield fail("views", "redis", f"{views.redis_url}: {exc}", "check views.redis.url")
 
 
 def check_spark(settings: Settings) -> Iterator[Finding]:
     master = settings.spark.master
     if master.startswith("local"):
-        yield _ok("spark", "master", f"{master} (in-process)")
+        yield ok("spark", "master", f"{master} (in-process)")
         return
     if master.startswith("spark://"):
         for address in master.removeprefix("spark://").split(","):
             host, _, port = address.rpartition(":")
-            err = _tcp(host, int(port or 7077))
+            err = tcp_error(host, int(port or 7077))
             if err:
-                yield _fail("spark", "master", f"{address}: {err}", "start the Spark master or fix spark.master")
+                yield fail("spark", "master", f"{address}: {err}", "start the Spark master or fix spark.master")
             else:
-                yield _ok("spark", "master", f"{address} reachable")
+                yield ok("spark", "master", f"{address} reachable")
         return
-    yield _ok("spark", "master", f"{master} (not checked)")
-
-
-def check_ledger_source(src: LedgerSourceConfig) -> Iterator[Finding]:
-    """The ledger is captured like a PostgreSQL source whose only table is ``<schema>.events``."""
-    pg = src.postgres_config()
-    for f in check_postgres_source(pg):
-        if f.check == f"table {src.events_table}" and f.status is Status.FAIL and "unknown table" in f.detail:
-            f = Finding(f.area, f.check, f.status, f.detail, "install the ledger there: kappaflow ledger install "
-                        f"(its schema is {src.schema_name!r}; --ledger-schema when adding the source)")
-        yield f
+    yield ok("spark", "master", f"{master} (not checked)")
 
 
 def _server(dsn: str) -> tuple[str, int]:
     parts = urlsplit(dsn)
     return (parts.hostname or "localhost", parts.port or 5432)
+
+
+def _slot_sources(settings: Settings) -> list[Any]:
+    """The sources holding a logical replication slot on a PostgreSQL server (PostgreSQL, ledger)."""
+    return [src for src in settings.sources.values() if source_kind(src).postgres_slot]
 
 
 def check_postgres_slots(settings: Settings) -> Iterator[Finding]:
@@ -351,10 +205,9 @@ def check_postgres_slots(settings: Settings) -> Iterator[Finding]:
     """
     import psycopg
 
-    servers: dict[tuple[str, int], list[PostgresSourceConfig | LedgerSourceConfig]] = {}
-    for src in settings.sources.values():
-        if isinstance(src, PostgresSourceConfig | LedgerSourceConfig):
-            servers.setdefault(_server(src.dsn), []).append(src)
+    servers: dict[tuple[str, int], list[Any]] = {}
+    for src in _slot_sources(settings):
+        servers.setdefault(_server(src.dsn), []).append(src)
     for (host, port), srcs in sorted(servers.items()):
         area = f"postgres {host}:{port}"
         ours = {s.slot_name for s in srcs}
@@ -372,22 +225,9 @@ def check_postgres_slots(settings: Settings) -> Iterator[Finding]:
                 continue
             where = f"{kind} slot, database {database}" if database else f"{kind} slot"
             owner = " (left by a removed kappaflow source?)" if name.startswith("kappaflow_") else ""
-            yield _fail(area, f"slot {name}", f"inactive ({where}){owner}, retains {decimal(int(retained))} of WAL, "
+            yield fail(area, f"slot {name}", f"inactive ({where}){owner}, retains {decimal(int(retained))} of WAL, "
                         "kept until the slot is dropped", f"if nothing will resume it: SELECT "
                         f"pg_drop_replication_slot('{name}') (in database {database or 'any'})")
-
-
-# Source kind -> its checks (connection, server settings, slot, tables).
-SOURCE_CHECKS: dict[str, Callable[[Any], Iterator[Finding]]] = {
-    "postgres": check_postgres_source,
-    "mysql": check_mysql_source,
-    "debezium": check_debezium_source,
-    "ledger": check_ledger_source,
-}
-
-
-def _unknown_kind(src: Any) -> Iterator[Finding]:
-    yield _fail(f"source {src.name}", "kind", f"no checks for kind {src.kind!r}", "report this: doctor lacks them")
 
 
 def check_slot_wal(settings: Settings) -> Iterator[Finding]:
@@ -400,9 +240,7 @@ def check_slot_wal(settings: Settings) -> Iterator[Finding]:
 
     limit = settings.health.max_retained_wal_bytes
     seen: set[str] = set()
-    for src in settings.sources.values():
-        if src.kind not in ("postgres", "ledger"):
-            continue
+    for src in _slot_sources(settings):
         area = f"source {src.name}"
         try:
             conn = psycopg.connect(src.connect_dsn(), connect_timeout=5, autocommit=True)
@@ -413,7 +251,7 @@ def check_slot_wal(settings: Settings) -> Iterator[Finding]:
             row = conn.execute("show max_slot_wal_keep_size").fetchone()
             if server not in seen and row is not None and str(row[0]).strip() in ("-1", "-1kB"):
                 seen.add(server)
-                yield _warn(area, "max_slot_wal_keep_size",
+                yield warn(area, "max_slot_wal_keep_size",
                             "unset (-1): a slot whose capture stops keeps WAL until the disk is full",
                             "ALTER SYSTEM SET max_slot_wal_keep_size = '50GB'; SELECT pg_reload_conf(); (size it "
                             "below the free disk; a slot past it is invalidated and its capture re-snapshots)")
@@ -428,7 +266,7 @@ def check_slot_wal(settings: Settings) -> Iterator[Finding]:
             probe.close()
         retained = reading.retained_wal_bytes
         if retained is not None and retained > limit:
-            yield _warn(area, "retained WAL", f"slot {reading.slot} retains {decimal(retained)} of WAL, over the "
+            yield warn(area, "retained WAL", f"slot {reading.slot} retains {decimal(retained)} of WAL, over the "
                         f"[health] max_retained_wal_bytes threshold ({decimal(limit)})",
                         "check that its capture runs and keeps up (kappaflow metrics / status --check); a slot "
                         "no capture will use again: kappaflow source remove")
@@ -437,8 +275,7 @@ def check_slot_wal(settings: Settings) -> Iterator[Finding]:
 def run_checks(settings: Settings) -> list[Finding]:
     checks: list[Callable[[], Iterator[Finding]]] = [lambda: check_log(settings)]
     for src in settings.sources.values():
-        source_check = SOURCE_CHECKS.get(src.kind, _unknown_kind)
-        checks.append(lambda src=src, source_check=source_check: source_check(src))  # type: ignore[misc]
+        checks.append(lambda src=src: source_kind(src).doctor(src))  # type: ignore[misc]
     checks += [lambda: check_postgres_slots(settings), lambda: check_slot_wal(settings), lambda: check_views(settings),
                lambda: check_spark(settings)]
     findings: list[Finding] = []

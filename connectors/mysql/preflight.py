@@ -8,8 +8,9 @@ PostgreSQL there is no replica identity to set.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
+from urllib.parse import urlsplit
 
 from kappaflow.connectors.preflight import (
     DUPLICATE_CHECK_MAX_ROWS,
@@ -17,8 +18,10 @@ from kappaflow.connectors.preflight import (
     TableCheck,
     key_columns_hint,
 )
+from kappaflow.doctor import Finding, fail, ok
+from kappaflow.doctor import check_tables as table_findings
 
-__all__ = ["check_tables", "split_names"]
+__all__ = ["check_source", "check_tables", "doctor_checks", "split_names"]
 
 
 def _q(name: str) -> str:
@@ -113,3 +116,67 @@ def check_tables(conn: Any, tables: Sequence[tuple[str, str]], key_columns: Mapp
             out.append(TableCheck(name, "key_columns names a table the source does not capture",
                                   "add it to the tables list or remove its key_columns", problem=True))
     return out
+
+
+def check_source(src: Any, duplicates: bool = True) -> list[TableCheck]:
+    """Every captured table of a MySQL source config (all base tables of its database when it names none)."""
+    from kappaflow.connectors.mysql.server import connect, parse_dsn
+
+    args = parse_dsn(src.dsn, src.resolved_password())
+    conn = connect(args, what=f"checking the tables of source {src.name!r}")
+    try:
+        if src.tables:
+            names = split_names(src.tables, args.database)
+        else:
+            with conn.cursor() as cur:
+                cur.execute("SELECT TABLE_NAME FROM information_schema.TABLES WHERE TABLE_SCHEMA=%s AND "
+                            "TABLE_TYPE='BASE TABLE' ORDER BY TABLE_NAME", (args.database,))
+                names = [(args.database or "", str(r[0])) for r in cur.fetchall()]
+        return check_tables(conn, names, src.key_columns, source=src.name, duplicates=duplicates)
+    finally:
+        conn.close()
+
+
+def doctor_checks(src: Any) -> Iterator[Finding]:
+    """`kappaflow doctor` on a MySQL/MariaDB source: connection, binlog settings, privileges, tables."""
+    import pymysql
+
+    area = f"source {src.name}"
+    parts = urlsplit(src.connect_dsn())
+    try:
+        conn = pymysql.connect(host=parts.hostname or "127.0.0.1", port=parts.port or 3306,
+                               user=parts.username or "root", password=parts.password or "",
+                               connect_timeout=5)
+    except pymysql.MySQLError as exc:
+        yield fail(area, "connect", f"{src.dsn}: {exc}", "check host, port, user and the password variable")
+        return
+    try:
+        with conn.cursor() as cur:
+            cur.execute("select version(), @@log_bin, @@binlog_format, @@binlog_row_image")
+            version, log_bin, fmt, image = cur.fetchone()
+            yield ok(area, "connect", f"server {version}")
+            # Capture needs column names in row events; servers before MySQL 8.0.14 / MariaDB 10.5 lack it.
+            cur.execute("show global variables like 'binlog_row_metadata'")
+            row = cur.fetchone()
+            metadata = row[1] if row else "(not supported by this server version)"
+            expected = {"log_bin": (log_bin, 1, "--log-bin"), "binlog_format": (fmt, "ROW", "--binlog-format=ROW"),
+                        "binlog_row_image": (image, "FULL", "--binlog-row-image=FULL"),
+                        "binlog_row_metadata": (metadata, "FULL", "--binlog-row-metadata=FULL (MySQL >= 8.0.14, "
+                                                "MariaDB >= 10.5)")}
+            for name, (value, want, flag) in expected.items():
+                if str(value).upper() == str(want):
+                    yield ok(area, name, str(value))
+                else:
+                    yield fail(area, name, f"{name}={value}, kappaflow needs {want}",
+                                f"start the server with {flag} (or SET GLOBAL {name}='{want}' where allowed)")
+            cur.execute("show grants")
+            grants = " ".join(str(r[0]) for r in cur.fetchall()).upper()
+            if "ALL PRIVILEGES ON *.*" in grants or ("REPLICATION SLAVE" in grants and (
+                    "REPLICATION CLIENT" in grants or "BINLOG MONITOR" in grants)):
+                yield ok(area, "privileges", "replication privileges granted")
+            else:
+                yield fail(area, "privileges", "missing REPLICATION SLAVE / REPLICATION CLIENT",
+                            "GRANT REPLICATION SLAVE, REPLICATION CLIENT, SELECT ON *.* TO <user>")
+    finally:
+        conn.close()
+    yield from table_findings(src, area)

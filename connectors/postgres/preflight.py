@@ -15,10 +15,12 @@ identity that carries them in the WAL, so both fixes are given together.
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
 
 import psycopg
 from psycopg import sql
+from rich.filesize import decimal
 
 from kappaflow.connectors.postgres import slots
 from kappaflow.connectors.preflight import (
@@ -27,8 +29,11 @@ from kappaflow.connectors.preflight import (
     TableCheck,
     key_columns_hint,
 )
+from kappaflow.doctor import Finding, fail, ok, warn
+from kappaflow.doctor import check_tables as table_findings
+from kappaflow.errors import KappaflowError
 
-__all__ = ["check_tables", "key_check"]
+__all__ = ["check_source", "check_tables", "doctor_checks", "key_check"]
 
 _IDENT = {"d": "DEFAULT", "n": "NOTHING", "f": "FULL", "i": "USING INDEX"}
 
@@ -158,3 +163,64 @@ def check_tables(conn: psycopg.Connection, tables: Sequence[str], key_columns: M
             out.append(TableCheck(f"{schema}.{table}", "key_columns names a table the source does not capture",
                                   "add it to the tables list or remove its key_columns", problem=True))
     return out
+
+
+def check_source(src: Any, duplicates: bool = True) -> list[TableCheck]:
+    """Every captured table of a PostgreSQL source config, checked on a connection of its own."""
+    conn = slots.connect(src.connect_dsn(), what=f"checking the tables of source {src.name!r}")
+    try:
+        return check_tables(conn, src.tables, src.key_columns, source=src.name, duplicates=duplicates)
+    finally:
+        conn.close()
+
+
+def doctor_checks(src: Any) -> Iterator[Finding]:
+    """`kappaflow doctor` on a PostgreSQL source: connection, wal_level, replication role, slots, tables."""
+    import psycopg
+
+    area = f"source {src.name}"
+    try:
+        conn = psycopg.connect(src.connect_dsn(), connect_timeout=5, autocommit=True)
+    except (psycopg.Error, KappaflowError) as exc:
+        yield fail(area, "connect", f"{src.dsn}: {str(exc).strip().splitlines()[0]}",
+                    "check host, port, database, user and the password variable")
+        return
+    with conn:
+        version = conn.execute("show server_version").fetchone()
+        yield ok(area, "connect", f"PostgreSQL {version[0] if version else '?'}")
+        wal = conn.execute("show wal_level").fetchone()
+        if wal and wal[0] == "logical":
+            yield ok(area, "wal_level", "logical")
+        else:
+            yield fail(area, "wal_level", f"wal_level={wal[0] if wal else '?'}; logical decoding is off",
+                        "ALTER SYSTEM SET wal_level = logical; then restart PostgreSQL")
+        row = conn.execute("select rolreplication or rolsuper from pg_roles where rolname = current_user").fetchone()
+        if row and row[0]:
+            yield ok(area, "replication role", "current role may replicate")
+        else:
+            yield fail(area, "replication role", "the role lacks REPLICATION",
+                        "ALTER ROLE <user> WITH REPLICATION (as a superuser)")
+        slots = conn.execute("show max_replication_slots").fetchone()
+        used = conn.execute("select count(*) from pg_replication_slots").fetchone()
+        if slots and used and int(used[0]) >= int(slots[0]):
+            yield warn(area, "slots", f"all {slots[0]} replication slots are in use",
+                        "raise max_replication_slots or drop unused slots")
+        slot = conn.execute(
+            "select active, wal_status, pg_wal_lsn_diff(pg_current_wal_lsn(), confirmed_flush_lsn), "
+            "pg_wal_lsn_diff(pg_current_wal_lsn(), restart_lsn) "
+            "from pg_replication_slots where slot_name = %s", (src.slot_name,)).fetchone()
+        if slot is None:
+            yield ok(area, "slot", f"{src.slot_name} not created yet (capture creates it)")
+        elif slot[1] == "lost":
+            yield fail(area, "slot", f"{src.slot_name} was invalidated (WAL removed)",
+                        f"drop it (select pg_drop_replication_slot('{src.slot_name}')) and capture "
+                        "again with snapshot_mode=always")
+        elif slot[0]:
+            yield ok(area, "slot", f"{src.slot_name} active, {int(slot[2] or 0):,} bytes behind")
+        else:
+            retained = int(slot[3] or 0)
+            yield warn(area, "slot", f"{src.slot_name} inactive (capture not running), retains "
+                        f"{decimal(retained)} of WAL until capture resumes",
+                        f"run `kappaflow capture {src.name}`, or `kappaflow source remove {src.name}` "
+                        "to drop the slot")
+    yield from table_findings(src, area)

@@ -8,8 +8,10 @@ spliced into SQL text. Each failure a user can fix is reported as a
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import psycopg
 from psycopg import sql
@@ -20,6 +22,7 @@ from kappaflow.connectors.postgres.types import SESSION_OPTIONS, TypeInfo
 from kappaflow.errors import ConfigError, Retry, SourceError
 
 __all__ = [
+    "RELEASE_WAIT_S",
     "ColumnInfo",
     "ServerInfo",
     "SlotInfo",
@@ -33,6 +36,7 @@ __all__ = [
     "ensure_publication",
     "load_table",
     "publication_tables",
+    "release",
     "resolve_tables",
     "slot_info",
     "split_table_name",
@@ -437,3 +441,43 @@ def current_lsn(conn: psycopg.Connection) -> int:
     row = conn.execute("SELECT pg_current_wal_insert_lsn()::text").fetchone()
     assert row is not None
     return _lsn_or_none(row[0]) or 0
+
+
+RELEASE_WAIT_S = 5.0  # how long an active slot may take to become free before `source remove` refuses
+
+
+def release(src: Any, others: Iterable[Any], keep: bool) -> list[str]:
+    """`kappaflow source remove`: drop the source's slot and (unless configured or shared) its publication.
+
+    Why: an inactive logical replication slot retains WAL without limit; a source removed from the
+    configuration without dropping its slot fills the database server's disk. One line per thing
+    for the user; ``others``: the remaining sources (a publication one of them uses is kept).
+    Raises SourceError when the server cannot be reached or the slot is in use (a capture runs).
+    """
+    slot, pub = src.slot_name, src.publication_name
+    if keep:
+        return [f"replication slot {slot!r} and publication {pub!r} kept (--keep-slot): the slot retains WAL "
+                f"until it is dropped: SELECT pg_drop_replication_slot('{slot}')"]
+    conn = connect(src.connect_dsn(), what=f"dropping the replication slot of source {src.name!r}")
+    out: list[str] = []
+    try:
+        # A capture that just stopped leaves its slot active for a moment while its walsender exits;
+        # a running one holds it for good, and drop_slot then says to stop it first.
+        deadline = time.monotonic() + RELEASE_WAIT_S
+        while time.monotonic() < deadline and conn.execute(
+                "SELECT 1 FROM pg_replication_slots WHERE slot_name = %s AND active", (slot,)).fetchone():
+            time.sleep(0.1)
+        out.append(f"replication slot {slot!r} " + ("dropped" if drop_slot(conn, slot) else "did not exist"))
+        shared = [o.name for o in others if getattr(o, "publication_name", None) == pub]
+        if src.publication is not None:
+            out.append(f"publication {pub!r} kept: it is configured explicitly (it may be shared); drop it with "
+                       f"DROP PUBLICATION {pub} when nothing uses it")
+        elif shared:
+            out.append(f"publication {pub!r} kept: source(s) {', '.join(shared)} use it too")
+        else:
+            existed = conn.execute("SELECT 1 FROM pg_publication WHERE pubname = %s", (pub,)).fetchone()
+            drop_publication(conn, pub)
+            out.append(f"publication {pub!r} " + ("dropped" if existed else "did not exist"))
+    finally:
+        conn.close()
+    return out

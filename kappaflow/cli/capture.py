@@ -27,14 +27,9 @@ from typing import Annotated, Any
 
 import typer
 
-from kappaflow.config import (
-    DebeziumSourceConfig,
-    LedgerSourceConfig,
-    MySQLSourceConfig,
-    PostgresSourceConfig,
-    Settings,
-)
+from kappaflow.config import Settings
 from kappaflow.connectors.base import CaptureSummary, Connector, StopSignal
+from kappaflow.connectors.registry import source_kind
 from kappaflow.errors import ConfigError, KappaflowError
 from kappaflow.log.base import Log
 
@@ -43,27 +38,10 @@ __all__ = ["capture", "capture_command", "make_connector", "source_status"]
 
 def make_connector(source: Any, log: Log, *, partitions: int = 4, progress: bool | None = None,
                    log_kafka: Any = None) -> Connector:
-    """The connector for a source config: PostgreSQL WAL, MySQL/MariaDB binlog, Debezium topics or
-    a kappaflow ledger (its events table from the WAL). ``log_kafka``: the configuration's
+    """The connector for a source config, from its kind in the source registry (PostgreSQL WAL,
+    MySQL/MariaDB binlog, Debezium topics, a kappaflow ledger). ``log_kafka``: the configuration's
     ``[log.kafka]`` (a Debezium source without Kafka settings of its own reads with them)."""
-    if isinstance(source, PostgresSourceConfig):
-        from kappaflow.connectors.postgres.connector import PostgresConnector
-
-        return PostgresConnector(source, log, partitions=partitions, progress=progress)
-    if isinstance(source, MySQLSourceConfig):
-        from kappaflow.connectors.mysql.connector import MySQLConnector
-
-        return MySQLConnector.from_config(source, log, partitions=partitions, progress=progress)
-    if isinstance(source, DebeziumSourceConfig):
-        from kappaflow.connectors.debezium.source import DebeziumSource
-
-        return DebeziumSource.from_config(source, log, partitions=partitions, log_kafka=log_kafka)
-    if isinstance(source, LedgerSourceConfig):
-        from kappaflow.connectors.ledger import LedgerConnector
-
-        return LedgerConnector(source, log, partitions=partitions, progress=progress)
-    kind = getattr(source, "kind", type(source).__name__)
-    raise ConfigError(f"source {getattr(source, 'name', '?')!r}: unknown kind {kind!r}")
+    return source_kind(source).open(source, log, partitions=partitions, progress=progress, log_kafka=log_kafka)
 
 
 def source_status(config: Any, log: Log) -> dict[str, Any]:
@@ -71,15 +49,7 @@ def source_status(config: Any, log: Log) -> dict[str, Any]:
 
     ``log`` may be opened read-only (a running capture holds the embedded log's writer lock).
     """
-    if isinstance(config, PostgresSourceConfig):
-        from kappaflow.connectors.postgres.connector import postgres_status
-
-        return postgres_status(config, log)
-    if isinstance(config, LedgerSourceConfig):
-        from kappaflow.connectors.ledger import ledger_status
-
-        return ledger_status(config, log)
-    return make_connector(config, log).status()
+    return source_kind(config).status(config, log)
 
 
 class _CaptureMetrics:

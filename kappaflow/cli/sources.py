@@ -11,16 +11,9 @@ from pydantic import ValidationError
 from rich.table import Table
 
 from kappaflow.cli.common import console, fail, settings
-from kappaflow.config import (
-    CONFIG_FILE,
-    DebeziumSourceConfig,
-    LedgerSourceConfig,
-    MySQLSourceConfig,
-    PostgresSourceConfig,
-    SnapshotMode,
-    format_validation_error,
-)
+from kappaflow.config import CONFIG_FILE, SOURCE_MODELS, SnapshotMode, format_validation_error
 from kappaflow.config_file import remove_source, write_source
+from kappaflow.connectors.registry import source_kind
 from kappaflow.errors import ConfigError, KappaflowError
 
 app = typer.Typer(help="Register and inspect capture sources.", no_args_is_help=True)
@@ -48,10 +41,8 @@ def _config_path(ctx: typer.Context) -> Path:
 
 def _check_tables(src: Any) -> None:
     """Refuse a source whose tables capture would refuse (keys, replica identity, NULL or duplicate keys)."""
-    from kappaflow.connectors.preflight import check_source_tables
-
     try:
-        checks = check_source_tables(src)
+        checks = source_kind(src).tables(src, True)
     except KappaflowError as exc:
         fail(f"source {src.name!r} not saved: cannot check its tables: {exc}\nFix the connection (or the password "
              "variable), or save it unchecked with --no-check (`kappaflow doctor` checks the tables later)")
@@ -95,9 +86,9 @@ def add(
 
     Only the source's own table is written: the file's comments, order and other values stay as they are.
     """
-    chosen = [k for k, v in (("--postgres", postgres), ("--mysql", mysql), ("--debezium", debezium),
-                             ("--ledger", ledger)) if v]
-    if len(chosen) != 1:
+    given = {kind: value for kind, value in (("postgres", postgres), ("mysql", mysql), ("debezium", debezium),
+                                             ("ledger", ledger)) if value}
+    if len(given) != 1:
         fail("give exactly one of --postgres DSN, --mysql DSN, --debezium BOOTSTRAP or --ledger DSN")
     if ledger_schema is not None and not ledger:
         fail("--ledger-schema goes with --ledger DSN")
@@ -106,19 +97,19 @@ def add(
     s = settings(ctx)
     if name in s.sources and not replace:
         fail(f"source {name!r} already exists; use --replace to overwrite it")
+    [(kind, address)] = given.items()
+    model = SOURCE_MODELS[kind]
+    fields = model.model_fields
     data: dict[str, object] = {"name": name, "tables": _csv(tables),
                                "key_columns": _key_columns(key_columns or []), "snapshot_mode": snapshot_mode}
-    model: type[PostgresSourceConfig | MySQLSourceConfig | DebeziumSourceConfig | LedgerSourceConfig]
-    if ledger:
-        model, data["dsn"], data["password_env"] = LedgerSourceConfig, ledger, password_env
-        if ledger_schema is not None:
-            data["schema_name"] = ledger_schema
-    elif postgres:
-        model, data["dsn"], data["password_env"] = PostgresSourceConfig, postgres, password_env
-    elif mysql:
-        model, data["dsn"], data["password_env"] = MySQLSourceConfig, mysql, password_env
-    else:
-        model, data["bootstrap"], data["topics"] = DebeziumSourceConfig, debezium, _csv(topics)
+    # the address is a DSN, or the bootstrap servers of a Debezium cluster (which reads topics, not tables)
+    data["bootstrap" if "bootstrap" in fields else "dsn"] = address
+    if "password_env" in fields:
+        data["password_env"] = password_env
+    if "topics" in fields:
+        data["topics"] = _csv(topics)
+    if ledger_schema is not None:
+        data["schema_name"] = ledger_schema
     try:
         src = model.model_validate(data)
     except ValidationError as exc:
@@ -137,9 +128,7 @@ def list_(ctx: typer.Context) -> None:
     table = Table("name", "kind", "where", "tables/topics", "snapshot")
     for name, src in sorted(s.sources.items()):
         where = getattr(src, "dsn", None) or getattr(src, "bootstrap", "")
-        items = getattr(src, "topics", None) or src.tables or (
-            [src.events_table] if isinstance(src, LedgerSourceConfig) else ["(all)"])
-        table.add_row(name, src.kind, where, ", ".join(items), src.snapshot_mode.value)
+        table.add_row(name, src.kind, where, ", ".join(source_kind(src).captured(src)), src.snapshot_mode.value)
     console.print(table)
 
 
@@ -151,13 +140,11 @@ def remove(
         "--keep-slot", help="Keep the replication slot and publication on the server (they retain WAL)")] = False,
 ) -> None:
     """Remove a source from kappaflow.toml and drop its replication slot and publication (log topics stay)."""
-    from kappaflow.connectors.release import release_source
-
     s = settings(ctx)
     src = s.source(name)
     path = _config_path(ctx)
     try:
-        lines = release_source(src, [o for n, o in s.sources.items() if n != name], keep_slot=keep_slot)
+        lines = source_kind(src).release(src, [o for n, o in s.sources.items() if n != name], keep_slot)
     except KappaflowError as exc:
         fail(f"source {name!r} not removed: {exc}\n(--keep-slot removes it from the configuration and leaves the "
              "slot, which retains WAL until dropped)", transient=exc.transient)

@@ -1,7 +1,8 @@
 """What a source's server says about a capture: retained WAL, unconfirmed WAL, binlog behind.
 
-One reading per source kind, registered in ``PROBES`` (kinds without one -- a Debezium source,
-whose lag is its Kafka consumer group's -- have none). The capture's progress lines, its
+One reading per source kind, each kind's probe in its connector package (``connectors/<kind>/probe.py``,
+found through the source registry; kinds without one -- a Debezium source, whose lag is its Kafka
+consumer group's -- have none). The capture's progress lines, its
 ``/metrics``, ``kappaflow metrics``, ``status --check`` and the status page all read these same
 figures, each probe on a connection of its own (never the capture's), so a slow or failing
 probe never stops a capture: callers turn an exception into "unknown".
@@ -10,11 +11,10 @@ probe never stops a capture: callers turn an exception into "unknown".
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["PROBES", "CachedProbe", "SourceProbe", "SourceReading", "open_probe", "position_number"]
+__all__ = ["CachedProbe", "SourceProbe", "SourceReading", "open_probe", "position_number"]
 
 
 @dataclass
@@ -59,88 +59,11 @@ class SourceProbe:
         pass
 
 
-class _PostgresProbe(SourceProbe):
-    """The slot's retained and unconfirmed WAL (the figures `source status` calls lag_bytes)."""
-
-    def __init__(self, src: Any) -> None:
-        self.slot = src.slot_name
-        self.dsn = src.connect_dsn()
-        self.conn: Any = None
-
-    def read(self, position: str | None) -> SourceReading:
-        from kappaflow.connectors.postgres import slots
-
-        if self.conn is None or self.conn.closed:
-            self.conn = slots.connect(self.dsn, what="reading the slot's WAL figures")
-        try:
-            info = slots.slot_info(self.conn, self.slot)
-        except Exception:
-            self.conn.close()
-            raise
-        if info is None:
-            return SourceReading(slot=self.slot, slot_missing=True)
-        retained = None if info.restart_lsn is None else max(0, info.current_lsn - info.restart_lsn)
-        return SourceReading(
-            slot=self.slot, retained_wal_bytes=retained,
-            unconfirmed_wal_bytes=None if info.lag_bytes is None else max(0, info.lag_bytes),
-            confirmed_position=info.confirmed_flush_lsn, slot_active=info.active,
-        )
-
-    def close(self) -> None:
-        if self.conn is not None:
-            self.conn.close()
-
-
-class _MySQLProbe(SourceProbe):
-    """Binlog files and bytes on the server after the capture's position (``file:pos``)."""
-
-    def __init__(self, src: Any) -> None:
-        from kappaflow.connectors.mysql.server import parse_dsn
-
-        self.args = parse_dsn(src.dsn, src.resolved_password())
-        self.conn: Any = None
-
-    def read(self, position: str | None) -> SourceReading:
-        from kappaflow.connectors.mysql.server import connect
-
-        if position is None or ":" not in position:
-            return SourceReading()
-        if self.conn is None or not self.conn.open:
-            self.conn = connect(self.args, what="reading the binlog lag", autocommit=True)
-        try:
-            with self.conn.cursor() as cur:
-                cur.execute("SHOW BINARY LOGS")
-                files = [(str(r[0]), int(r[1])) for r in cur.fetchall()]
-        except Exception:
-            self.conn.close()
-            raise
-        at_file, _, rest = position.partition(":")
-        at_pos = int(rest.split()[0])
-        names = [f for f, _ in files]
-        if at_file not in names:
-            return SourceReading(confirmed_position=position_number(position))
-        i = names.index(at_file)
-        behind = max(0, files[i][1] - at_pos) + sum(size for _, size in files[i + 1:])
-        return SourceReading(confirmed_position=position_number(position), binlog_files_behind=len(files) - i - 1,
-                             binlog_bytes_behind=behind)
-
-    def close(self) -> None:
-        if self.conn is not None:
-            self.conn.close()
-
-
-# Source kind -> its probe (a registry: new kinds register here, callers never branch on kinds).
-PROBES: dict[str, Callable[[Any], SourceProbe]] = {
-    "postgres": _PostgresProbe,
-    "ledger": _PostgresProbe,
-    "mysql": _MySQLProbe,
-}
-
-
 def open_probe(source: Any) -> SourceProbe | None:
-    """The probe for a source config, or None for kinds without one."""
-    factory = PROBES.get(getattr(source, "kind", ""))
-    return None if factory is None else factory(source)
+    """The probe for a source config (its kind's, from the source registry), or None for kinds without one."""
+    from kappaflow.connectors.registry import source_kind
+
+    return source_kind(source).probe(source)
 
 
 class CachedProbe(SourceProbe):

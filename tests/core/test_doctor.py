@@ -135,6 +135,27 @@ def test_ledger_source_is_checked_not_crashed_on(tmp_path: Path, pg_dsn: str) ->
     assert f.status is Status.FAIL and "kappaflow ledger install" in f.fix
 
 
+def test_every_source_kind_is_checked_side_by_side(tmp_path: Path, pg_dsn: str, mariadb_server: Any) -> None:
+    """One source of each registered kind in one configuration: each gets its own checks, none crashes doctor."""
+    from kappaflow.config import SOURCE_MODELS, DebeziumSourceConfig, LedgerSourceConfig
+    from kappaflow.connectors.registry import kinds
+
+    sources = {
+        "shop": PostgresSourceConfig(name="shop", dsn=pg_dsn),
+        "inv": MySQLSourceConfig(name="inv", dsn=f"mysql://root@127.0.0.1:{mariadb_server.port}/mysql",
+                                 tables=["mysql.db"]),
+        "dbz": DebeziumSourceConfig(name="dbz", bootstrap=f"127.0.0.1:{free_port()}", topics=["pg.public.t"]),
+        "bank": LedgerSourceConfig(name="bank", dsn=pg_dsn),
+    }
+    assert {s.kind for s in sources.values()} == set(kinds()) == set(SOURCE_MODELS)
+    findings = run_checks(_settings(tmp_path, sources=sources))
+    assert _find(findings, "source shop", "wal_level").status is Status.OK
+    assert _find(findings, "source inv", "binlog_format").status is Status.OK
+    assert _find(findings, "source dbz", "broker").status is Status.FAIL
+    assert _find(findings, "source bank", "connect").status is Status.OK
+    assert "kappaflow ledger install" in _find(findings, "source bank", "table kappaflow_ledger.events").fix
+
+
 def test_binlog_row_metadata_is_checked(tmp_path: Path, mariadb_server: Any) -> None:
     """Capture refuses a server without binlog_row_metadata=FULL (connectors/mysql/server.py); doctor must too."""
     src = MySQLSourceConfig(name="inv", dsn=f"mysql://root@127.0.0.1:{mariadb_server.port}/mysql",
