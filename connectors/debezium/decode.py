@@ -53,6 +53,7 @@ from kappaflow.events import (
     SourceInfo,
     TableSchema,
 )
+from kappaflow.events.connect import parse_value_schema
 from kappaflow.events.sources import layout_for_connector
 
 __all__ = ["DebeziumDecoder", "Decoded"]
@@ -395,7 +396,7 @@ class DebeziumDecoder:
         key_dict = _raw_key(key)
         names = self.key_columns.get(qualified) or (tuple(key_dict) if key_dict else ())
         if schema_part is not None:
-            parsed = TableSchema.from_connect(schema_part)
+            parsed = parse_value_schema(schema_part)
             cols = tuple(c for c in parsed.columns if not c.name.startswith("__") and c.name not in unavailable)
             base = TableSchema(out, cols, ())
             schema = self._with_key(out, base, tuple(n for n in names if n in {c.name for c in cols}))

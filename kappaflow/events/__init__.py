@@ -5,6 +5,10 @@
   order within one source, used to drop duplicates.
 - ``TableSchema`` / ``Column`` / ``FieldType``: Kafka Connect / Debezium field types.
 - ``EventCodec``: Debezium JsonConverter JSON, with or without the ``schema`` part.
+
+Modules, each importing only those before it: ``types`` (field types), ``values`` (value codecs),
+``schema`` (the table model), ``connect`` (Connect schemas: ``render_value_schema``,
+``render_key_schema``, ``parse_value_schema``), ``sources`` (source blocks), ``json`` (the codec).
 """
 
 from kappaflow.events.json import (

@@ -26,7 +26,9 @@ from typing import Any
 import orjson
 
 from kappaflow.errors import ValidationError
-from kappaflow.events.schema import Column, FieldType, TableSchema
+from kappaflow.events.schema import Column, TableSchema
+from kappaflow.events.sources import layout_for_kind, layout_for_source
+from kappaflow.events.types import FieldType, check_decimal_mode
 from kappaflow.events.values import Wire, decode_default, encode_default
 
 __all__ = [
@@ -34,6 +36,9 @@ __all__ = [
     "connect_field",
     "connect_key_schema",
     "connect_row_schema",
+    "parse_value_schema",
+    "render_key_schema",
+    "render_value_schema",
     "source_schema",
     "table_from_connect",
 ]
@@ -214,8 +219,6 @@ def _f(ctype: str, name: str, optional: bool = False) -> dict[str, Any]:
 def source_schema(position_kind: str, source: Any = None) -> dict[str, Any]:
     """The ``source`` block's struct for a position kind, or for ``source`` (a ``SourceInfo``:
     its connector's layout) when given (``kappaflow.events.sources``)."""
-    from kappaflow.events.sources import layout_for_kind, layout_for_source
-
     layout = layout_for_source(source) if source is not None else layout_for_kind(position_kind)
     return {"type": "struct", "fields": layout.connect_fields(source), "optional": False,
             "name": layout.schema_name, "version": 1, "field": "source"}
@@ -437,3 +440,51 @@ def table_from_connect(schema: Any, key: Sequence[str] | None = None) -> tuple[T
             if not isinstance(key, list) or not all(isinstance(k, str) for k in key):
                 raise ValidationError(f"{path}.parameters.kf.key: expected a JSON list of column names, got {raw!r}")
     return TableSchema(topic, tuple(columns), tuple(key or ())), wires
+
+
+def render_value_schema(table: TableSchema, envelope: bool = True, *, decimal_mode: str = "precise",
+                        position_kind: str = "pg") -> dict[str, Any]:
+    """The Debezium value schema of ``table`` as JsonConverter writes it (a fresh copy; cached per table).
+
+    ``envelope=True``: the ``<name>.Envelope`` struct (before/after/source/op/ts_ms/
+    transaction); the source block's layout follows ``position_kind`` ("pg": the
+    PostgreSQL connector's, "binlog": MySQL's, "ledger": kappaflow's ledger).
+    ``envelope=False``: only the ``<name>.Value`` row struct.
+    ``decimal_mode`` is Debezium's ``decimal.handling.mode`` (default "precise").
+    """
+    check_decimal_mode(decimal_mode)
+    key = ("connect", envelope, decimal_mode, position_kind)
+    cached = table._cache.get(key)
+    if cached is None:
+        if envelope:
+            cached = connect_envelope_schema(table, decimal_mode, position_kind)
+        else:
+            cached = connect_row_schema(table, decimal_mode, optional=False)
+        table._cache[key] = cached
+    return _deep_copy(cached)
+
+
+def render_key_schema(table: TableSchema, *, decimal_mode: str = "precise") -> dict[str, Any]:
+    """The Debezium key schema of ``table``: the ``<name>.Key`` struct of its key columns."""
+    check_decimal_mode(decimal_mode)
+    if not table.key:
+        raise ValidationError(f"table {table.name!r} has no key columns: its events have a null key")
+    return connect_key_schema(table, decimal_mode)
+
+
+def parse_value_schema(schema: Mapping[str, Any], key: Sequence[str] | None = None) -> TableSchema:
+    """Read a Debezium value schema (Envelope or Value struct) back into a TableSchema.
+
+    The key comes from ``key`` or, for kappaflow-written schemas, the ``kf.key``
+    parameter; Debezium-written schemas carry none (the key is in the key schema).
+    """
+    table, _wires = table_from_connect(schema, key)
+    return table
+
+
+def _deep_copy(obj: Any) -> Any:
+    if isinstance(obj, dict):
+        return {k: _deep_copy(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_deep_copy(v) for v in obj]
+    return obj

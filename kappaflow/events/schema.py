@@ -1,10 +1,12 @@
 """Table schemas with Kafka Connect / Debezium-compatible field types.
 
 A ``TableSchema`` describes one captured table: its columns (typed with
-``FieldType``) and its key. It renders the Debezium value and key schemas
-(``connect_schema`` / ``connect_key_schema``) exactly as Debezium's JsonConverter
-writes them, and reads them back (``TableSchema.from_connect``), so kappaflow can
-consume topics written by Debezium and Debezium consumers can read kappaflow's.
+``FieldType``, from ``types``) and its key. ``kappaflow.events.connect`` renders the
+Debezium value and key schemas exactly as Debezium's JsonConverter writes them
+(``render_value_schema`` / ``render_key_schema``) and reads them back
+(``parse_value_schema``), so kappaflow can consume topics written by Debezium and
+Debezium consumers can read kappaflow's. The model imports no codec but the column
+defaults' (``values``): ``types`` <- ``values`` <- ``schema`` <- ``connect``.
 
 Debezium's schema carries no primary key and renders some types ambiguously
 (a decimal in ``string`` mode is a plain string); kappaflow adds schema
@@ -14,14 +16,15 @@ Debezium's schema carries no primary key and renders some types ambiguously
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from enum import Enum
 from typing import Any
 
 import orjson
 
 from kappaflow.errors import ValidationError
+from kappaflow.events.types import DECIMAL_MODES, FieldType
+from kappaflow.events.values import decode_default, encode_default
 
 __all__ = [
     "DECIMAL_MODES",
@@ -29,38 +32,6 @@ __all__ = [
     "FieldType",
     "TableSchema",
 ]
-
-DECIMAL_MODES = ("string", "precise", "double")
-
-
-class FieldType(str, Enum):
-    """Column types; each maps to one Kafka Connect type plus a Debezium semantic name."""
-
-    INT8 = "int8"
-    INT16 = "int16"
-    INT32 = "int32"
-    INT64 = "int64"
-    FLOAT32 = "float32"
-    FLOAT64 = "float64"
-    BOOLEAN = "boolean"
-    STRING = "string"
-    BYTES = "bytes"
-    DECIMAL = "decimal"  # fixed scale: numeric(p, s)
-    VARIABLE_DECIMAL = "variable_decimal"  # numeric without a scale
-    DATE = "date"
-    TIME = "time"  # micros since midnight
-    TIMESTAMP = "timestamp"  # naive, micros
-    TIMESTAMPTZ = "timestamptz"  # zoned
-    INTERVAL = "interval"  # micro duration
-    UUID = "uuid"
-    JSON = "json"
-    ENUM = "enum"
-    ARRAY = "array"
-    YEAR = "year"
-    BITS = "bits"
-    SET = "set"  # MySQL SET
-    STRUCT = "struct"  # Connect struct: geometry, point, sparse vectors ... (Python dict of field -> value)
-    MAP = "map"  # Connect map: hstore (map mode), sparse vector entries (Python dict)
 
 
 @dataclass(frozen=True, slots=True)
@@ -133,13 +104,9 @@ class Column:
         if self.native_type is not None and not isinstance(self.native_type, str):
             raise ValidationError(f"{where}.native_type: expected a string, got {self.native_type!r}")
         if self.default is not None:  # a default must be a value of the column (fail early, not at encode)
-            from kappaflow.events.values import encode_default
-
             encode_default(self, self.default, "string", f"{where}.default")
 
     def to_dict(self) -> dict[str, Any]:
-        from kappaflow.events.values import encode_default
-
         d: dict[str, Any] = {"name": self.name, "type": self.type.value, "optional": self.optional}
         if self.scale is not None:
             d["scale"] = self.scale
@@ -163,8 +130,6 @@ class Column:
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any], path: str = "column") -> Column:
-        from kappaflow.events.values import decode_default
-
         if not isinstance(d, Mapping):
             raise ValidationError(f"{path}: expected an object, got {type(d).__name__}")
         known = {"name", "type", "optional", "scale", "precision", "items", "allowed", "length", "default",
@@ -259,51 +224,6 @@ class TableSchema:
         return TableSchema(self.name, tuple(cols), self.key)
 
     # -- Kafka Connect schemas -----------------------------------------------------
-    def connect_schema(
-        self, envelope: bool = True, *, decimal_mode: str = "precise", position_kind: str = "pg"
-    ) -> dict[str, Any]:
-        """The Debezium value schema as JsonConverter writes it.
-
-        ``envelope=True``: the ``<name>.Envelope`` struct (before/after/source/op/ts_ms/
-        transaction); the source block's layout follows ``position_kind`` ("pg": the
-        PostgreSQL connector's, "binlog": MySQL's, "ledger": kappaflow's ledger).
-        ``envelope=False``: only the ``<name>.Value`` row struct.
-        ``decimal_mode`` is Debezium's ``decimal.handling.mode`` (default "precise").
-        """
-        from kappaflow.events.connect import connect_envelope_schema, connect_row_schema
-
-        _check_mode(decimal_mode)
-        key = ("connect", envelope, decimal_mode, position_kind)
-        cached = self._cache.get(key)
-        if cached is None:
-            if envelope:
-                cached = connect_envelope_schema(self, decimal_mode, position_kind)
-            else:
-                cached = connect_row_schema(self, decimal_mode, optional=False)
-            self._cache[key] = cached
-        return _deep_copy(cached)
-
-    def connect_key_schema(self, *, decimal_mode: str = "precise") -> dict[str, Any]:
-        """The Debezium key schema: ``<name>.Key`` struct of the key columns."""
-        from kappaflow.events.connect import connect_key_schema
-
-        _check_mode(decimal_mode)
-        if not self.key:
-            raise ValidationError(f"table {self.name!r} has no key columns: its events have a null key")
-        return connect_key_schema(self, decimal_mode)
-
-    @classmethod
-    def from_connect(cls, schema: Mapping[str, Any], key: Sequence[str] | None = None) -> TableSchema:
-        """Read a Debezium value schema (Envelope or Value struct) back into a TableSchema.
-
-        The key comes from ``key`` or, for kappaflow-written schemas, the ``kf.key``
-        parameter; Debezium-written schemas carry none (the key is in the key schema).
-        """
-        from kappaflow.events.connect import table_from_connect
-
-        table, _wires = table_from_connect(schema, key)
-        return table
-
     # -- identity and storage ------------------------------------------------------
     def fingerprint(self) -> str:
         """Stable hash of the schema's content (hex sha256); equal schemas, equal prints."""
@@ -337,20 +257,7 @@ class TableSchema:
         return cls(name, columns, tuple(key))
 
 
-def _check_mode(mode: str) -> None:
-    if mode not in DECIMAL_MODES:
-        raise ValidationError(f"decimal_mode: expected one of {list(DECIMAL_MODES)}, got {mode!r}")
-
-
 def _replace(c: Column, **changes: Any) -> Column:
     from dataclasses import replace
 
     return replace(c, **changes)
-
-
-def _deep_copy(obj: Any) -> Any:
-    if isinstance(obj, dict):
-        return {k: _deep_copy(v) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [_deep_copy(v) for v in obj]
-    return obj

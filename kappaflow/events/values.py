@@ -20,12 +20,15 @@ from binascii import a2b_base64, b2a_base64
 from collections.abc import Callable
 from datetime import UTC, date, datetime, time, timedelta
 from decimal import MAX_EMAX, MAX_PREC, MIN_EMIN, Context, Decimal, Inexact, InvalidOperation
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import orjson
 
 from kappaflow.errors import ValidationError
-from kappaflow.events.schema import Column, FieldType
+from kappaflow.events.types import FieldType
+
+if TYPE_CHECKING:
+    from kappaflow.events.schema import Column
 
 __all__ = [
     "JSON_NULL",

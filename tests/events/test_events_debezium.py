@@ -30,6 +30,7 @@ from kappaflow.events import (
     TableSchema,
     TransactionInfo,
 )
+from kappaflow.events.connect import parse_value_schema, render_value_schema
 
 FT = FieldType
 
@@ -199,7 +200,7 @@ def test_reads_a_postgresql_create_with_schema() -> None:
     assert ev.ts_ms == 1559033904866 and ev.transaction is None
     assert (ev.ts_us, ev.ts_ns) == (1559033904866001, 1559033904866001000)
     assert ev.key is None  # Debezium's value schema names no key: it is in the record key
-    key_schema = TableSchema.from_connect(PG_CREATE["schema"], key=["id"])
+    key_schema = parse_value_schema(PG_CREATE["schema"], key=["id"])
     assert key_schema.name == "PostgreSQL_server.inventory.customers"
     assert key_schema.column("id") == Column("id", FT.INT32, optional=False, default=0)
     assert EventCodec().decode_value(orjson.dumps(PG_CREATE), key_schema).key == {"id": 1}
@@ -234,7 +235,7 @@ def test_reads_a_snapshot_read_with_decimal_and_micro_timestamp() -> None:
     }
     assert ev.source.snapshot is Snapshot.FIRST
     assert ev.source.position == PgPosition(26843720, 0, snapshot=True)
-    table = TableSchema.from_connect(PG_SNAPSHOT_READ["schema"])
+    table = parse_value_schema(PG_SNAPSHOT_READ["schema"])
     assert table.column("price") == Column("price", FT.DECIMAL, optional=False, scale=2, precision=10)
     assert table.column("order_date") == Column("order_date", FT.TIMESTAMP, default=datetime(1970, 1, 1))
     assert table.column("status").default == "PENDING"
@@ -293,7 +294,7 @@ def test_reads_debezium_logical_types() -> None:
         "n": Decimal("12.34"), "u": UUID("a0eebc99-9c0b-4ef8-bb6d-6bb9bd380a11"), "j": {"k": [1, 2]}, "e": "paid",
         "a": [1, None], "x": "<a/>", "m": Decimal("12.5"),
     }
-    table = TableSchema.from_connect(schema)
+    table = parse_value_schema(schema)
     assert table.column("e").allowed == ("new", "paid")
     assert table.column("m").type is FT.DECIMAL and table.column("m").scale == 2
 
@@ -360,7 +361,7 @@ def test_encoder_writes_the_postgresql_envelope_shape() -> None:
 
 def test_encoder_writes_the_mysql_source_shape() -> None:
     event = EventCodec().decode_value(orjson.dumps(MYSQL_UPDATE))
-    table = TableSchema.from_connect(MYSQL_UPDATE["schema"])
+    table = parse_value_schema(MYSQL_UPDATE["schema"])
     out = orjson.loads(EventCodec(include_schema=True).encode_value(event, table))
     ours_source = next(x for x in out["schema"]["fields"] if x["field"] == "source")
     assert ours_source["name"] == "io.debezium.connector.mysql.Source"
@@ -393,12 +394,12 @@ def test_connect_schema_round_trips_through_from_connect(mode: str, kind: str) -
         ),
         key=("id",),
     )
-    cs = schema.connect_schema(decimal_mode=mode, position_kind=kind)
+    cs = render_value_schema(schema, decimal_mode=mode, position_kind=kind)
     assert cs["name"] == "shop.public.everything.Envelope"
-    back = TableSchema.from_connect(cs)
+    back = parse_value_schema(cs)
     assert back == schema
     assert back.fingerprint() == schema.fingerprint()
-    assert TableSchema.from_connect(schema.connect_schema(envelope=False, decimal_mode=mode)) == schema
+    assert parse_value_schema(render_value_schema(schema, envelope=False, decimal_mode=mode)) == schema
     # a decoder handed the schema part alone can read the events
     ev = ChangeEvent(Op.CREATE, {"id": 1}, None, {"id": 1, "amount": Decimal("1.25"), "tags": ["a", None]},
                      SourceInfo("postgresql", "shop", "db", "public", "everything", PgPosition(1, 0), 5), 6)

@@ -25,6 +25,7 @@ from kappaflow.events import (
     TableSchema,
     TransactionInfo,
 )
+from kappaflow.events.connect import parse_value_schema, render_key_schema, render_value_schema
 
 FT = FieldType
 SRC = SourceInfo("postgresql", "shop", "db", "public", "t", PgPosition(10, 0), 1)
@@ -113,7 +114,7 @@ def test_table_schema_validation() -> None:
     with pytest.raises(ValidationError, match="key: expected a sequence of column names, got a string"):
         TableSchema("s.p.t", (a,), key="a")  # type: ignore[arg-type]
     with pytest.raises(ValidationError, match="has no key columns"):
-        TableSchema("s.p.t", [a]).connect_key_schema()  # type: ignore[arg-type]
+        render_key_schema(TableSchema("s.p.t", [a]))  # type: ignore[arg-type]
     t = TableSchema("s.p.t", [a, Column("b", FT.STRING)], key=["b"])  # type: ignore[arg-type]
     assert t.columns == (a, Column("b", FT.STRING)) and t.key == ("b",)
     assert t.column_names == ("a", "b") and t.column("b").type is FT.STRING
@@ -169,7 +170,7 @@ def test_schema_storage_round_trip_and_fingerprint(schema: TableSchema) -> None:
     assert back.fingerprint() == schema.fingerprint()
     assert len(schema.fingerprint()) == 64
     for mode in ("string", "precise"):
-        assert TableSchema.from_connect(schema.connect_schema(decimal_mode=mode)) == schema
+        assert parse_value_schema(render_value_schema(schema, decimal_mode=mode)) == schema
 
 
 def test_fingerprint_changes_with_the_schema() -> None:
@@ -206,13 +207,13 @@ def test_schema_from_dict_names_the_bad_field(d: Any, message: str) -> None:
 
 def test_connect_schema_is_a_fresh_copy() -> None:
     t = TableSchema("s.p.t", (Column("a", FT.INT32),), ("a",))
-    cs = t.connect_schema()
+    cs = render_value_schema(t)
     cs["fields"].clear()
-    assert t.connect_schema()["fields"]
+    assert render_value_schema(t)["fields"]
     with pytest.raises(ValidationError, match="decimal_mode"):
-        t.connect_schema(decimal_mode="fast")
+        render_value_schema(t, decimal_mode="fast")
     with pytest.raises(ValidationError, match="position_kind"):
-        t.connect_schema(position_kind="cobol")
+        render_value_schema(t, position_kind="cobol")
 
 
 def test_schemas_pickle_without_their_caches() -> None:

@@ -1,0 +1,62 @@
+"""The events package imports in one direction: types <- values <- schema <- connect <- json, no cycle.
+
+A cycle hidden behind function-local imports used to tie schema, connect and values together; this
+reads the modules' import statements (not their behaviour) so a new one shows up here first.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import kappaflow.events
+
+EVENTS = Path(kappaflow.events.__file__).parent
+
+
+def _module(path: Path) -> str:
+    rel = path.relative_to(EVENTS).with_suffix("")
+    parts = [p for p in rel.parts if p != "__init__"]
+    return ".".join(["kappaflow.events", *parts])
+
+
+def _events_imports(nodes: list[ast.stmt] | list[ast.AST]) -> list[str]:
+    return [n.module for n in nodes
+            if isinstance(n, ast.ImportFrom) and n.module and n.module.startswith("kappaflow.events")]
+
+
+def _imports(path: Path) -> tuple[set[str], list[str]]:
+    """(kappaflow.events modules imported at module level, those imported inside functions or classes).
+
+    ``if TYPE_CHECKING:`` imports are for annotations only and count as neither."""
+    tree = ast.parse(path.read_text())
+    top = set(_events_imports(tree.body))
+    top |= {f"{n.module}.{a.name}" for n in tree.body if isinstance(n, ast.ImportFrom) and n.module
+            and n.module.startswith("kappaflow.events") for a in n.names}
+    local = [m for d in tree.body if isinstance(d, ast.FunctionDef | ast.ClassDef)
+             for m in _events_imports(list(ast.walk(d)))]
+    return top, local
+
+
+def test_no_function_local_imports_inside_events() -> None:
+    found = {_module(p): local for p in EVENTS.rglob("*.py") if (local := _imports(p)[1])}
+    assert not found, f"function-local imports of kappaflow.events modules (an import cycle?): {found}"
+
+
+def test_the_events_modules_import_without_a_cycle() -> None:
+    modules = {_module(p): p for p in EVENTS.rglob("*.py")}
+    graph = {m: {t for t in _imports(p)[0] if t in modules and t != m} for m, p in modules.items()}
+    # a package imports its own submodules to register them; only cycles between other modules count
+    graph = {m: {t for t in deps if not t.startswith(m + ".")} for m, deps in graph.items()}
+    done: set[str] = set()
+
+    def visit(m: str, path: list[str]) -> None:
+        assert m not in path, "import cycle: " + " -> ".join([*path[path.index(m):], m])
+        if m in done:
+            return
+        for dep in sorted(graph[m]):
+            visit(dep, [*path, m])
+        done.add(m)
+
+    for m in sorted(graph):
+        visit(m, [])
