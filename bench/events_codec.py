@@ -16,16 +16,8 @@ import time
 from datetime import UTC, datetime, timedelta
 from decimal import Decimal
 
-from kappaflow.events import (
-    ChangeEvent,
-    Column,
-    EventCodec,
-    FieldType,
-    Op,
-    PgPosition,
-    SourceInfo,
-    TableSchema,
-)
+from kappaflow.connectors.postgres.source_info import PgPosition
+from kappaflow.events import ChangeEvent, Column, EventCodec, FieldType, Op, SourceInfo, TableSchema
 
 SCHEMA = TableSchema(
     "shop.public.orders",

@@ -51,23 +51,29 @@ from pyspark.sql.types import (
 
 from kappaflow.errors import ConfigError, ValidationError
 from kappaflow.events import Column, FieldType, TableSchema
+from kappaflow.events.sources import layouts
 from kappaflow.events.values import time_unit
 
 SCHEMA_TOPIC_SUFFIX = ".__schema"
 VARIABLE_DECIMAL = DecimalType(38, 18)
 
-POS_TYPE = StructType(
-    [
-        StructField("kind", StringType()),
-        StructField("lsn", LongType()),
-        StructField("index", LongType()),
-        StructField("snapshot", BooleanType()),
-        StructField("file", StringType()),
-        StructField("pos", LongType()),
-        StructField("row", LongType()),
-        StructField("position", LongType()),
-    ]
-)
+_POS_SPARK_TYPES = {"string": StringType(), "int64": LongType(), "boolean": BooleanType()}
+
+
+def _pos_type() -> StructType:
+    """``source.kf_pos`` as Spark reads it: ``kind`` and the fields the kinds' orderings read (each
+    connector's layout names them, ``SourceLayout.spark_fields``, typed by its ``kf_pos_fields``)."""
+    fields = {"kind": StructField("kind", StringType())}
+    for layout in layouts():
+        if layout.spark_order is None:
+            continue
+        types = {f["field"]: f["type"] for f in layout.kf_pos_fields}
+        for name in layout.spark_fields:
+            fields.setdefault(name, StructField(name, _POS_SPARK_TYPES[types[name]]))
+    return StructType(list(fields.values()))
+
+
+POS_TYPE = _pos_type()
 
 
 def spark_type(col: Column) -> DataType:
@@ -201,21 +207,22 @@ def converted_row(parsed_row: SparkColumn, schema: TableSchema, names: Iterable[
 
 
 def pos_order(pos: SparkColumn) -> SparkColumn:
-    """A struct that orders source positions like ``Position.sort_key`` within one kind."""
-    file_seq = F.regexp_extract(pos["file"], r"(\d+)$", 1).try_cast("bigint")
-    file_base = F.regexp_extract(pos["file"], r"^(.*?)\.?(\d+)$", 1)
-    snap = F.when(pos["snapshot"], F.lit(0)).otherwise(F.lit(1))
+    """A struct that orders source positions like ``Position.sort_key`` within one kind.
+
+    Each kind's five ordering columns come from its connector (``SourceLayout.spark_order``); a
+    kind without one orders by ``position`` (null for kinds that have none)."""
     kind = pos["kind"]
-    return F.struct(
-        F.when(kind == "pg", pos["lsn"]).when(kind == "binlog", file_seq).otherwise(pos["position"]).alias("a"),
-        F.when(kind == "binlog", file_base).otherwise(F.lit("")).alias("b"),
-        F.when(kind == "binlog", pos["pos"]).otherwise(F.lit(0).cast("bigint")).alias("c"),
-        F.when(kind.isin("pg", "binlog"), snap).otherwise(F.lit(1)).alias("d"),
-        F.when(kind == "pg", pos["index"])
-        .when(kind == "binlog", pos["row"])
-        .otherwise(F.lit(0).cast("bigint"))
-        .alias("e"),
-    )
+    zero = F.lit(0).cast("bigint")
+    slots: list[Any] = [pos["position"], F.lit(""), zero, F.lit(1), zero]
+    branches: list[Any] = [None] * 5
+    for layout in layouts():
+        if layout.spark_order is None:
+            continue
+        for i, col in enumerate(layout.spark_order(pos)):
+            cond = kind == layout.kind
+            branches[i] = F.when(cond, col) if branches[i] is None else branches[i].when(cond, col)
+    return F.struct(*[(b.otherwise(d) if b is not None else d).alias(name)
+                      for b, d, name in zip(branches, slots, "abcde", strict=True)])
 
 
 def declared_struct(spark: Any, ddl: str, where: str) -> StructType:

@@ -14,7 +14,8 @@ from typing import Any
 
 import orjson
 
-from kappaflow.events import ChangeEvent, EventCodec, Op, PgPosition, SourceInfo, TableSchema
+from kappaflow.connectors.postgres.source_info import PgPosition
+from kappaflow.events import ChangeEvent, EventCodec, Op, SourceInfo, TableSchema
 from kappaflow.log.base import CleanupPolicy, Log, Record, TopicConfig
 
 

@@ -37,7 +37,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from kappaflow.events import KafkaPosition, Position
+from kappaflow.connectors.debezium.sources.generic import KafkaPosition
+from kappaflow.events import Position
 
 __all__ = ["PartitionOrder"]
 

@@ -62,6 +62,7 @@ from kappaflow.connectors.mysql.server import (
     parse_dsn,
     source_error,
 )
+from kappaflow.connectors.mysql.source_info import BinlogPosition
 from kappaflow.connectors.mysql.streaming import (
     BinlogReader,
     CommitItem,
@@ -79,7 +80,7 @@ from kappaflow.connectors.preflight import require_capturable
 from kappaflow.connectors.transactions import TRANSACTION_TOPIC_CONFIG, transaction_topic
 from kappaflow.connectors.writer import FaultHook
 from kappaflow.errors import ConfigError, Retry, SourceError
-from kappaflow.events import BinlogPosition, ChangeEvent, EventCodec, Op, Snapshot
+from kappaflow.events import ChangeEvent, EventCodec, Op, Snapshot
 from kappaflow.log.base import Log
 
 __all__ = ["CaptureEngine", "MySQLConnector", "MySQLSnapshotSource", "MySQLStreamingSource"]

@@ -41,9 +41,9 @@ from typing import Any
 from kappaflow.connectors.mysql.gtid import GtidState
 from kappaflow.connectors.mysql.schema_tracking import SchemaTracker, TableState, ddl_tables
 from kappaflow.connectors.mysql.server import ConnectArgs, source_error
+from kappaflow.connectors.mysql.source_info import binlog_file_sequence
 from kappaflow.errors import Retry, SourceError
 from kappaflow.events.model import Op
-from kappaflow.events.position import binlog_file_sequence
 
 __all__ = ["BinlogReader", "CommitItem", "DdlItem", "RowsItem", "SchemaItem", "StreamStart", "TickItem"]
 

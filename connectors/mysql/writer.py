@@ -33,13 +33,13 @@ import orjson
 
 from kappaflow.connectors.base import OP_HEADER, POSITION_HEADER, TrustedRecord
 from kappaflow.connectors.mysql.schema_tracking import TableState
+from kappaflow.connectors.mysql.source_info import BinlogPosition
 from kappaflow.connectors.offsets import OffsetStore
 from kappaflow.connectors.transactions import transaction_records
 from kappaflow.connectors.truncate import TRUNCATE_KEY, live_rows, truncate_records
 from kappaflow.connectors.writer import Batch, CaptureWriter, FaultHook
 from kappaflow.errors import SourceError
 from kappaflow.events import ChangeEvent, EventCodec, Op, Position, Snapshot, SourceInfo, TableSchema
-from kappaflow.events.position import BinlogPosition
 from kappaflow.log.base import CleanupPolicy, Log, Record, TopicConfig
 from kappaflow.log.partitioner import partition_for
 
@@ -389,7 +389,7 @@ def _library_rows_to_json(to_json: Any, op: Op, rows: Sequence[dict[str, Any]]) 
 
 def _source_parts(version: str, source: str, db: str, table: str, ts_ms: int, server_id: int, gtid: bytes,
                   file: bytes, pos: int, thread: int | None = None, query: str | None = None) -> tuple[bytes, bytes]:
-    """The binlog source block around the two row numbers (``kappaflow.events.sources.mysql``)."""
+    """The binlog source block around the two row numbers (``kappaflow.connectors.mysql.source_info``)."""
     d = orjson.dumps
     head = (b'{"version":%b,"connector":"mysql","name":%b,"ts_ms":%d,"snapshot":"false","db":%b,"sequence":null,'
             b'"ts_us":%d,"ts_ns":%d,"table":%b,"server_id":%d,"gtid":%b,"file":%b,"pos":%d,"row":' % (

@@ -23,10 +23,11 @@ from kappaflow.connectors.postgres.mapping import RecordMapper
 from kappaflow.connectors.postgres.offset import PgOffset
 from kappaflow.connectors.postgres.rows import TableCodec
 from kappaflow.connectors.postgres.slots import TableInfo, TypeCatalog
+from kappaflow.connectors.postgres.source_info import PgPosition
 from kappaflow.connectors.transactions import TRANSACTION_TOPIC_CONFIG, transaction_topic
 from kappaflow.connectors.writer import Batch, CaptureWriter, FaultHook
 from kappaflow.errors import SourceError
-from kappaflow.events import EventCodec, PgPosition, TableSchema
+from kappaflow.events import EventCodec, TableSchema
 from kappaflow.log.base import CleanupPolicy, Log, Record, TopicConfig
 from kappaflow.log.partitioner import partition_for
 

@@ -39,8 +39,8 @@ from kappaflow.connectors.postgres.context import PgCapture
 from kappaflow.connectors.postgres.offset import PgOffset, SnapshotProgress, TableProgress
 from kappaflow.connectors.postgres.rows import TOAST_ROW_MIN
 from kappaflow.connectors.postgres.slots import TableInfo
+from kappaflow.connectors.postgres.source_info import PgPosition
 from kappaflow.errors import SourceError
-from kappaflow.events import PgPosition
 
 __all__ = ["PgSnapshotSource", "SnapshotProgressDisplay"]
 

@@ -63,10 +63,10 @@ from kappaflow.connectors.postgres.replication import (
     parse_keepalive,
 )
 from kappaflow.connectors.postgres.rows import TOAST_ROW_MIN, TableCodec
+from kappaflow.connectors.postgres.source_info import PgPosition
 from kappaflow.connectors.transactions import transaction_records
 from kappaflow.connectors.truncate import TRUNCATE_KEY, live_rows, truncate_records
 from kappaflow.errors import SourceError, ValidationError
-from kappaflow.events import PgPosition
 from kappaflow.log.partitioner import partition_for
 
 __all__ = ["PgStreamingSource"]

@@ -30,9 +30,15 @@ from kappaflow import __version__
 from kappaflow.errors import ValidationError
 from kappaflow.events.connect import connect_envelope_schema, connect_key_schema, table_from_connect
 from kappaflow.events.model import ChangeEvent, Op, Snapshot, SourceInfo, TransactionInfo
-from kappaflow.events.position import PgPosition, Position
+from kappaflow.events.position import Position
 from kappaflow.events.schema import DECIMAL_MODES, Column, FieldType, TableSchema
-from kappaflow.events.sources import layout_for_connector, layout_for_position, layout_for_source, source_block
+from kappaflow.events.sources import (
+    layout_for_connector,
+    layout_for_position,
+    layout_for_source,
+    position_parsers,
+    source_block,
+)
 from kappaflow.events.values import (
     JSON_NULL,
     NumericDecimal,
@@ -238,11 +244,11 @@ def _decode_source(s: Any, place: PositionHook | None = None, name_as: str | Non
         raise ValidationError(f"source.txId: expected an integer, a string or null, got {short_repr(tx_id)}")
     kf = get("kf_pos")
     position: Position | None
-    if type(kf) is dict and kf.get("kind") == "pg":  # fast path for the common case
-        lsn, index, snap_flag = kf.get("lsn"), kf.get("index"), kf.get("snapshot")
-        if type(lsn) is int and type(index) is int and type(snap_flag) is bool and lsn >= 0 and index >= 0:
-            position = PgPosition(lsn, index, snap_flag)
-        else:
+    if type(kf) is dict:  # a kind's own parser first (the hot path), the full checks otherwise
+        kind = kf.get("kind")
+        parse = (_PARSERS or _load_parsers()).get(kind) if type(kind) is str else None
+        position = parse(kf) if parse is not None else None
+        if position is None:
             position = _position_from(kf)
     elif kf is not None:
         position = _position_from(kf)
@@ -283,6 +289,15 @@ def _snapshot_from(snap: Any) -> Snapshot:
     if snap is True:  # Debezium 0.x/1.0 wrote a boolean
         return Snapshot.TRUE
     raise ValidationError(f"source.snapshot: expected a string, got {short_repr(snap)}")
+
+
+_PARSERS: dict[str, Callable[[dict[str, Any]], Position | None]] = {}
+
+
+def _load_parsers() -> dict[str, Callable[[dict[str, Any]], Position | None]]:
+    """Position kind -> the hot-path ``kf_pos`` parser its connector registered (loaded on first use)."""
+    _PARSERS.update(position_parsers())
+    return _PARSERS
 
 
 def _position_from(kf: Any) -> Position:

@@ -7,8 +7,8 @@ import pytest
 
 from kappaflow.connectors.base import TrustedRecord, record_position, tail_positions
 from kappaflow.connectors.offsets import OFFSETS_TOPIC, OffsetStore, find_last
+from kappaflow.connectors.postgres.source_info import PgPosition
 from kappaflow.errors import ValidationError
-from kappaflow.events import PgPosition
 from kappaflow.log.base import CleanupPolicy, Log, Record, TopicConfig
 
 

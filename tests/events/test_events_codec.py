@@ -15,18 +15,18 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from kappaflow.connectors.ledger.source_info import LedgerPosition
+from kappaflow.connectors.mysql.source_info import BinlogPosition
+from kappaflow.connectors.postgres.source_info import PgPosition
 from kappaflow.errors import ValidationError
 from kappaflow.events import (
     DECIMAL_MODES,
     JSON_NULL,
-    BinlogPosition,
     ChangeEvent,
     Column,
     EventCodec,
     FieldType,
-    LedgerPosition,
     Op,
-    PgPosition,
     Snapshot,
     SourceInfo,
     TableSchema,

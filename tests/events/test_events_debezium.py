@@ -17,14 +17,14 @@ from uuid import UUID
 import orjson
 import pytest
 
+from kappaflow.connectors.mysql.source_info import BinlogPosition
+from kappaflow.connectors.postgres.source_info import PgPosition
 from kappaflow.events import (
-    BinlogPosition,
     ChangeEvent,
     Column,
     EventCodec,
     FieldType,
     Op,
-    PgPosition,
     Snapshot,
     SourceInfo,
     TableSchema,

@@ -60,3 +60,24 @@ def test_the_events_modules_import_without_a_cycle() -> None:
 
     for m in sorted(graph):
         visit(m, [])
+
+
+def test_events_import_no_connector_and_load_the_source_info_on_demand() -> None:
+    """Positions and source blocks belong to the connectors; importing the events package imports none
+    of them, and a fresh interpreter finds every kind when it first needs one, without the drivers."""
+    import subprocess
+    import sys
+
+    for p in EVENTS.rglob("*.py"):
+        tree = ast.parse(p.read_text())
+        top = [n.module for n in tree.body if isinstance(n, ast.ImportFrom) and n.module]
+        assert not [m for m in top if m.startswith("kappaflow.connectors")], f"{p} imports a connector"
+    script = (
+        "import sys, kappaflow.events as e\n"
+        "assert not [m for m in sys.modules if m.startswith('kappaflow.connectors')], 'imported a connector'\n"
+        "p = e.Position.from_dict({'kind': 'binlog', 'file': 'mysql-bin.000003', 'pos': 4, 'row': 1})\n"
+        "assert type(p).__name__ == 'BinlogPosition' and p == e.BinlogPosition('mysql-bin.000003', 4, 1)\n"
+        "drivers = [m for m in ('psycopg', 'pymysql', 'pymysqlreplication', 'confluent_kafka') if m in sys.modules]\n"
+        "assert not drivers, drivers\n"
+    )
+    subprocess.run([sys.executable, "-c", script], check=True, timeout=60)

@@ -11,15 +11,15 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kappaflow.connectors.ledger.source_info import LedgerPosition
+from kappaflow.connectors.postgres.source_info import PgPosition
 from kappaflow.errors import ValidationError
 from kappaflow.events import (
     JSON_NULL,
     ChangeEvent,
     Column,
     FieldType,
-    LedgerPosition,
     Op,
-    PgPosition,
     Snapshot,
     SourceInfo,
     TableSchema,

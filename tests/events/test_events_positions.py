@@ -9,15 +9,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kappaflow.connectors.ledger.source_info import LedgerPosition
+from kappaflow.connectors.mysql.source_info import BinlogPosition
+from kappaflow.connectors.postgres.source_info import PgPosition, lsn_from_str, lsn_to_str
 from kappaflow.errors import ValidationError
-from kappaflow.events import (
-    BinlogPosition,
-    LedgerPosition,
-    PgPosition,
-    Position,
-    lsn_from_str,
-    lsn_to_str,
-)
+from kappaflow.events import Position
 
 LSN = st.integers(0, (1 << 64) - 1)
 pg_positions = st.builds(PgPosition, LSN, st.integers(0, 10**6), st.booleans())

@@ -19,20 +19,15 @@ import pytest
 from dbz_helpers import assert_round_trip, decode, fx, fx_bytes
 
 from kappaflow.connectors.debezium.decode import DebeziumDecoder
+from kappaflow.connectors.debezium.sources.db2 import Db2Position
+from kappaflow.connectors.debezium.sources.generic import KafkaPosition
+from kappaflow.connectors.debezium.sources.mongodb import MongoPosition
+from kappaflow.connectors.debezium.sources.oracle import OraclePosition
+from kappaflow.connectors.debezium.sources.sqlserver import SqlServerPosition
+from kappaflow.connectors.mysql.source_info import BinlogPosition
+from kappaflow.connectors.postgres.source_info import PgPosition
 from kappaflow.errors import ValidationError
-from kappaflow.events import (
-    BinlogPosition,
-    FieldType,
-    KafkaPosition,
-    Op,
-    PgPosition,
-    Snapshot,
-    TransactionInfo,
-)
-from kappaflow.events.sources.db2 import Db2Position
-from kappaflow.events.sources.mongodb import MongoPosition
-from kappaflow.events.sources.oracle import OraclePosition
-from kappaflow.events.sources.sqlserver import SqlServerPosition
+from kappaflow.events import FieldType, Op, Snapshot, TransactionInfo
 
 ANNE = {"id": 1004, "first_name": "Anne", "last_name": "Kretchmar", "email": "annek@noanswer.org"}
 PG = "PostgreSQL_server.public.customers"

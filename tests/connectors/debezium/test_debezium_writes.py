@@ -19,7 +19,7 @@ from dbz_helpers import fx
 
 from kappaflow.config import PostgresSourceConfig
 from kappaflow.connectors.debezium.decode import DebeziumDecoder
-from kappaflow.events import PgPosition
+from kappaflow.connectors.postgres.source_info import PgPosition
 
 pytestmark = pytest.mark.integration
 

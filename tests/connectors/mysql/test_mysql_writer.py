@@ -12,9 +12,10 @@ import orjson
 import pytest
 
 from kappaflow.connectors.mysql.schema_tracking import TableState
+from kappaflow.connectors.mysql.source_info import BinlogPosition
 from kappaflow.connectors.mysql.types import ColumnSpec
 from kappaflow.connectors.mysql.writer import ChangeBatcher
-from kappaflow.events import BinlogPosition, ChangeEvent, EventCodec, Op, SourceInfo, TransactionInfo
+from kappaflow.events import ChangeEvent, EventCodec, Op, SourceInfo, TransactionInfo
 from kappaflow.log.embedded import EmbeddedLog
 
 SPECS = (

@@ -18,7 +18,8 @@ from kappaflow.config import SnapshotMode
 from kappaflow.connectors.base import StopSignal, record_position
 from kappaflow.connectors.postgres import slots
 from kappaflow.connectors.postgres.connector import PostgresConnector, postgres_status
-from kappaflow.events import EventCodec, FieldType, Op, PgPosition
+from kappaflow.connectors.postgres.source_info import PgPosition
+from kappaflow.events import EventCodec, FieldType, Op
 from kappaflow.log.base import Log
 
 pytestmark = pytest.mark.integration

@@ -19,7 +19,7 @@ from pg_helpers import capture, compacted, config, positions, table_state
 from kappaflow.connectors.offsets import OffsetStore
 from kappaflow.connectors.postgres import slots
 from kappaflow.connectors.postgres.connector import PostgresConnector
-from kappaflow.events import PgPosition
+from kappaflow.connectors.postgres.source_info import PgPosition
 from kappaflow.log.base import Log
 
 pytestmark = pytest.mark.integration

@@ -28,7 +28,7 @@ import pytest
 from pg_helpers import compacted, positions, table_state
 
 from kappaflow.connectors.postgres.decoder import Begin, Delete, Insert, PgOutputDecoder, Update
-from kappaflow.events import PgPosition
+from kappaflow.connectors.postgres.source_info import PgPosition
 from kappaflow.log import open_log
 from tests._kill import BackgroundWriter, kill_trials, open_for_check, run_until_caught_up, stored_offset, wait_for
 

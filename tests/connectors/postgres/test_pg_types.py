@@ -19,16 +19,9 @@ from kappaflow.connectors.postgres.rows import (
     encode_envelope,
     tx_block,
 )
+from kappaflow.connectors.postgres.source_info import PgPosition
 from kappaflow.errors import SourceError, ValidationError
-from kappaflow.events import (
-    JSON_NULL,
-    ChangeEvent,
-    EventCodec,
-    Op,
-    PgPosition,
-    SourceInfo,
-    TransactionInfo,
-)
+from kappaflow.events import JSON_NULL, ChangeEvent, EventCodec, Op, SourceInfo, TransactionInfo
 
 
 @pytest.mark.parametrize(

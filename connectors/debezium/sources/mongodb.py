@@ -11,12 +11,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+from kappaflow.connectors.debezium.sources.sqlserver import serial
 from kappaflow.errors import ValidationError
 from kappaflow.events._fast import fast_frozen_init
 from kappaflow.events.model import SourceInfo
 from kappaflow.events.position import Position
 from kappaflow.events.sources import SourceLayout, connect_field, register
-from kappaflow.events.sources.sqlserver import serial
 
 __all__ = ["LAYOUT", "MongoPosition"]
 

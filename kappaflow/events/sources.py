@@ -10,7 +10,10 @@ written back field for field. kappaflow adds ``kf_pos`` (the exact position) las
 
 Layouts are looked up by position type (writing) and by ``source.connector`` (reading); a
 connector kappaflow has no layout for is read with the generic one (position: the Kafka
-coordinates, every field kept as it came).
+coordinates, every field kept as it came). The layouts belong to their connectors
+(``connectors/<kind>/source_info.py``, ``connectors/debezium/sources``): each registers its
+position kind, its block's encoder and decoder, its Connect fields and its Spark ordering;
+they are imported on the first lookup that misses (``kappaflow.events.position.load_source_info``).
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from typing import Any
 
 from kappaflow.errors import ValidationError
 from kappaflow.events.model import SourceInfo
-from kappaflow.events.position import Position
+from kappaflow.events.position import SOURCE_INFO_MODULES, Position, load_source_info
 
 __all__ = [
     "COMMON_FIELDS",
@@ -32,6 +35,8 @@ __all__ = [
     "layout_for_kind",
     "layout_for_position",
     "layout_for_source",
+    "layouts",
+    "position_parsers",
     "register",
     "source_block",
 ]
@@ -86,6 +91,13 @@ class SourceLayout:
     extra_keys: tuple[str, ...] | None = ()
     table_key: str = "table"
     schema_key: str | None = "schema"
+    #: Spark ordering (``kappaflow.projections.schemas.pos_order``): the ``kf_pos`` fields it reads
+    #: and ``spark_order(pos)``, five columns ordering positions of this kind like ``sort_key``.
+    spark_fields: tuple[str, ...] = ()
+    spark_order: Callable[[Any], tuple[Any, ...]] | None = None
+    #: ``kf_pos`` dict -> position on the decoder's hot path, or None when it needs the full checks
+    #: of ``Position.from_dict`` (which say what is wrong).
+    parse_position: Callable[[dict[str, Any]], Position | None] | None = None
 
     def connect_fields(self, source: SourceInfo | None = None) -> list[dict[str, Any]]:
         """The whole source struct's fields (common, the connector's, ``kf_pos``)."""
@@ -137,8 +149,35 @@ def register(layout: SourceLayout, *, generic: bool = False) -> SourceLayout:
     return layout
 
 
+def _loaded_connector(connector: str) -> SourceLayout | None:
+    """The layout of ``connector`` once every source info module is loaded (None: none has it)."""
+    load_source_info()
+    return _BY_CONNECTOR.get(connector)
+
+
+def layouts() -> list[SourceLayout]:
+    """Every registered layout (all source info modules loaded), in the order of ``SOURCE_INFO_MODULES``
+    whatever order they were imported in."""
+    load_source_info()
+    rank = {name: i for i, name in enumerate(SOURCE_INFO_MODULES)}
+
+    def order(layout: SourceLayout) -> int:
+        module = layout.build.__module__
+        return next((i for name, i in rank.items() if module == name or module.startswith(name + ".")), len(rank))
+
+    return sorted(_BY_KIND.values(), key=order)
+
+
+def position_parsers() -> dict[str, Callable[[dict[str, Any]], Position | None]]:
+    """Position kind -> its hot-path ``kf_pos`` parser, for the kinds that register one."""
+    return {layout.kind: layout.parse_position for layout in layouts() if layout.parse_position is not None}
+
+
 def layout_for_position(position: Position) -> SourceLayout:
     layout = _BY_TYPE.get(type(position))
+    if layout is None:
+        load_source_info()
+        layout = _BY_TYPE.get(type(position))
     if layout is None:
         raise ValidationError(f"source.position: no source block layout for {type(position).__name__} "
                               f"(known: {sorted(t.__name__ for t in _BY_TYPE)})")
@@ -148,6 +187,9 @@ def layout_for_position(position: Position) -> SourceLayout:
 def layout_for_kind(kind: str) -> SourceLayout:
     layout = _BY_KIND.get(kind)
     if layout is None:
+        load_source_info()
+        layout = _BY_KIND.get(kind)
+    if layout is None:
         raise ValidationError(f"position_kind: expected one of {sorted(_BY_KIND)}, got {kind!r}")
     return layout
 
@@ -155,18 +197,20 @@ def layout_for_kind(kind: str) -> SourceLayout:
 def layout_for_source(s: SourceInfo) -> SourceLayout:
     """The layout a source block is written with: its connector's (a record read from Debezium
     keeps its connector's fields whatever position ordering gave it), else its position's."""
-    layout = _BY_CONNECTOR.get(s.connector)
+    layout = _BY_CONNECTOR.get(s.connector) or _loaded_connector(s.connector)
     return layout if layout is not None else layout_for_position(s.position)
 
 
 def layout_for_connector(connector: str) -> SourceLayout:
     """The layout for a Debezium ``source.connector`` value (the generic one when unknown)."""
-    return _BY_CONNECTOR.get(connector) or _GENERIC[0]
+    layout = _BY_CONNECTOR.get(connector) or _loaded_connector(connector)
+    return layout if layout is not None else _GENERIC[0]
 
 
 def source_block(s: SourceInfo, version: str) -> dict[str, Any]:
     """The source block of ``s`` as Debezium 2.6+ writes it, then ``kf_pos``."""
-    layout = _BY_CONNECTOR.get(s.connector) or _BY_TYPE.get(type(s.position)) or layout_for_position(s.position)
+    layout = (_BY_CONNECTOR.get(s.connector) or _BY_TYPE.get(type(s.position)) or _loaded_connector(s.connector)
+              or layout_for_position(s.position))
     extra = s.extra or _EMPTY
     ts_ms = s.ts_ms
     d: dict[str, Any] = {
@@ -183,18 +227,3 @@ def source_block(s: SourceInfo, version: str) -> dict[str, Any]:
     d.update(layout.build(s))
     d["kf_pos"] = s.position.to_dict()
     return d
-
-
-# the connector modules register their layouts
-from kappaflow.events.sources import (  # noqa: E402
-    db2,
-    generic,
-    ledger,
-    mongodb,
-    mysql,
-    oracle,
-    postgresql,
-    sqlserver,
-)
-
-__all__ += ["db2", "generic", "ledger", "mongodb", "mysql", "oracle", "postgresql", "sqlserver"]
