@@ -31,6 +31,7 @@ import orjson
 from kappaflow.connectors.postgres import types as t
 from kappaflow.connectors.postgres.decoder import UNCHANGED, RelColumn
 from kappaflow.connectors.postgres.slots import ColumnInfo, TableInfo
+from kappaflow.connectors.postgres.toast import ToastState, toast_min
 from kappaflow.connectors.postgres.types import Converter, TypeLookup
 from kappaflow.errors import ValidationError
 from kappaflow.events import Column, EventCodec, FieldType, TableSchema
@@ -45,12 +46,6 @@ _JSON_ESCAPE = re.compile(rb'[\x00-\x1f"\\]')
 _EPOCH = _dt.datetime(1970, 1, 1)
 _US = _dt.timedelta(microseconds=1)
 _EPOCH_ORDINAL = 719163
-
-# Smallest text length a value must exceed before PostgreSQL could store it out of line
-# (TOAST pointers are 18 bytes; values <= 24 stored bytes are never externalised). Values
-# not longer than this never arrive as "unchanged TOAST", so they need no keyed state.
-_TEXTLIKE_MIN = 24
-
 
 # -- fast text -> JSON converters (identical output to codec(py(text))) -------------------------
 
@@ -280,22 +275,6 @@ def _fast_js(col: Column, oid: int, py: Converter, decimal_mode: str) -> Convert
     return py if enc is None else _compose(enc, py)
 
 
-# A row is stored out of line only when it exceeds TOAST_TUPLE_THRESHOLD (~2 kB). Text forms
-# can be up to ~6x smaller than the stored binary form (small ints in arrays or jsonb), so a row
-# whose text is shorter than this cannot hold an out-of-line value: no keyed state is needed.
-TOAST_ROW_MIN = 340
-
-
-def _toast_min(oid: int, storage: str, lookup: TypeLookup | None) -> int | None:
-    if storage == "p":
-        return None
-    if oid == t.BYTEA:
-        return 2 + 2 * _TEXTLIKE_MIN
-    if oid == t.NUMERIC:
-        return 2 * _TEXTLIKE_MIN
-    return _TEXTLIKE_MIN
-
-
 def column_codec(name: str, oid: int, typmod: int, *, optional: bool = True, storage: str = "x",
                  native: str | None = None, lookup: TypeLookup | None = None,
                  decimal_mode: str = "string") -> ColumnCodec:
@@ -307,10 +286,10 @@ def column_codec(name: str, oid: int, typmod: int, *, optional: bool = True, sto
             info = lookup(oid)
             native = info.name if info is not None else None
     col, py = _field(name, oid, typmod, optional, native, lookup)
-    return ColumnCodec(name, col, py, _fast_js(col, oid, py, decimal_mode), _toast_min(oid, storage, lookup))
+    return ColumnCodec(name, col, py, _fast_js(col, oid, py, decimal_mode), toast_min(oid, storage))
 
 
-class TableCodec:
+class TableCodec(ToastState):
     """Everything needed to turn one table's pgoutput/snapshot tuples into log records."""
 
     def __init__(self, *, source: str, db: str, schema: str, table: str, columns: Sequence[ColumnCodec],
@@ -338,14 +317,9 @@ class TableCodec:
         self.codec = codec
         self.py = tuple(c.py for c in self.columns)
         self.js = tuple(c.js for c in self.columns)
-        self.toast = tuple((i, c.toast_min) for i, c in enumerate(self.columns)
-                           if c.toast_min is not None) if track_toast else ()
-        # keyed state: key bytes -> {column index: JSON value} of toastable columns
-        self.toast_state: dict[bytes, dict[str, Any]] | None = {} if self.toast else None
-        self.toast_state_loaded = False
+        self.init_toast_state(tuple(c.toast_min for c in self.columns), track_toast)
         # set by the capture for tables whose inserted rows a RecordMapper turns into records
         self.mapper: Any = None
-        self._toast_names = tuple(self.names[i] for i, _ in self.toast)
         self._single_key = len(self.key_idx) == 1
         self.ident_idx: tuple[int, ...] = self.key_idx
         self.fast = self._build_fast()
@@ -595,71 +569,6 @@ class TableCodec:
             i = self.key_idx[0]
             return orjson.dumps({self.key[0]: js[i](raw[i])})
         return orjson.dumps({self.names[i]: js[i](raw[i]) for i in self.key_idx})
-
-    # -- keyed TOAST state ---------------------------------------------------------------------
-    def remember(self, key: bytes, js: dict[str, Any], raw: Sequence[Any]) -> None:
-        """Keep the values of this row's toastable columns that could be stored out of line.
-
-        A later UPDATE that leaves such a value unchanged does not resend it (pgoutput
-        sends 'u'); the value is then taken from here.
-        """
-        state = self.toast_state
-        if state is None:
-            return
-        entry: dict[str, Any] | None = None
-        names = self.names
-        if UNCHANGED not in raw and sum(len(v) for v in raw if v is not None) < TOAST_ROW_MIN:
-            state.pop(key, None)
-            return
-        for i, mn in self.toast:
-            v = raw[i]
-            if v is None:
-                continue
-            if v is UNCHANGED:
-                name = names[i]
-                if name in js:
-                    if entry is None:
-                        entry = {}
-                    entry[name] = js[name]
-            elif len(v) > mn:
-                if entry is None:
-                    entry = {}
-                entry[names[i]] = js[names[i]]
-        if entry is None:
-            state.pop(key, None)
-        else:
-            state[key] = entry
-
-    def remember_all(self, key: bytes, js: dict[str, Any]) -> None:
-        """Fast-path variant of :meth:`remember`: keep every non-NULL toastable value."""
-        state = self.toast_state
-        if state is not None:
-            entry = {n: js[n] for n in self._toast_names if js[n] is not None}
-            if entry:
-                state[key] = entry
-            else:
-                state.pop(key, None)
-
-    def fill_unchanged(self, js: dict[str, Any], raw: Sequence[Any], old_key: bytes,
-                       old_js: dict[str, Any] | None) -> list[str]:
-        """Replace UNCHANGED values in ``js`` from the before-image or the keyed state.
-
-        Returns the columns whose value is unknown (removed from ``js``: absent, not NULL).
-        """
-        state = self.toast_state.get(old_key) if self.toast_state is not None else None
-        missing: list[str] = []
-        for i, v in enumerate(raw):
-            if v is not UNCHANGED:
-                continue
-            name = self.names[i]
-            if old_js is not None and name in old_js and old_js[name] is not UNCHANGED:
-                js[name] = old_js[name]
-            elif state is not None and name in state:
-                js[name] = state[name]
-            else:
-                del js[name]
-                missing.append(name)
-        return missing
 
     # -- envelope ----------------------------------------------------------------------------
     def source_parts(self, ts_ms: int, snapshot: str, tx_id: int | None, lsn: int,

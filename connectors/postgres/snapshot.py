@@ -37,9 +37,9 @@ from kappaflow.connectors.base import SnapshotSource, StopSignal, TrustedRecord
 from kappaflow.connectors.postgres import slots
 from kappaflow.connectors.postgres.context import PgCapture
 from kappaflow.connectors.postgres.offset import PgOffset, SnapshotProgress, TableProgress
-from kappaflow.connectors.postgres.rows import TOAST_ROW_MIN
 from kappaflow.connectors.postgres.slots import TableInfo
 from kappaflow.connectors.postgres.source_info import PgPosition
+from kappaflow.connectors.postgres.toast import TOAST_ROW_MIN
 from kappaflow.errors import SourceError
 
 __all__ = ["PgSnapshotSource", "SnapshotProgressDisplay"]

@@ -62,10 +62,11 @@ from kappaflow.connectors.postgres.replication import (
     lsn_str,
     parse_keepalive,
 )
-from kappaflow.connectors.postgres.rows import TOAST_ROW_MIN, TableCodec
+from kappaflow.connectors.postgres.rows import TableCodec
 from kappaflow.connectors.postgres.source_info import PgPosition
+from kappaflow.connectors.postgres.toast import TOAST_ROW_MIN, load_from_log
 from kappaflow.connectors.transactions import transaction_records
-from kappaflow.connectors.truncate import TRUNCATE_KEY, live_rows, truncate_records
+from kappaflow.connectors.truncate import live_rows, truncate_records
 from kappaflow.errors import SourceError, ValidationError
 from kappaflow.log.partitioner import partition_for
 
@@ -724,26 +725,5 @@ class PgStreamingSource(StreamingSource):
         if cap.pending:
             self._flush(partial=self.in_tx)
         cap.require_writer().drain()
-        state = tc.toast_state
-        assert state is not None
-        toast_names = {tc.names[i] for i, _ in tc.toast}
         nparts = cap.topic_partitions.get(tc.topic) or cap._ensure_topic(tc.topic)
-        for p in range(nparts):
-            for rec in cap.log.iter_partition(tc.topic, p):
-                if rec.key is None or rec.key == TRUNCATE_KEY:
-                    continue
-                if rec.value is None:
-                    state.pop(rec.key, None)
-                    continue
-                doc = orjson.loads(rec.value)
-                after = doc.get("after")
-                if after is None:
-                    state.pop(rec.key, None)
-                    continue
-                unknown = set(doc.get("kf_unavailable") or ())
-                entry = {n: after[n] for n in toast_names if n in after and n not in unknown}
-                if entry:
-                    state[rec.key] = entry
-                else:
-                    state.pop(rec.key, None)
-        tc.toast_state_loaded = True
+        load_from_log(tc, cap.log, tc.topic, nparts)
