@@ -48,6 +48,16 @@ from kappaflow.connectors.base import (
     StreamingSource,
     tail_positions,
 )
+from kappaflow.connectors.mysql.binlog import (
+    BinlogReader,
+    CommitItem,
+    DdlItem,
+    Item,
+    RowsItem,
+    SchemaItem,
+    StreamStart,
+    TickItem,
+)
 from kappaflow.connectors.mysql.offset import MySQLOffset, SnapshotProgress
 from kappaflow.connectors.mysql.preflight import check_tables
 from kappaflow.connectors.mysql.schema_tracking import SchemaTracker, TableState, schema_topic
@@ -63,16 +73,6 @@ from kappaflow.connectors.mysql.server import (
     source_error,
 )
 from kappaflow.connectors.mysql.source_info import BinlogPosition
-from kappaflow.connectors.mysql.streaming import (
-    BinlogReader,
-    CommitItem,
-    DdlItem,
-    Item,
-    RowsItem,
-    SchemaItem,
-    StreamStart,
-    TickItem,
-)
 from kappaflow.connectors.mysql.types import snapshot_select_expr
 from kappaflow.connectors.mysql.writer import ChangeBatcher, key_of, make_source, now_ms
 from kappaflow.connectors.offsets import OffsetStore
