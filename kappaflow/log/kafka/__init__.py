@@ -2,8 +2,9 @@
 
 * `common` -- what both clients share: option and security checks, topic configs, the checks an
   append passes before anything is sent;
-* `kafka_python/` -- the pure-Python client (`KafkaLog`): `log` (the contract) and `clients`
-  (options, bounded connects, error mapping);
+* `kafka_python/` -- the pure-Python client (`KafkaLog`), one module per role: `connection` (the
+  clients), `topics`, `append`, `read`, `groups` (consumer group offsets), `clients` (options,
+  bounded connects, error mapping); `log` puts them together;
 * `confluent/` -- the librdkafka client (`ConfluentKafkaLog`), one module per role: `topics`,
   `append`, `read`, `groups` (consumer group offsets), `clients`.
 

@@ -1,6 +1,7 @@
 """The Kafka log on kafka-python (always installed; `[log.kafka] client = "kafka-python"`).
 
-`log` maps the log contract onto the brokers (`KafkaLog`); `clients` holds the client plumbing.
+One module per role, as the confluent client: `connection`, `topics`, `append`, `read`, `groups`;
+`log` puts them together as `KafkaLog`; `clients` holds the kafka-python plumbing.
 """
 
 from kappaflow.log.kafka.kafka_python.log import KafkaLog
