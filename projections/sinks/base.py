@@ -10,9 +10,10 @@ Every sink keeps the same guarantees:
    tombstone: PostgreSQL keeps it 24 h or until a newer upsert, Redis ``tombstone_ttl_s``,
    search servers ``index.gc_deletes``), so an older upsert does not bring the row back.
 2. **Positions.** ``write(..., positions=...)`` also stores the consumed log positions
-   (next offset to read per topic/partition). Transactional sinks store them atomically
-   with the rows; the others store them after the rows (the version guard makes the
-   replayed tail harmless).
+   (next offset to read per topic/partition). Transactional sinks
+   (``positions_with_rows``) store them atomically with the rows; the others are given
+   them separately (``store_positions``) after the rows and the dead letters of the rows
+   they refused (the version guard makes a replayed tail harmless).
 3. **Zero-downtime rebuilds.** ``begin_shadow`` creates an empty target beside the live
    one; a replay fills it, ``swap`` makes it live atomically (rename / alias / pointer)
    and drops the old one. Readers see the old view until the switch, the new one after,
@@ -20,6 +21,10 @@ Every sink keeps the same guarantees:
 4. **Schema from the projection.** ``ensure`` creates the live target from the
    projection's ``ViewSpec`` or checks that an existing one matches it, raising
    ``ViewSchemaMismatch`` (naming the columns) otherwise.
+
+Capabilities the engine asks for (never a sink's ``kind``): ``positions_with_rows``,
+``load_batches`` (a bulk load that reports the rows it refused) and ``grouped_state``
+(the keyed state and group recompute a grouped fold needs, ``GroupedStateStore``).
 
 Sinks are opened on the driver and, for replays and custom folds, inside Spark
 executors: ``Sink.config()`` returns a small picklable object whose ``open()`` makes
@@ -30,9 +35,9 @@ the contract test suite every sink runs.
 from __future__ import annotations
 
 import abc
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Protocol
 
 import pyarrow as pa
 from pyspark.sql.types import DataType
@@ -172,6 +177,28 @@ class WriteResult:
     rejected: list[tuple[tuple[Any, ...], str]] = field(default_factory=list)
 
 
+Rejected = tuple[tuple[Any, ...], int | None, str]
+"""A row a sink refused while loading: (view key, the row's ``_kf_version``, reason)."""
+
+
+@dataclass
+class LoadResult:
+    """What a bulk load did: rows loaded, and the rows the sink refused (they go to the dead letters)."""
+
+    loaded: int = 0
+    rejected: list[Rejected] = field(default_factory=list)
+
+
+def located_rejections(
+    view: ViewSpec, batch: pa.Table | pa.RecordBatch, rejected: Sequence[tuple[tuple[Any, ...], str]]
+) -> list[Rejected]:
+    """``WriteResult.rejected`` of a write of `batch`, with each refused row's version from the batch."""
+    keys = [batch.column(k).to_pylist() for k in view.key]
+    versions = batch.column(VERSION).to_pylist()
+    by_key = {tuple(kc[i] for kc in keys): versions[i] for i in range(batch.num_rows)}
+    return [(tuple(k), by_key.get(tuple(k)), reason) for k, reason in rejected]
+
+
 @dataclass
 class Drift:
     """One key where a view differs from what a fresh replay gives (``verify``).
@@ -185,6 +212,33 @@ class Drift:
     expected: dict[str, Any] | None
 
 
+class GroupedStateStore(Protocol):
+    """A store that keeps a grouped view's per-source-key state and recomputes the groups a batch
+    touches in the same transaction as the positions (PostgreSQL). A grouped fold folds the log
+    into such a sink; its other sinks mirror that sink's view (``kappaflow.projections.mirror``)."""
+
+    def load_state(self, target: Target, batches: Iterable[pa.Table | pa.RecordBatch]) -> int:
+        """Bulk-load keyed-state rows (``_kf_topic, _kf_key, _kf_version`` + state columns) into a fresh shadow."""
+        ...
+
+    def apply_grouped(
+        self, target: Target, changes: pa.Table, version: int, positions: Positions | None
+    ) -> WriteResult:
+        """Apply keyed-state changes, recompute the touched groups at `version`, store `positions`: ONE transaction."""
+        ...
+
+    def read_for_mirror(
+        self,
+        target: Target,
+        since: int | None,
+        consume: Callable[[list[dict[str, Any]]], None],
+        chunk: int = 5000,
+    ) -> tuple[dict[TopicPartition, int], list[tuple[Any, ...]]]:
+        """Rows (all, or of the groups recomputed above version `since`) and the positions, in one snapshot:
+        (positions, keys of changed groups that no longer exist)."""
+        ...
+
+
 class SinkConfig(abc.ABC):
     """Picklable recipe for opening a sink in another process (Spark executors)."""
 
@@ -196,6 +250,16 @@ class Sink(abc.ABC):
     """One store of views. See the module docstring for the guarantees."""
 
     kind: ClassVar[str] = ""
+
+    positions_with_rows: ClassVar[bool] = False
+    """True: ``write(..., positions)`` stores the positions in the same transaction as the rows (and
+    refuses no row). False: the engine stores them with ``store_positions`` after the rows and
+    after the dead letters of the rows the sink refused, so a crash in between loses none."""
+
+    def grouped_state(self) -> GroupedStateStore | None:
+        """The keyed-state capability a grouped fold needs (``GroupedStateStore``), None when the store
+        has none (its view of a grouped projection is then a mirror)."""
+        return None
 
     # --- configuration ------------------------------------------------------------------
     @abc.abstractmethod
@@ -237,6 +301,23 @@ class Sink(abc.ABC):
             t = b if isinstance(b, pa.Table) else pa.Table.from_batches([b])
             n += self.write(target, t).upserted
         return n
+
+    def load_batches(self, target: Target, batches: Iterable[pa.Table | pa.RecordBatch]) -> LoadResult:
+        """``load``, reporting the rows the sink refused (search mapping conflicts, Redis key sizes) so
+        they reach the dead letters with their key and version. Default: ``load`` (a bulk path that
+        refuses no row, e.g. COPY); sinks that may refuse rows override it (``load_by_write``)."""
+        return LoadResult(self.load(target, batches))
+
+    def load_by_write(self, target: Target, batches: Iterable[pa.Table | pa.RecordBatch]) -> LoadResult:
+        """``load_batches`` through ``write``, batch by batch, collecting the refused rows."""
+        res = LoadResult()
+        for b in batches:
+            t = b if isinstance(b, pa.Table) else pa.Table.from_batches([b])
+            w = self.write(target, t)
+            res.loaded += w.upserted
+            if w.rejected:
+                res.rejected += located_rejections(target.view, t, w.rejected)
+        return res
 
     @abc.abstractmethod
     def fetch(self, target: Target, keys: Sequence[tuple[Any, ...]]) -> dict[tuple[Any, ...], dict[str, Any]]:
@@ -349,7 +430,10 @@ __all__ = [
     "DELETED",
     "VERSION",
     "Drift",
+    "GroupedStateStore",
+    "LoadResult",
     "Positions",
+    "Rejected",
     "Sink",
     "SinkConfig",
     "Target",
@@ -360,4 +444,5 @@ __all__ = [
     "WriteResult",
     "batch_from_rows",
     "empty_batch",
+    "located_rejections",
 ]

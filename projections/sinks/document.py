@@ -13,8 +13,9 @@ talks to its server:
 - **positions**: kept next to the data, per build (an index, a namespace), so a store that lost
   its data loses its positions with it; the store reads and writes them at the build
   (``_positions_home``, ``_read_positions``, ``_write_positions``);
-- **rejects**: rows the store refused come back in ``WriteResult.rejected``; a bulk ``load``
-  (which returns only a count) logs them by key and keeps them in ``rejected_in_load``.
+- **rejects**: rows the store refused come back in ``WriteResult.rejected``; a bulk load logs
+  them by key and returns them (``load_batches``; ``load``, which returns only a count, keeps
+  them in ``rejected_in_load``).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ import pyarrow as pa
 from pydantic import BaseModel, ConfigDict, Field
 
 from kappaflow.errors import ConfigError, Retry, SinkError
-from kappaflow.projections.sinks.base import Positions, Sink, Target, TopicPartition, ViewSpec
+from kappaflow.projections.sinks.base import LoadResult, Positions, Sink, Target, TopicPartition, ViewSpec
 from kappaflow.projections.sinks.errors import SinkStateLostError
 from kappaflow.projections.sinks.lease import Lease
 
@@ -197,6 +198,13 @@ class DocumentSink(Sink):
         self._write_positions(target.view, home, positions)
 
     # --- rejects -------------------------------------------------------------------------------
+    def load_batches(self, target: Target, batches: Iterable[pa.Table | pa.RecordBatch]) -> LoadResult:
+        """``Sink.load_batches``: batch by batch through ``write``; refused rows are logged and returned."""
+        res = self.load_by_write(target, batches)
+        if res.rejected:
+            log_rejected(self.label, target, [(k, reason) for k, _, reason in res.rejected])
+        return res
+
     def load(self, target: Target, batches: Iterable[pa.Table | pa.RecordBatch]) -> int:
         """Bulk-load a replay's rows (one Spark partition) batch by batch; refused rows are logged by key
         and reason (``load`` returns a count only), the rest is loaded."""

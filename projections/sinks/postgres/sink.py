@@ -95,6 +95,11 @@ class PostgresSink(GroupedState, Sink):
     """Views as PostgreSQL tables (see the module docstring)."""
 
     kind = "postgres"
+    positions_with_rows = True
+
+    def grouped_state(self) -> PostgresSink:
+        """PostgreSQL keeps a grouped view's keyed state (``load_state``, ``apply_grouped``, ``read_for_mirror``)."""
+        return self
 
     @classmethod
     def from_settings(cls, settings: PostgresSettings, **kwargs: Any) -> PostgresSink:
