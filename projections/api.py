@@ -51,20 +51,20 @@ expressions over the source row's columns (the ``after`` image).
 Retraction: grouped aggregates are computed over the CURRENT row of every source key
 (latest event per key; deletes, tombstones and rows leaving ``where`` contribute
 nothing), so an update that moves a row between groups moves its contribution and a
-delete removes it, with or without before-images in the log. See ``plan.py``.
+delete removes it, with or without before-images in the log. See ``folds/grouped.py``.
 
-Room to grow: a fold kind is a ``FoldSpec`` subclass compiled
-by a strategy in ``plan.py``. Event-time windows will add a ``window`` attribute
-(``Tumbling``/``Sliding``/``Session`` over an event-time column, with a watermark and a
-late-data policy) that turns into extra group columns of a ``GroupFold``; joins will add
-``Source`` roles (``Source(..., role="table")`` for enrichment by current row, streams
-joined within a time bound) compiled by a ``JoinFold``. The class attributes below are
-read only through ``ProjectionSpec.from_class``, so new attributes do not disturb old ones.
+Room to grow: a fold kind is a ``FoldSpec`` subclass run by a ``FoldStrategy`` in its own
+module of ``kappaflow.projections.folds`` (compile, replay, follow, mirrors, state).
+Event-time windows will add a ``window`` attribute (``Tumbling``/``Sliding``/``Session``
+over an event-time column, with a watermark and a late-data policy) that turns into extra
+group columns of a ``GroupFold``; joins will add ``Source`` roles (``Source(...,
+role="table")`` for enrichment by current row, streams joined within a time bound) run by
+a ``JoinFold`` strategy. The class attributes below are read only through
+``ProjectionSpec.from_class``, so new attributes do not disturb old ones.
 """
 
 from __future__ import annotations
 
-import inspect
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -246,7 +246,8 @@ class Projection:
 # --- the compiled, validated description ------------------------------------------------------------
 @dataclass(frozen=True)
 class FoldSpec:
-    """Base of fold kinds; strategies in ``plan.py`` compile each kind."""
+    """Base of fold kinds: what a projection class declares. Each kind's ``FoldStrategy``
+    (``kappaflow.projections.folds``, registered by fold class) runs it."""
 
     kind: ClassVar[str] = ""
 
@@ -266,6 +267,26 @@ class GroupFold(FoldSpec):
 @dataclass(frozen=True)
 class CustomFold(FoldSpec):
     kind: ClassVar[str] = "custom"
+
+
+@dataclass(frozen=True)
+class Declaration:
+    """What a projection class declares, read and checked once by ``ProjectionSpec.from_class``;
+    each fold kind's strategy reads its fold from it (``FoldStrategy.claims`` / ``declare``)."""
+
+    klass: type[Projection]
+    where: str  # "projection class module.Name", for error messages
+    sources: tuple[Source, ...]
+    key: tuple[str, ...]
+    derive: Mapping[str, str]
+    where_sql: str | None
+    schema: str | None
+    aggregates: Mapping[str, Any]
+    columns: Any
+
+    @property
+    def has_apply(self) -> bool:
+        return self.klass.apply is not Projection.apply
 
 
 @dataclass(frozen=True)
@@ -303,6 +324,14 @@ class ProjectionSpec:
     def kind(self) -> str:
         return self.fold.kind
 
+    @property
+    def strategy(self) -> Any:
+        """The fold's ``FoldStrategy`` (``kappaflow.projections.folds``: imported here, not at the top,
+        because the strategies build on this module)."""
+        from kappaflow.projections.folds import strategy_for
+
+        return strategy_for(self.fold)
+
     def instance(self) -> Projection:
         if self.cls is None:
             raise ConfigError(f"projection {self.name!r}: no class to instantiate")
@@ -325,10 +354,8 @@ class ProjectionSpec:
         ]
         for s in self.sources:
             parts.append(repr(sorted((s.key or {}).items())) + ("events" if s.events else ""))
-        if isinstance(self.fold, LatestFold):
-            parts.append(repr(self.fold.columns))
-        if isinstance(self.fold, GroupFold):
-            parts.append(repr([(n, a.func, a.column) for n, a in self.fold.aggregates]))
+        strategy = self.strategy
+        parts += strategy.fingerprint(self)
         shape = {
             # options that change the stored view's shape are part of the definition; the others
             # (TTLs, batch sizes, retries) only tune how it is written
@@ -340,11 +367,7 @@ class ProjectionSpec:
             import json
 
             parts.append("sink_options=" + json.dumps(shape, sort_keys=True, default=repr))
-        if isinstance(self.fold, CustomFold) and self.cls is not None:
-            try:
-                parts.append(inspect.getsource(self.cls.apply))
-            except (OSError, TypeError):
-                parts.append(self.cls.__qualname__)
+        parts += strategy.code_fingerprint(self)  # last, as always: existing fingerprints stay the same
         return hashlib.sha256("\x1f".join(parts).encode()).hexdigest()[:32]
 
     @classmethod
@@ -417,60 +440,20 @@ class ProjectionSpec:
             raise ConfigError(
                 f"{where}: 'aggregates': expected a dict of column name -> Count()/Sum(col)/..., got {aggregates!r}"
             )
-        custom = klass.apply is not Projection.apply
-        columns = attr("columns")
+        decl = Declaration(
+            klass=klass,
+            where=where,
+            sources=tuple(sources),
+            key=key,
+            derive=dict(derive),
+            where_sql=cond,
+            schema=schema,
+            aggregates=aggregates,
+            columns=attr("columns"),
+        )
+        from kappaflow.projections.folds import declared_fold
 
-        event_topics = [s.topic for s in sources if s.events]
-        if event_topics and not custom:
-            raise ConfigError(
-                f"{where}: event topics {event_topics} need an apply() fold (declarative folds read "
-                "change events of captured tables)"
-            )
-        fold: FoldSpec
-        if custom:
-            if aggregates:
-                raise ConfigError(f"{where}: declare either 'aggregates' or an 'apply' method, not both")
-            if schema is None:
-                raise ConfigError(
-                    f"{where}: 'schema': a custom fold (apply) must declare its output schema, "
-                    "e.g. schema = 'customer_id bigint, total decimal(18,2)'"
-                )
-            if derive or cond:
-                raise ConfigError(f"{where}: 'derive'/'where' apply to declarative folds; filter inside apply()")
-            params = list(inspect.signature(klass.apply).parameters)
-            if len(params) != 3:
-                raise ConfigError(f"{where}: 'apply': expected apply(self, row, event), got apply({', '.join(params)})")
-            fold = CustomFold()
-        elif aggregates:
-            aggs = []
-            for out, agg in aggregates.items():
-                if not isinstance(out, str) or not NAME_RE.match(out):
-                    raise ConfigError(f"{where}: 'aggregates': column name {out!r} is not an identifier")
-                if not isinstance(agg, Aggregate) or type(agg) is Aggregate:
-                    raise ConfigError(
-                        f"{where}: 'aggregates'[{out!r}]: expected Count(), Sum('col'), Min, Max, Avg, CollectList "
-                        f"or CollectSet, got {agg!r}"
-                    )
-                if agg.column is None and not isinstance(agg, Count):
-                    raise ConfigError(f"{where}: 'aggregates'[{out!r}]: {type(agg).__name__} needs a column")
-                if out in key:
-                    raise ConfigError(f"{where}: 'aggregates'[{out!r}]: the name is also a key column")
-                aggs.append((out, agg))
-            if columns is not None:
-                raise ConfigError(
-                    f"{where}: 'columns' selects the columns of a latest-row view; "
-                    "a grouped view's columns are its key and aggregates"
-                )
-            fold = GroupFold(tuple(aggs))
-        else:
-            if columns is not None:
-                if isinstance(columns, str) or not all(isinstance(c, str) for c in columns):
-                    raise ConfigError(f"{where}: 'columns': expected a list of column names, got {columns!r}")
-                missing = [k for k in key if k not in columns and k not in derive]
-                if missing:
-                    raise ConfigError(f"{where}: 'columns': must include the key column(s) {missing}")
-                columns = tuple(columns)
-            fold = LatestFold(columns)
+        fold = declared_fold(decl)
 
         sinks, sink_options = _validate_sinks(where, attr("sinks"), attr("sink_options"), fold)
 
@@ -510,16 +493,9 @@ def _validate_sinks(
     if len(set(raw_sinks)) != len(raw_sinks):
         raise ConfigError(f"{where}: 'sinks': sink listed twice in {list(raw_sinks)}")
     sinks = tuple(raw_sinks)
-    if isinstance(fold, GroupFold):
-        other = [s for s in sinks if s != "postgres"]
-        if other and "postgres" not in sinks:
-            raise ConfigError(
-                f"{where}: 'sinks': a grouped projection ('aggregates') may write to {other} only together with "
-                "'postgres': the per-source-key state that retracts a changed or deleted row's old contribution, "
-                "and the recompute of the touched groups, live in PostgreSQL (apply_grouped); search and Redis "
-                "views of it are mirrors of the PostgreSQL view. Use sinks = "
-                f"('postgres', {', '.join(map(repr, other))})"
-            )
+    from kappaflow.projections.folds import strategy_for
+
+    strategy_for(fold).check_sinks(where, sinks)
     raw_options = raw_options or {}
     if not isinstance(raw_options, Mapping):
         raise ConfigError(
@@ -575,6 +551,7 @@ __all__ = [
     "CollectSet",
     "Count",
     "CustomFold",
+    "Declaration",
     "Event",
     "FoldSpec",
     "GroupFold",

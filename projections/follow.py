@@ -55,9 +55,10 @@ from pyspark.sql import functions as F
 
 from kappaflow.errors import ConfigError, KappaflowError, Retry, SinkError
 from kappaflow.logs import describe
-from kappaflow.projections.api import CustomFold, Projection, ProjectionSpec
+from kappaflow.projections.api import Projection, ProjectionSpec
 from kappaflow.projections.engine import BatchResult, ProjectionBusy, apply_batch, nest, prepare
-from kappaflow.projections.mirror import is_mirror, sync
+from kappaflow.projections.folds import strategy_for
+from kappaflow.projections.mirror import is_mirror, open_source, sync
 from kappaflow.projections.replay import _record, as_spec
 from kappaflow.projections.schema_watch import NeedsRebuild, SchemaWatch, mark_needs_rebuild
 from kappaflow.projections.sinks.base import ViewSchemaMismatch
@@ -158,7 +159,7 @@ class Follower:
         self.sink = base.config().open()
         if is_mirror(spec, self.sink_name):
             # A mirror follows the projection's PostgreSQL view, not the log (see mirror.py).
-            self._pg = rt.sink_for(spec.name, "postgres").config().open()
+            self._pg = open_source(spec, rt, self.sink_name)
         # The lock on its own connection/client, so it is held for the follower's lifetime.
         self._lock_sink = base.config().open()
         if not self._lock_sink.try_lock(spec.name):
@@ -228,8 +229,8 @@ class Follower:
             self.error = None
             self.query = _MirrorLoop(self, max(int(self.trigger.split()[0]) / 1000, 0.05))
             return
-        declarative = not isinstance(spec.fold, CustomFold)
-        stream = rt.stream(spec.topics, start, self.max_records, latest_per_key=declarative)
+        latest_only = strategy_for(spec).reads_latest_per_key
+        stream = rt.stream(spec.topics, start, self.max_records, latest_per_key=latest_only)
         qname = f"kappaflow_{spec.name}" if self.sink_name == "postgres" else f"kappaflow_{spec.name}_{self.sink_name}"
         self.error = None
         self.query = (
@@ -362,7 +363,7 @@ class Follower:
         rt, spec = self.rt, self.spec
         sink = rt.sink_for(spec.name, self.sink_name).config().open()
         try:
-            pg = rt.sink_for(spec.name, "postgres").config().open() if self._pg is not None else None
+            pg = open_source(spec, rt, self.sink_name) if self._pg is not None else None
         except BaseException:
             sink.close()
             raise

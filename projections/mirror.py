@@ -2,9 +2,11 @@
 
 A grouped fold (``aggregates``) retracts a source row's old contribution when the row
 changes group or is deleted; that needs the per-source-key state and a recompute of the
-touched groups in one transaction, which only PostgreSQL has (``PostgresSink.apply_grouped``).
-So a grouped projection may name "search"/"redis" only together with "postgres", and those
-sinks MIRROR the PostgreSQL view instead of folding the log themselves:
+touched groups in one transaction, which only a sink with ``GroupedStateStore`` has (PostgreSQL,
+``apply_grouped``). So a grouped projection may name "search"/"redis" only together with
+"postgres", and those sinks MIRROR the PostgreSQL view instead of folding the log themselves.
+Which sink mirrors which is the fold's mirror policy (``FoldStrategy.mirror_source``); the
+copy reads the source sink through its ``GroupedStateStore`` (``read_for_mirror``), never by kind:
 
 - **replay** (``copy`` into a new shadow): after the PostgreSQL view is built (or from the
   live one), read all its rows with their ``_kf_version`` and the positions stored with
@@ -35,25 +37,54 @@ from typing import Any
 import pyarrow as pa
 
 from kappaflow.errors import ConfigError
-from kappaflow.projections.api import GroupFold, ProjectionSpec
+from kappaflow.projections.api import ProjectionSpec
 from kappaflow.projections.engine import BatchResult, _dead_letter, sink_rejections, watermark
+from kappaflow.projections.folds import strategy_for
 from kappaflow.projections.plan import Plan
-from kappaflow.projections.sinks.base import DELETED, VERSION, Sink, Target, TopicPartition, batch_from_rows
+from kappaflow.projections.sinks.base import (
+    DELETED,
+    VERSION,
+    GroupedStateStore,
+    Sink,
+    Target,
+    TopicPartition,
+    batch_from_rows,
+)
 from kappaflow.projections.sinks.errors import SinkStateLostError
 from kappaflow.projections.sinks.keys import key_str
 
 
+def mirror_source(spec: ProjectionSpec, sink: str) -> str | None:
+    """The sink whose view the projection's sink `sink` copies (None: `sink` folds the log itself)."""
+    return strategy_for(spec).mirror_source(spec, sink)
+
+
 def is_mirror(spec: ProjectionSpec, sink: str) -> bool:
-    """True when `sink` keeps a copy of the projection's PostgreSQL view (grouped folds)."""
-    return isinstance(spec.fold, GroupFold) and sink != "postgres"
+    """True when the projection's sink `sink` keeps a copy of another sink's view (grouped folds)."""
+    return mirror_source(spec, sink) is not None
 
 
-def _pg_live(plan: Plan, pg: Any) -> Target:
+def open_source(spec: ProjectionSpec, rt: Any, sink: str) -> Sink:
+    """A new connection to the sink the mirror `sink` copies (the caller closes it)."""
+    name = mirror_source(spec, sink)
+    if name is None:
+        raise ConfigError(f"projection {spec.name!r}: its {sink} view is not a mirror")
+    return rt.sink_for(spec.name, name).config().open()
+
+
+def _state(plan: Plan, src: Sink) -> GroupedStateStore:
+    keeper = src.grouped_state()
+    if keeper is None:
+        raise ConfigError(f"projection {plan.spec.name!r}: the {src.kind} sink keeps no grouped view to mirror")
+    return keeper
+
+
+def _pg_live(plan: Plan, pg: Sink) -> Target:
     live = pg.live(plan.view)
     if live is None:
         raise ConfigError(
-            f"projection {plan.spec.name!r}: its search/Redis views mirror the PostgreSQL view "
-            f"{plan.view.name!r}, which does not exist yet; replay the projection with its postgres sink first"
+            f"projection {plan.spec.name!r}: its search/Redis views mirror the {pg.kind} view "
+            f"{plan.view.name!r}, which does not exist yet; replay the projection with its {pg.kind} sink first"
         )
     return live
 
@@ -71,7 +102,7 @@ def _key(plan: Plan, row: dict[str, Any]) -> tuple[Any, ...]:
 
 
 def copy(
-    plan: Plan, rt: Any, pg: Any, sink: Sink, target: Target, *, dead_letters: bool = True
+    plan: Plan, rt: Any, pg: Sink, sink: Sink, target: Target, *, dead_letters: bool = True
 ) -> tuple[int, dict[TopicPartition, int], int]:
     """Write every row of the PostgreSQL view into `target` (a fresh shadow) and store the
     positions read with them: (rows written, positions, rows refused)."""
@@ -82,7 +113,7 @@ def copy(
         nonlocal written
         written += _write(plan, sink, target, rows, refused)
 
-    positions, _ = pg.read_for_mirror(_pg_live(plan, pg), None, consume)
+    positions, _ = _state(plan, pg).read_for_mirror(_pg_live(plan, pg), None, consume)
     dead = _refused(plan, rt, sink, refused, dead_letters)
     if positions:
         sink.store_positions(target, positions)
@@ -102,7 +133,7 @@ def ahead(p: dict[TopicPartition, int], m: dict[TopicPartition, int]) -> bool:
     return any(o > m.get(tp, 0) for tp, o in p.items())
 
 
-def sync(plan: Plan, rt: Any, pg: Any, sink: Sink, target: Target) -> BatchResult | None:
+def sync(plan: Plan, rt: Any, pg: Sink, sink: Sink, target: Target) -> BatchResult | None:
     """Bring the live mirror `target` up to the PostgreSQL view (see the module docstring);
     None when PostgreSQL has nothing new."""
     pg_live = _pg_live(plan, pg)
@@ -123,7 +154,7 @@ def sync(plan: Plan, rt: Any, pg: Any, sink: Sink, target: Target) -> BatchResul
         res.upserted += _write(plan, sink, target, rows, refused)
 
     # No positions yet (a new mirror): copy every row, guarded like any follow write.
-    p, gone = pg.read_for_mirror(pg_live, watermark(m) if m else None, consume)
+    p, gone = _state(plan, pg).read_for_mirror(pg_live, watermark(m) if m else None, consume)
     if gone:
         view = plan.view
         version = watermark(p)
@@ -146,4 +177,4 @@ def sync(plan: Plan, rt: Any, pg: Any, sink: Sink, target: Target) -> BatchResul
     return res
 
 
-__all__ = ["ahead", "copy", "is_mirror", "sync"]
+__all__ = ["ahead", "copy", "is_mirror", "mirror_source", "open_source", "sync"]

@@ -31,10 +31,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from kappaflow.projections.api import GroupFold, Projection, ProjectionSpec
+from kappaflow.projections.api import Projection, ProjectionSpec
 from kappaflow.projections.engine import ProjectionBusy, apply_range, build, flatten, prepare
 from kappaflow.projections.mirror import copy as copy_mirror
-from kappaflow.projections.mirror import is_mirror
+from kappaflow.projections.mirror import is_mirror, mirror_source, open_source
 from kappaflow.projections.plan import Plan
 from kappaflow.projections.runtime import Offsets, Runtime
 from kappaflow.projections.sinks.base import Sink, Target
@@ -208,9 +208,13 @@ def _copy_mirrors(
     view (rows and positions from one snapshot), then swapped in (see ``mirror.py``)."""
     out: dict[str, SinkReplay] = {}
     positions: dict[tuple[str, int], int] = {}
-    pg = rt.sink_for(plan.spec.name, "postgres").config().open()
+    sources: dict[str, Sink] = {}
     try:
         for name, sink in mirrors.items():
+            src = str(mirror_source(plan.spec, name))
+            if src not in sources:
+                sources[src] = open_source(plan.spec, rt, name)
+            pg = sources[src]
             t0 = time.monotonic()
             shadow = sink.begin_shadow(plan.view)
             try:
@@ -226,7 +230,8 @@ def _copy_mirrors(
             out[name] = SinkReplay(name, rows=sink.count(live) if live is not None else 0, dead_letters=dead,
                                    build_seconds=time.monotonic() - t0)
     finally:
-        pg.close()
+        for s in sources.values():
+            s.close()
     return out, positions
 
 
@@ -278,8 +283,9 @@ def replay_sinks(spec: ProjectionSpec, rt: Runtime, sinks: Sequence[str] | None 
     """The sinks a replay of `spec` writes (and locks): `sinks` (default: all of its own), plus the
     mirrors of a grouped projection when its PostgreSQL view is rebuilt (they copy that view)."""
     selected = rt.sinks_for(spec, sinks)
-    if sinks and isinstance(spec.fold, GroupFold) and "postgres" in selected:
-        selected = rt.sinks_for(spec, [*selected, *spec.sinks])
+    mirrors = [n for n in spec.sinks if n not in selected and mirror_source(spec, n) in selected]
+    if sinks and mirrors:
+        selected = rt.sinks_for(spec, [*selected, *mirrors])
     return selected
 
 

@@ -25,7 +25,7 @@ from kappaflow.errors import ConfigError
 from kappaflow.projections.api import Projection, ProjectionSpec
 from kappaflow.projections.engine import apply_range, build, flatten, nest, prepare
 from kappaflow.projections.mirror import copy as copy_mirror
-from kappaflow.projections.mirror import is_mirror
+from kappaflow.projections.mirror import is_mirror, open_source
 from kappaflow.projections.plan import Plan
 from kappaflow.projections.replay import as_spec
 from kappaflow.projections.runtime import Runtime
@@ -135,7 +135,7 @@ def _verify_mirror(
     the view is copied into a scratch target of the mirror's sink (same value encoding) and
     diffed there when the mirror's positions equal the copied ones (its follower may be one
     poll behind: retried up to `attempts` times)."""
-    pg = rt.sink_for(plan.spec.name, "postgres").config().open()
+    pg = open_source(plan.spec, rt, name)
     try:
         for attempt in range(1, attempts + 1):
             scratch = store.begin_shadow(plan.view, label="verify")

@@ -35,7 +35,7 @@ from kappaflow.projections.sinks.postgres.tables import sink_error
 
 def aggregate_sql_of(agg: Aggregate, dt: DataType | None) -> str:
     """One aggregate of a grouped projection in PostgreSQL over the keyed-state table (identifiers quoted):
-    the same result as the Spark aggregate the replay computes (``plan.py``), for the follow's recompute."""
+    the same result as the Spark aggregate the replay computes (``folds/grouped.py``), for the follow's recompute."""
     if agg.column is None:
         return "count(*)"
     col = '"' + agg.column.replace('"', '""') + '"'

@@ -1,125 +1,24 @@
-"""Code that runs inside Spark's Python workers: custom folds and bulk loads.
+"""The custom folder: the code that runs a custom fold's ``apply()`` inside Spark's Python workers.
 
-Both are ``mapInArrow`` functions, so Python runs once per Spark partition over Arrow
-batches. They are built by factories whose arguments (the projection class, schemas as
-dicts, a picklable ``SinkConfig``) travel to the workers with the function.
+A ``mapInArrow`` function, so Python runs once per Spark partition over Arrow batches, built by
+``make_folder`` whose ``FoldJob`` (the projection class, schemas as dicts, a picklable
+``SinkConfig``) travels to the workers with it. Its output rows go to the loader
+(``kappaflow.projections.loader``, replay) or back to the driver (follow); see ``custom.py``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 import orjson
 import pyarrow as pa
-import pyarrow.compute as pc
 
+from kappaflow.projections.loader import no_migrate
 from kappaflow.projections.sinks.base import DELETED, VERSION, SinkConfig, Target
 
-DL_COLUMNS = ("_kf_dl_topic", "_kf_dl_partition", "_kf_dl_offset", "_kf_dl_key", "_kf_dl_reason")
 EMIT_CHUNK = 4096
-
-
-def _no_migrate(cfg: SinkConfig) -> SinkConfig:
-    """Workers never run migrations (the driver did)."""
-    if hasattr(cfg, "migrate"):
-        return replace(cfg, migrate=False)
-    return cfg
-
-
-# --- bulk load of replay output -------------------------------------------------------------------
-def make_loader(
-    cfg: SinkConfig, target: Target, *, state: bool = False
-) -> Callable[[Iterator[pa.RecordBatch]], Iterator[pa.RecordBatch]]:
-    """mapInArrow function: COPY one partition's rows into `target`, output one count row.
-
-    Rows carrying a dead-letter reason are passed through instead (as output rows), so one
-    Spark job both loads the view and returns the dead letters to the driver.
-    """
-    cfg = _no_migrate(cfg)
-
-    def load(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
-        dead: list[pa.RecordBatch] = []
-
-        def rows() -> Iterator[pa.RecordBatch]:
-            for b in batches:
-                if "_kf_dl_reason" in b.schema.names:
-                    mask = pc.is_null(b.column("_kf_dl_reason"))
-                    if not pc.all(mask).as_py():
-                        dead.append(b.filter(pc.invert(mask)))
-                        b = b.filter(mask)
-                if b.num_rows:
-                    yield b
-
-        sink = cfg.open()
-        try:
-            if state:
-                n = sink.load_state(target, rows())
-            elif hasattr(sink, "rejected_in_load"):
-                # Rows the sink refuses (search mapping, Redis key size) come back as dead letters
-                # (topic NULL, offset = the row's version, key = the row key), batch by batch.
-                n = 0
-                for b in rows():
-                    seen = len(sink.rejected_in_load)
-                    n += sink.load(target, [b])
-                    refused = sink.rejected_in_load[seen:]
-                    if refused:
-                        dead.append(_refused_batch(target, b, refused))
-            else:
-                n = sink.load(target, rows())
-        finally:
-            sink.close()
-        yield _count_batch(n, dead)
-
-    return load
-
-
-def _refused_batch(target: Target, batch: pa.RecordBatch, refused: list[tuple[tuple[Any, ...], str]]) -> pa.RecordBatch:
-    """Dead-letter rows for rows a sink refused while loading (see ``engine.sink_rejections``)."""
-    from kappaflow.projections.sinks.keys import key_str
-
-    keys = [batch.column(k).to_pylist() for k in target.view.key]
-    versions = batch.column(VERSION).to_pylist()
-    by_key = {key_str(tuple(kc[i] for kc in keys)): versions[i] for i in range(batch.num_rows)}
-    rk = [key_str(k) for k, _ in refused]
-    return pa.RecordBatch.from_pydict(
-        {
-            "_kf_dl_topic": [None] * len(refused),
-            "_kf_dl_partition": pa.array([None] * len(refused), pa.int32()),
-            "_kf_dl_offset": pa.array([by_key.get(k) for k in rk], pa.int64()),
-            "_kf_dl_key": [k.encode() for k in rk],
-            "_kf_dl_reason": [reason for _, reason in refused],
-        }
-    )
-
-
-LOAD_RESULT_DDL = (
-    "_kf_loaded bigint, _kf_dl_topic string, _kf_dl_partition int, _kf_dl_offset bigint, "
-    "_kf_dl_key binary, _kf_dl_reason string"
-)
-_LOAD_RESULT = pa.schema(
-    [
-        ("_kf_loaded", pa.int64()),
-        ("_kf_dl_topic", pa.string()),
-        ("_kf_dl_partition", pa.int32()),
-        ("_kf_dl_offset", pa.int64()),
-        ("_kf_dl_key", pa.binary()),
-        ("_kf_dl_reason", pa.string()),
-    ]
-)
-
-
-def _count_batch(n: int, dead: list[pa.RecordBatch]) -> pa.RecordBatch:
-    cols: dict[str, list[Any]] = {f.name: [] for f in _LOAD_RESULT}
-    cols["_kf_loaded"].append(n)
-    for c in DL_COLUMNS:
-        cols[c].append(None)
-    for b in dead:
-        for c in DL_COLUMNS:
-            cols[c].extend(b.column(c).to_pylist())
-        cols["_kf_loaded"].extend([0] * b.num_rows)
-    return pa.RecordBatch.from_pydict(cols, schema=_LOAD_RESULT)
 
 
 # --- custom folds ---------------------------------------------------------------------------------
@@ -564,7 +463,7 @@ class _Folder:
         keys = {k for k in keys if not any(v is None for v in k)}
         if not keys:
             return {}
-        sink = _no_migrate(self.job.sink).open()
+        sink = no_migrate(self.job.sink).open()
         try:
             out: dict[tuple[Any, ...], dict[str, Any]] = {}
             ordered = sorted(keys, key=repr)
@@ -601,4 +500,4 @@ def fold_arrow_schema(view_schema: pa.Schema) -> pa.Schema:
     return pa.schema(fields)
 
 
-__all__ = ["LOAD_RESULT_DDL", "FoldJob", "fold_arrow_schema", "make_folder", "make_loader"]
+__all__ = ["FoldJob", "fold_arrow_schema", "make_folder", "row_decoder"]

@@ -1,0 +1,87 @@
+"""What the declarative fold kinds (latest row, grouped) share: they read only the latest record of
+each log key (``latestPerKey``) and fold the CURRENT row of every source key (``Plan.latest`` then
+``Plan.rows``: derive, where). A strategy built on this base says what it makes of those rows:
+``view_of`` (compile), ``load`` (replay) and ``changes`` (follow)."""
+
+from __future__ import annotations
+
+import abc
+import time
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from pyspark.sql import DataFrame, Observation, SparkSession
+from pyspark.sql import functions as F
+
+from kappaflow.events import TableSchema
+from kappaflow.projections.api import ProjectionSpec
+from kappaflow.projections.folds.base import BuildJob, Built, FoldedBatch, FoldStrategy, collect_bad, dead_rows
+from kappaflow.projections.plan import Plan
+from kappaflow.projections.sinks.base import Sink, Target, ViewSpec
+
+if TYPE_CHECKING:
+    from kappaflow.projections.runtime import Runtime
+
+LATEST_SPLIT = 2_000_000  # offsets per Spark partition when reading latest-per-key (bounds worker memory)
+
+
+class DeclarativeStrategy(FoldStrategy):
+    """Base of the fold kinds compiled to native Spark expressions over current source rows."""
+
+    reads_latest_per_key: ClassVar[bool] = True
+
+    # --- what a kind makes of the current rows --------------------------------------------------
+    def check_sources(self, plan: Plan) -> None:
+        """Refuse sources this kind cannot fold (ConfigError naming the projection)."""
+
+    @abc.abstractmethod
+    def view_of(self, plan: Plan, rows: DataFrame) -> ViewSpec:
+        """The view's shape, from the (empty) row frame; may set kind-specific fields of `plan`."""
+
+    @abc.abstractmethod
+    def load(self, job: BuildJob, rows: DataFrame) -> tuple[list[Any], DataFrame | None]:
+        """Replay: load the current `rows` into ``job.target``: (the loader's output rows, the rows
+        frame that locates refused rows in the log, if a row's version is its change's offset)."""
+
+    @abc.abstractmethod
+    def changes(self, plan: Plan, rows: DataFrame) -> FoldedBatch:
+        """Follow: what a batch's current `rows` change (collected to the driver)."""
+
+    # --- the protocol ---------------------------------------------------------------------------
+    def compile(self, spark: SparkSession, spec: ProjectionSpec, schemas: dict[str, TableSchema]) -> Plan:
+        plan = Plan(spec, schemas, view=None, row_columns=schemas[spec.topics[0]].column_names)
+        plan.check_same_columns()
+        self.check_sources(plan)
+        plan.view = self.view_of(plan, plan.empty_rows(spark))  # derive + where validated here
+        plan.check_declared_schema(spark)
+        return plan
+
+    def build(self, job: BuildJob) -> Built:
+        plan, rt, spec = job.plan, job.rt, job.plan.spec
+        deduped = max(job.spans, default=0) <= LATEST_SPLIT
+        raws = {
+            t: rt.raw(t, "earliest", job.end, None if deduped else LATEST_SPLIT, latest_per_key=True)
+            for t in spec.topics
+        }
+        obs = Observation(f"kf_build_{spec.name}_{time.monotonic_ns()}")
+        ev = plan.all_events({t: job.counted(df, t) for t, df in raws.items()}).observe(
+            obs, F.count(F.when(F.col("_kf_bad"), 1)).alias("bad")
+        )
+        out, located_by = self.load(job, plan.rows(plan.latest(ev, deduped=deduped)))
+        built = Built(loaded=sum(r["_kf_loaded"] or 0 for r in out), dead=dead_rows(out), rows=located_by)
+        if obs.get.get("bad"):
+            built.dead += collect_bad(plan, raws)
+        return built
+
+    def fold_batch(
+        self, plan: Plan, rt: Runtime, sink: Sink, target: Target, raws: dict[str, DataFrame],
+        deduped_input: bool | None,
+    ) -> FoldedBatch:
+        bad = Observation(f"kf_bad_{plan.spec.name}_{time.monotonic_ns()}")
+        bad_metric = plan.cached("bad_metric", lambda: F.count(F.when(F.col("_kf_bad"), 1)).alias("bad"))
+        ev = plan.all_events(raws).observe(bad, bad_metric)
+        batch = self.changes(plan, plan.rows(plan.latest(ev, deduped=bool(deduped_input))))
+        batch.bad = bad
+        return batch
+
+
+__all__ = ["LATEST_SPLIT", "DeclarativeStrategy"]
