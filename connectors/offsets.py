@@ -15,11 +15,12 @@ for how connectors combine it with the positions stored in data records.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import orjson
 
+from kappaflow.connectors.cuts import cut_to_json
 from kappaflow.errors import ValidationError
 from kappaflow.log.base import CleanupPolicy, Log, LogRecord, Record, TopicConfig
 
@@ -86,9 +87,14 @@ class OffsetStore:
                                   f"an object with an 'offset' object for source {source!r}")
         return offset
 
-    def save(self, source: str, offset: dict[str, Any]) -> None:
-        """Append the new offset durably (returns after the log acknowledged it)."""
-        value = orjson.dumps({"source": source, "offset": offset, "ts_ms": int(time.time() * 1000)})
+    def save(self, source: str, offset: dict[str, Any], *, cut: Mapping[str, Mapping[int, int]] | None = None) -> None:
+        """Append the new offset durably (returns after the log acknowledged it).
+
+        `cut`: the source's consistent cut (``connectors/cuts.py``), stored in the same record."""
+        doc: dict[str, Any] = {"source": source, "offset": offset, "ts_ms": int(time.time() * 1000)}
+        if cut is not None:
+            doc["cut"] = cut_to_json(cut)
+        value = orjson.dumps(doc)
         self.log.append(self.topic, [Record(_key(source), value)])
         self._saves += 1
         if self._compact_every and self._saves % self._compact_every == 0:

@@ -9,7 +9,10 @@ Per batch, the writer performs these steps, in this order:
 1. create the topics the batch needs (idempotent);
 2. append each ``(topic, partition, records)`` group, in batch order — the log
    makes each append durable before returning;
-3. append the batch's offset dict to the offsets topic (durable);
+3. append the batch's offset dict to the offsets topic (durable), with the source's
+   consistent cut (``connectors/cuts.py``): the end offset of every partition of the
+   source's topics when the batch ends at a transaction boundary (``Batch.cut``), else the
+   previous cut again;
 4. publish the batch's token as durable; only then may the connector
    acknowledge the source up to it.
 
@@ -27,6 +30,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from kappaflow.connectors.cuts import CutTracker
 from kappaflow.connectors.offsets import OffsetStore
 from kappaflow.log.base import Log, Record, TopicConfig
 
@@ -46,6 +50,9 @@ class Batch:
     records: int = 0
     transactions: int = 0  # source transactions completed by this batch (metrics)
     commit_ts_ms: int | None = None  # source commit time of the batch's last transaction (source lag)
+    # the batch ends at a source transaction boundary: its offset record carries a new cut
+    # (False for a part of a huge transaction, or the records before a TRUNCATE inside one)
+    cut: bool = True
 
     def add(self, topic: str, records: list[Record], partition: int | None = None) -> None:
         if records:
@@ -77,6 +84,7 @@ class CaptureWriter:
         # The run's summary: step 4 counts the batch's transactions there and measures the source lag
         # (commit at the source -> durable in the log), per batch, off the per-row path.
         self.summary: Any = None
+        self.cuts = CutTracker(log, source)
         self._thread: threading.Thread | None = None
         if threaded:
             self._queue: queue.Queue[Any] = queue.Queue(maxsize=max(1, depth))
@@ -149,18 +157,21 @@ class CaptureWriter:
 
     def _write(self, batch: Batch) -> None:
         t0 = time.perf_counter()
+        cuts = self.cuts
         for name, cfg in batch.creates:  # step 1
             self.log.create_topic(name, cfg, exist_ok=True)
+            cuts.know(name)
         if self._fault is not None and batch.records:
             self._fault("before_records")
-        append = self.log.append_quiet  # the per-record results of `append` are not needed here
+        append = self.log.append_ends  # durable, and the end offsets of the partitions written
         for topic, partition, records in batch.appends:  # step 2
-            append(topic, records, partition=partition)
+            cuts.know(topic)
+            cuts.appended(topic, append(topic, records, partition=partition))
             self.per_topic[topic] = self.per_topic.get(topic, 0) + len(records)
         if self._fault is not None and batch.records:
             self._fault("after_records")
         if batch.offset is not None:  # step 3
-            self.offsets.save(self.source, batch.offset)
+            self.offsets.save(self.source, batch.offset, cut=cuts.cut() if batch.cut else cuts.last)
             if self._fault is not None:
                 self._fault("after_offset")
         self.append_seconds += time.perf_counter() - t0

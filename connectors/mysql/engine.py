@@ -269,7 +269,8 @@ class CaptureEngine:
             o.last_position = w.last_position.to_dict()
         d = o.to_dict()
         if w.buffered or force_save or d != self._saved:
-            w.flush(d, transactions=self._txs, commit_ts_ms=self._commit_ts_ms)
+            # inside a transaction (a huge one, or before a TRUNCATE's tombstones): no new cut
+            w.flush(d, transactions=self._txs, commit_ts_ms=self._commit_ts_ms, cut=self._txn is None)
             self._txs, self._commit_ts_ms = 0, None
             self._saved = d
             self._last_save = time.monotonic()

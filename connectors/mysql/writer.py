@@ -353,11 +353,12 @@ class ChangeBatcher:
 
     # -- flushing ----------------------------------------------------------------------
     def flush(self, offset: dict[str, Any] | None, token: Any = None, *, transactions: int = 0,
-              commit_ts_ms: int | None = None) -> None:
+              commit_ts_ms: int | None = None, cut: bool = True) -> None:
         """Hand the pending records (schema records first) and then the offset to the writer
-        (``transactions``/``commit_ts_ms``: counted and measured by the writer, see ``Batch``)."""
+        (``transactions``/``commit_ts_ms``: counted and measured by the writer, ``cut``: the batch ends at
+        a transaction boundary; see ``Batch``)."""
         batch = Batch(creates=self._creates, offset=offset, token=token, transactions=transactions,
-                      commit_ts_ms=commit_ts_ms)
+                      commit_ts_ms=commit_ts_ms, cut=cut)
         schema = self._pending.pop((self.schema_topic, None), None)
         if schema:
             batch.add(self.schema_topic, schema)

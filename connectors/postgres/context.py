@@ -254,15 +254,16 @@ class PgCapture:
 
     # -- flushing ------------------------------------------------------------------------------
     def flush(self, offset: PgOffset | None, token: Any = None, *, transactions: int = 0,
-              commit_ts_ms: int | None = None) -> None:
+              commit_ts_ms: int | None = None, cut: bool = True) -> None:
         """Hand the pending records (schema first) and the offset to the writer.
 
         ``transactions`` / ``commit_ts_ms``: the source transactions the batch completes and the
-        commit time of its last one (counted and measured by the writer once durable)."""
+        commit time of its last one (counted and measured by the writer once durable). ``cut``: the
+        batch ends at a transaction boundary (``Batch.cut``)."""
         assert self.writer is not None
         p = self.pending
         batch = Batch(creates=p.creates, offset=None if offset is None else offset.to_dict(), token=token,
-                      transactions=transactions, commit_ts_ms=commit_ts_ms)
+                      transactions=transactions, commit_ts_ms=commit_ts_ms, cut=cut)
         batch.add(self.schema_topic, p.schema)
         for topic, recs in p.by_topic.items():
             batch.add(topic, recs)

@@ -181,7 +181,7 @@ class PgStreamingSource(StreamingSource):
                     and now - last_idle_save >= min(1.0, self.heartbeat_interval_s)):
                 last_idle_save = now
                 self.offset.lsn = max(self.offset.lsn, self.idle_candidate)
-                cap.flush(self.offset, token=self.idle_candidate)
+                cap.flush(self.offset, token=self.idle_candidate, cut=not self.in_tx)
             if now >= next_heartbeat:
                 # the send time rides along: its round trip is the source lag when idle (_other)
                 slots.emit_heartbeat(cap.conn, self.slot, _SENT.decode() + str(int(time.time() * 1000)))
@@ -219,10 +219,11 @@ class PgStreamingSource(StreamingSource):
         if partial:
             # offset still names the previous complete transaction; the duplicate check
             # covers the part written now if we crash before this transaction completes
-            cap.flush(self.offset, token=None)
+            cap.flush(self.offset, token=None, cut=False)
             return
         token = self.complete_end or None
-        cap.flush(self.offset, token=token, transactions=self.complete_txs, commit_ts_ms=self.complete_ts_ms)
+        cap.flush(self.offset, token=token, transactions=self.complete_txs, commit_ts_ms=self.complete_ts_ms,
+                  cut=not self.in_tx)  # a clean stop inside a transaction writes its part, no cut
         self.complete_end = 0
         self.complete_txs = 0
         self.complete_ts_ms = None
@@ -679,7 +680,7 @@ class PgStreamingSource(StreamingSource):
                 raise tc.mapper.refuse(tc.qualified, "TRUNCATE", f"WAL {lsn_str(self.tx_lsn)}")
         # everything before the truncate must be in the log before its keys are scanned
         self._count_events()
-        cap.flush(self.offset, token=None)
+        cap.flush(self.offset, token=None, cut=not self.in_tx)
         writer = cap.require_writer()
         writer.drain()
         now_ms = int(time.time() * 1000)
@@ -705,13 +706,13 @@ class PgStreamingSource(StreamingSource):
                 recs = truncate_records(value, live, (_OP_T, *pos), (_OP_D, *pos), (_OP_T, *pos))
                 cap.pending.truncates.append((topic, p, recs))
                 cap.pending.count += len(recs)
-                cap.flush(self.offset, token=None)
+                cap.flush(self.offset, token=None, cut=not self.in_tx)
             if tc.toast_state is not None:
                 tc.toast_state.clear()
             self.events += 1
         # later changes of this transaction must land after the tombstones: next batch
         self._count_events()
-        cap.flush(self.offset, token=None)
+        cap.flush(self.offset, token=None, cut=not self.in_tx)
 
     # -- TOAST state rebuilt from the log ------------------------------------------------------------
     def _load_toast_state(self, tc: TableCodec) -> None:

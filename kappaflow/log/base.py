@@ -225,6 +225,19 @@ class Log(abc.ABC):
         """
         self.append(topic, records, partition=partition)
 
+    def append_ends(self, topic: str, records: Sequence[Record], *, partition: int | None = None) -> dict[int, int]:
+        """`append`, returning the end offset (next offset) of each partition it wrote to.
+
+        The capture writer records these as the source's consistent cut (``connectors/cuts.py``);
+        the caller must be the topic's only writer. Backends that keep their end offsets at hand
+        override it (the embedded log returns every partition's end, no per-record results).
+        """
+        out: dict[int, int] = {}
+        for a in self.append(topic, records, partition=partition):
+            if a.offset >= out.get(a.partition, 0):
+                out[a.partition] = a.offset + 1
+        return out
+
     # --- read ---------------------------------------------------------------
     @abc.abstractmethod
     def read(self, topic: str, partition: int, offset: int, max_records: int = 10_000) -> list[LogRecord]:

@@ -39,6 +39,15 @@ class EmbeddedAppend(EmbeddedTopics):
         """
         self._append(topic, records, partition, False)
 
+    def append_ends(self, topic: str, records: Sequence[Record], *, partition: int | None = None) -> dict[int, int]:
+        """`append_quiet`, then every partition's end offset (kept in memory by the writer once it appended)."""
+        if not records:
+            return {}
+        self._append(topic, records, partition, False)
+        ends = self._topic(topic).ends
+        assert ends is not None  # loaded by the append
+        return dict(enumerate(ends))
+
     def _append(self, topic: str, records: Sequence[Record], partition: int | None,
                 results: bool) -> list[Appended] | None:
         self._require_writer("append")

@@ -1,0 +1,110 @@
+"""Consistent cuts (connectors/cuts.py): what the capture writer records and where readers stop.
+
+The writer stores, with each offsets record, the end offset of every partition of its source
+at the last transaction boundary; a batch that ends inside a transaction repeats the previous
+cut. Readers cap their end offsets at the newest cut, pick among recent cuts for a record
+budget, and never split a transaction larger than the budget.
+"""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+import pytest
+
+from kappaflow.connectors.cuts import CutIndex, consistent_ends
+from kappaflow.connectors.offsets import OffsetStore
+from kappaflow.connectors.writer import Batch, CaptureWriter
+from kappaflow.log.base import Record, TopicConfig
+
+SOURCE = "src"
+A, B = f"{SOURCE}.public.a", f"{SOURCE}.public.b"  # renamed per test below (the Kafka broker is shared)
+
+
+def recs(n: int, prefix: str) -> list[Record]:
+    return [Record(f"{prefix}{i}".encode(), b"v") for i in range(n)]
+
+
+def write(writer: CaptureWriter, appends: list[tuple[str, int, int]], *, cut: bool, offset: int) -> None:
+    batch = Batch(offset={"n": offset}, cut=cut)
+    for topic, partition, n in appends:
+        batch.add(topic, recs(n, f"{topic}-{offset}-"), partition)
+    writer.submit(batch)
+
+
+@pytest.fixture
+def writer(any_log: Any) -> Any:
+    global SOURCE, A, B
+    SOURCE = f"src{uuid.uuid4().hex[:8]}"
+    A, B = f"{SOURCE}.public.a", f"{SOURCE}.public.b"
+    for t in (A, B):
+        any_log.create_topic(t, TopicConfig(partitions=2), exist_ok=True)
+    w = CaptureWriter(any_log, OffsetStore(any_log), SOURCE, threaded=False)
+    yield w
+    w.close()
+
+
+def test_cut_per_transaction_boundary_and_repeated_inside_one(any_log: Any, writer: CaptureWriter) -> None:
+    index = CutIndex(any_log)
+    index.refresh()
+    assert index.cut(SOURCE) is None  # nothing recorded yet: readers read to the end
+    write(writer, [(A, 0, 2), (B, 1, 3)], cut=True, offset=1)
+    index.refresh()
+    first = index.cut(SOURCE)
+    assert first == {A: {0: 2, 1: 0}, B: {0: 0, 1: 3}}
+    # a transaction written in two batches: the first part repeats the previous cut
+    write(writer, [(A, 1, 4)], cut=False, offset=1)
+    index.refresh()
+    assert index.cut(SOURCE) == first
+    ends = {t: dict(any_log.end_offsets(t)) for t in (A, B)}
+    assert ends[A] == {0: 2, 1: 4}
+    assert consistent_ends(index, [A, B], {}, ends) == first  # the reader stops before the part
+    write(writer, [(B, 0, 1)], cut=True, offset=2)
+    index.refresh()
+    assert index.cut(SOURCE) == {A: {0: 2, 1: 4}, B: {0: 1, 1: 3}}
+    assert OffsetStore(any_log).load(SOURCE) == {"n": 2}  # the offset itself is unchanged in shape
+
+
+def test_restarted_writer_covers_the_tail_of_a_killed_run(any_log: Any, writer: CaptureWriter) -> None:
+    write(writer, [(A, 0, 2)], cut=True, offset=1)
+    any_log.append(A, recs(3, "tail"), partition=1)  # a part written by a run killed mid-transaction
+    again = CaptureWriter(any_log, OffsetStore(any_log), SOURCE, threaded=False)
+    try:
+        # the restarted capture completes the transaction in another partition, then records a cut
+        write(again, [(B, 0, 1)], cut=True, offset=2)
+    finally:
+        again.close()
+    index = CutIndex(any_log)
+    index.refresh()
+    assert index.cut(SOURCE) == {A: {0: 2, 1: 3}, B: {0: 1, 1: 0}}
+
+
+def test_budget_picks_the_newest_cut_within_it_and_never_splits_a_transaction(any_log: Any,
+                                                                               writer: CaptureWriter) -> None:
+    for i in range(1, 6):  # five transactions of 4 records, 2 per topic
+        write(writer, [(A, 0, 2), (B, 1, 2)], cut=True, offset=i)
+    write(writer, [(A, 1, 30), (B, 0, 30)], cut=True, offset=6)  # one transaction of 60 records
+    index = CutIndex(any_log)
+    index.refresh()
+    ends = {t: dict(any_log.end_offsets(t)) for t in (A, B)}
+    assert consistent_ends(index, [A, B], {}, ends, budget=10) == {A: {0: 4, 1: 0}, B: {0: 0, 1: 4}}
+    begin = {A: {0: 10, 1: 0}, B: {0: 0, 1: 10}}
+    # the big transaction is larger than the budget: the batch grows to its cut
+    assert consistent_ends(index, [A, B], begin, ends, budget=10) == {A: {0: 10, 1: 30}, B: {0: 30, 1: 10}}
+    assert consistent_ends(index, [A, B], {}, ends, budget=1000) == ends
+
+
+def test_sources_without_cuts_and_topics_newer_than_the_cut(any_log: Any, writer: CaptureWriter) -> None:
+    other = f"hand{uuid.uuid4().hex[:6]}.made"
+    any_log.create_topic(other, TopicConfig(partitions=1), exist_ok=True)
+    any_log.append(other, recs(5, "h"))
+    write(writer, [(A, 0, 1)], cut=True, offset=1)
+    newer = f"{SOURCE}.public.c"
+    any_log.create_topic(newer, TopicConfig(partitions=1), exist_ok=True)
+    any_log.append(newer, recs(2, "c"))  # not covered by any cut yet
+    index = CutIndex(any_log)
+    index.refresh()
+    ends = {t: dict(any_log.end_offsets(t)) for t in (A, other, newer)}
+    got = consistent_ends(index, [A, other, newer], {}, ends)
+    assert got == {A: {0: 1, 1: 0}, other: {0: 5}, newer: {0: 0}}
