@@ -222,7 +222,10 @@ class Projection:
     folds), ``view`` (table name, default ``name``), ``namespace`` (PostgreSQL schema),
     ``apply`` (custom fold), ``sinks`` (where the view lives: any of "postgres", "search",
     "redis"; default postgres only), ``sink_options`` (per-sink view options, e.g.
-    ``{"search": {"fields": {"name": "text"}}, "redis": {"ttl_s": 3600, "format": "hash"}}``).
+    ``{"search": {"fields": {"name": "text"}}, "redis": {"ttl_s": 3600, "format": "hash"}}``),
+    ``consistency`` (``"transactions"``, the default: follow micro-batches and replays end at a
+    consistent cut of each source, so the view never shows part of a source transaction;
+    ``"per_key"``: read to the log's end for the lowest latency, order per key only).
     """
 
     name: ClassVar[str]
@@ -237,6 +240,7 @@ class Projection:
     namespace: ClassVar[str | None] = None
     sinks: ClassVar[Sequence[str]] = ("postgres",)
     sink_options: ClassVar[Mapping[str, Mapping[str, Any]]] = {}
+    consistency: ClassVar[str] = "transactions"
 
     def apply(self, row: dict[str, Any] | None, event: Event) -> dict[str, Any] | None:
         """Custom fold: the view row after `event` (None removes it). Override to use."""
@@ -306,6 +310,9 @@ class ProjectionSpec:
     class_path: str | None = None
     sinks: tuple[str, ...] = ("postgres",)
     sink_options: Mapping[str, Mapping[str, Any]] = field(default_factory=dict, compare=False)
+    # where reads stop: "transactions" (at consistent cuts) or "per_key" (at the log's end); not part
+    # of the fingerprint: it changes when the view is updated, never what it holds once caught up
+    consistency: str = field(default="transactions", compare=False)
 
     def view_options(self) -> dict[str, Any]:
         """``ViewSpec.options`` for the sinks: ``{"search": {...}, "redis": {...}}`` (validated names)."""
@@ -456,6 +463,10 @@ class ProjectionSpec:
         fold = declared_fold(decl)
 
         sinks, sink_options = _validate_sinks(where, attr("sinks"), attr("sink_options"), fold)
+        consistency = attr("consistency") or "transactions"
+        if consistency not in ("transactions", "per_key"):
+            raise ConfigError(f"{where}: 'consistency': expected 'transactions' (the default) or 'per_key', "
+                              f"got {consistency!r}")
 
         module = getattr(klass, "__module__", None)
         return cls(
@@ -472,6 +483,7 @@ class ProjectionSpec:
             class_path=f"{module}:{klass.__qualname__}" if module else None,
             sinks=sinks,
             sink_options=sink_options,
+            consistency=consistency,
         )
 
 

@@ -26,7 +26,15 @@ Options
   partitions not named start at 0 / end at the end). Streams ignore ``endingOffsets``.
 - ``maxRecordsPerPartition``: split a log partition into Spark partitions of at most
   this many offsets (default: one Spark partition per log partition).
-- ``maxRecordsPerTrigger`` (streams): admission control, records per micro-batch.
+- ``maxRecordsPerTrigger`` (streams): admission control, records per micro-batch. With cuts
+  (below) a micro-batch ends at the newest cut within the limit, or at the oldest cut past it:
+  a source transaction larger than the limit is read whole.
+- ``consistency``: ``transactions`` (default) or ``per_key``. With ``transactions`` a
+  micro-batch, and a batch read to ``endingOffsets=latest``, ends at the newest consistent cut
+  of each source it reads (``kappaflow.connectors.cuts``: the partitions' end offsets the
+  capture recorded at a source transaction boundary), so it never holds part of a source
+  transaction; topics of a source that recorded no cut are read to their end. ``per_key``
+  reads to the log's end (lowest latency; order and completeness hold per key only).
 - ``ledgerKeys``: JSON ``{"<ledger source>.": {"name": ..., "dsn": ..., "schema": ...,
   "password_env": ...}}``: records of topics with that prefix have their personal fields
   decrypted through the ledger's key table as they are read (or the forgotten marker); see
@@ -152,9 +160,53 @@ def open_cached_log(url: str, client_options: Mapping[str, Any] | None = None) -
         return log
 
 
+_CUTS: dict[tuple[str, tuple[tuple[str, str], ...]], Any] = {}
+
+
+def cached_cut_index(url: str, client_options: Mapping[str, Any] | None = None) -> Any:
+    """The process-wide `CutIndex` of the log at `url` (reads the offsets topic incrementally)."""
+    from kappaflow.connectors.cuts import CutIndex
+
+    opts = tuple(sorted((k, str(v)) for k, v in (client_options or {}).items()))
+    log = open_cached_log(url, client_options)
+    with _LOGS_LOCK:
+        index = _CUTS.get((url, opts))
+        if index is None or index.log is not log:
+            index = _CUTS[(url, opts)] = CutIndex(log)
+        return index
+
+
+def consistent_end_offsets(url: str, client_options: Mapping[str, Any] | None, topics: list[str],
+                           begin: Mapping[str, Mapping[int, int]] | None = None,
+                           budget: int | None = None) -> Offsets:
+    """The log's end offsets of `topics`, capped at the newest consistent cut of each source
+    (`kappaflow.connectors.cuts.consistent_ends`); `begin`: the reader's start (default 0)."""
+    from kappaflow.connectors.cuts import consistent_ends
+
+    index = cached_cut_index(url, client_options)
+    index.refresh()  # first: every cut read is then at or below the end offsets read next
+    log = index.log
+    ends = {t: dict(log.end_offsets(t)) for t in topics}
+    check_not_behind(begin or {}, ends)
+    return consistent_ends(index, topics, begin or {}, ends, budget)
+
+
+def check_not_behind(begin: Mapping[str, Mapping[int, int]], ends: Mapping[str, Mapping[int, int]]) -> None:
+    for topic, parts in ends.items():
+        for p, e in parts.items():
+            s = begin.get(topic, {}).get(p, 0)
+            if e < s:
+                raise LogError(
+                    f"log end offset {e} of {topic}[{p}] is behind the stream position {s}: the topic was "
+                    "recreated or truncated; delete the checkpoint and replay the projection"
+                )
+
+
 def forget_cached_log(url: str) -> None:
     """Close and drop cached handles for `url` (after an error, so the next use reconnects)."""
     with _LOGS_LOCK:
+        for key in [k for k in _CUTS if k[0] == url]:
+            del _CUTS[key]
         for key in [k for k in _LOGS if k[0] == url]:
             log = _LOGS.pop(key)
             try:
@@ -426,6 +478,7 @@ class _Options:
         self.latest_per_key = opts.get("latestperkey", "false").strip().lower() in ("true", "1", "yes")
         self.max_per_trigger = _positive(opts, "maxRecordsPerTrigger")
         self.ledger_keys = parse_ledger_keys(opts.get("ledgerkeys"))
+        self.consistent = parse_consistency(opts.get("consistency")) == "transactions"
 
     def log(self) -> Any:
         return open_cached_log(self.url, self.client)
@@ -436,6 +489,17 @@ class _Options:
             if topic.startswith(prefix):
                 return _keystore(spec)
         return None
+
+
+CONSISTENCY = ("transactions", "per_key")
+
+
+def parse_consistency(value: str | None) -> str:
+    text = (value or "transactions").strip().lower()
+    if text not in CONSISTENCY:
+        raise ConfigError(f"kappaflow data source option 'consistency': expected 'transactions' or 'per_key', "
+                          f"got {value!r}")
+    return text
 
 
 def parse_ledger_keys(value: str | None) -> dict[str, dict[str, str]]:
@@ -522,7 +586,10 @@ class _BatchReader(DataSourceReader):
     def partitions(self) -> list[LogRange]:
         log = self.opts.log()
         start = _resolve(log, self.opts.topics, self.opts.starting, end=False)
-        end = _resolve(log, self.opts.topics, self.opts.ending, end=True)
+        if self.opts.consistent and self.opts.ending == "latest":
+            end = consistent_end_offsets(self.opts.url, self.opts.client, self.opts.topics, start)
+        else:
+            end = _resolve(log, self.opts.topics, self.opts.ending, end=True)
         return plan_ranges(start, end, self.opts.max_per_split)
 
     def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
@@ -574,22 +641,19 @@ class _StreamReader(DataSourceStreamReader):
     def latestOffset(self, start: dict[str, Any] | None = None, limit: Any = None) -> dict[str, dict[str, int]]:
         log = self.opts.log()
         begin = self._from_json_safe(start) if start else _resolve(log, self.opts.topics, "earliest", end=False)
-        ends: Offsets = {}
-        for topic in self.opts.topics:
-            try:
-                ends[topic] = dict(log.end_offsets(topic))
-            except Exception:
-                forget_cached_log(self.opts.url)
-                raise
-            for p, e in ends[topic].items():
-                s = begin.get(topic, {}).get(p, 0)
-                if e < s:
-                    raise LogError(
-                        f"log end offset {e} of {topic}[{p}] is behind the stream position {s}: the topic was "
-                        "recreated or truncated; delete the checkpoint and replay the projection"
-                    )
         max_rows = getattr(limit, "max_rows", None)
-        if max_rows:
+        ends: Offsets = {}
+        try:
+            if self.opts.consistent:
+                ends = consistent_end_offsets(self.opts.url, self.opts.client, self.opts.topics, begin,
+                                              int(max_rows) if max_rows else None)
+            else:
+                ends = {topic: dict(log.end_offsets(topic)) for topic in self.opts.topics}
+                check_not_behind(begin, ends)
+        except Exception:
+            forget_cached_log(self.opts.url)
+            raise
+        if max_rows and not self.opts.consistent:
             ends = _admit(begin, ends, int(max_rows))
         return self._to_json_safe(ends)
 
@@ -636,6 +700,7 @@ __all__ = [
     "SCHEMA_DDL",
     "KappaflowDataSource",
     "LogRange",
+    "consistent_end_offsets",
     "log_options_to_spark",
     "offsets_to_json",
     "open_cached_log",

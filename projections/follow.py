@@ -230,7 +230,8 @@ class Follower:
             self.query = _MirrorLoop(self, max(int(self.trigger.split()[0]) / 1000, 0.05))
             return
         latest_only = strategy_for(spec).reads_latest_per_key
-        stream = rt.stream(spec.topics, start, self.max_records, latest_per_key=latest_only)
+        stream = rt.stream(spec.topics, start, self.max_records, latest_per_key=latest_only,
+                           consistency=spec.consistency)
         qname = f"kappaflow_{spec.name}" if self.sink_name == "postgres" else f"kappaflow_{spec.name}_{self.sink_name}"
         self.error = None
         self.query = (

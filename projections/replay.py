@@ -151,7 +151,7 @@ def rebuild(
     spec = plan.spec
     mirrors = {n: s for n, s in sinks.items() if is_mirror(spec, n)}
     sinks = {n: s for n, s in sinks.items() if n not in mirrors}
-    end: Offsets = rt.end_offsets(spec.topics)
+    end: Offsets = rt.read_end(spec.topics, spec.consistency)  # a consistent cut (issue 17)
     shadows: dict[str, Target] = {}
     out: dict[str, SinkReplay] = {}
     events = 0
@@ -175,7 +175,7 @@ def rebuild(
             events = built.events
             first_build = first_build or built.seconds
         for _ in range(catch_up_rounds):
-            new_end = rt.end_offsets(spec.topics)
+            new_end = rt.read_end(spec.topics, spec.consistency)
             if new_end == end:
                 break
             for i, (name, sink) in enumerate(sinks.items()):

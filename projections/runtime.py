@@ -20,7 +20,14 @@ from typing import Any
 from pyspark.sql import DataFrame, SparkSession
 
 from kappaflow.errors import ConfigError
-from kappaflow.projections.datasource import FORMAT, log_options_to_spark, offsets_to_json, open_cached_log, register
+from kappaflow.projections.datasource import (
+    FORMAT,
+    consistent_end_offsets,
+    log_options_to_spark,
+    offsets_to_json,
+    open_cached_log,
+    register,
+)
 from kappaflow.projections.sinks.base import Sink
 from kappaflow.projections.sinks.registry import SINKS, open_sinks
 
@@ -173,6 +180,13 @@ class Runtime:
         log = self.reader()
         return {t: dict(log.end_offsets(t)) for t in topics}
 
+    def read_end(self, topics: list[str], consistency: str = "transactions") -> Offsets:
+        """Where a replay of `topics` stops: the newest consistent cut of each source
+        (``kappaflow.connectors.cuts``), or the log's end with ``per_key``."""
+        if consistency == "per_key":
+            return self.end_offsets(topics)
+        return consistent_end_offsets(self.log_url, self.log_options, topics)
+
     def _options(self) -> dict[str, str]:
         opts = {"log": self.log_url, **log_options_to_spark(self.log_options)}
         if self.ledger_keys:
@@ -196,8 +210,9 @@ class Runtime:
         return reader.load()
 
     def stream(self, topics: list[str], start: Offsets, max_per_trigger: int | None = None, *,
-               latest_per_key: bool = False) -> DataFrame:
+               latest_per_key: bool = False, consistency: str = "transactions") -> DataFrame:
         reader = self.spark.readStream.format(FORMAT).options(**self._options()).option("topics", ",".join(topics))
+        reader = reader.option("consistency", consistency)
         if latest_per_key:
             reader = reader.option("latestPerKey", "true")
         reader = reader.option("startingOffsets", offsets_to_json(start))

@@ -108,3 +108,31 @@ def test_sources_without_cuts_and_topics_newer_than_the_cut(any_log: Any, writer
     ends = {t: dict(any_log.end_offsets(t)) for t in (A, other, newer)}
     got = consistent_ends(index, [A, other, newer], {}, ends)
     assert got == {A: {0: 1, 1: 0}, other: {0: 5}, newer: {0: 0}}
+
+
+@pytest.mark.integration
+def test_spark_reads_stop_at_the_cut_unless_per_key(any_log: Any, writer: CaptureWriter, spark: Any,
+                                                     request: pytest.FixtureRequest) -> None:
+    """The data source's batch read to 'latest' (what a replay reads) and a stream's micro-batch end at
+    the newest cut; consistency=per_key reads to the log's end."""
+    write(writer, [(A, 0, 3), (B, 1, 2)], cut=True, offset=1)
+    write(writer, [(A, 1, 4)], cut=False, offset=1)  # the first part of a transaction
+    url = str(any_log.path) if hasattr(any_log, "path") else f"kafka://{request.getfixturevalue('kafka_broker').bootstrap}"
+
+    def read(**options: str) -> list[tuple[str, int, int]]:
+        reader = spark.read.format("kappaflow").option("log", url).option("topics", f"{A},{B}")
+        rows = reader.options(**options).load().collect()
+        return sorted((r.topic, r.partition, r.offset) for r in rows)
+
+    cut_rows = [(A, 0, i) for i in range(3)] + [(B, 1, i) for i in range(2)]
+    assert read() == cut_rows
+    assert len(read(consistency="per_key")) == 9
+    with pytest.raises(Exception, match="consistency"):
+        read(consistency="sometimes")
+
+    from kappaflow.projections.datasource import _Options, _StreamReader
+
+    stream = _StreamReader(_Options({"log": url, "topics": f"{A},{B}"}))
+    assert stream.latestOffset(stream.initialOffset()) == {A: {"0": 3, "1": 0}, B: {"0": 0, "1": 2}}
+    write(writer, [(B, 0, 1)], cut=True, offset=2)  # the transaction completes
+    assert stream.latestOffset(stream.initialOffset()) == {A: {"0": 3, "1": 4}, B: {"0": 1, "1": 2}}
