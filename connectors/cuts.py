@@ -46,6 +46,7 @@ __all__ = ["CUT_FIELD", "Cut", "CutIndex", "CutTracker", "consistent_ends", "cut
 CUT_FIELD = "cut"
 Cut = dict[str, dict[int, int]]  # topic -> partition -> end offset
 HISTORY = 2048  # recent cuts kept per source by a reader (record budgets pick among them)
+FIRST_WINDOW = 50_000  # offsets records a reader reads forward at its start (older ones: on demand, backwards)
 
 
 def source_of(topic: str) -> str:
@@ -106,9 +107,11 @@ class CutIndex:
 
         self.log = log
         self.topic = topic or OFFSETS_TOPIC
-        self.next = 0
+        self.next: int | None = None  # the next offsets record to read forward
+        self.first = 0  # where the forward reading started; older records are searched per source on demand
         self.latest: dict[str, Cut] = {}
         self.history: dict[str, deque[Cut]] = {}
+        self._searched: set[str] = set()
         self._lock = threading.Lock()
 
     def refresh(self) -> None:
@@ -117,33 +120,63 @@ class CutIndex:
             if self.topic not in self.log.list_topics():
                 return
             end = self.log.end_offset(self.topic, 0)
-            if end < self.next:  # the topic was recreated: start over
-                self.next = 0
+            if self.next is None or end < self.next:  # first call, or the topic was recreated: start over
+                self.next = self.first = max(0, end - FIRST_WINDOW)
                 self.latest.clear()
                 self.history.clear()
+                self._searched.clear()
             while self.next < end:
                 recs = self.log.read(self.topic, 0, self.next, 5000)
                 if not recs:
                     break
                 for rec in recs:
-                    value = rec.value
-                    if value is None or b'"cut"' not in value:
-                        continue
-                    try:
-                        doc = orjson.loads(value)
-                    except orjson.JSONDecodeError:
-                        continue
-                    source = doc.get("source") if isinstance(doc, dict) else None
-                    cut = cut_from_json(doc.get(CUT_FIELD)) if isinstance(source, str) else None
-                    if cut is None or not isinstance(source, str):
-                        continue
-                    if self.latest.get(source) != cut:
+                    found = _parse(rec.value)
+                    if found is not None and self.latest.get(found[0]) != found[1]:
+                        source, cut = found
                         self.latest[source] = cut
                         self.history.setdefault(source, deque(maxlen=HISTORY)).append(cut)
                 self.next = recs[-1].offset + 1
 
     def cut(self, source: str) -> Cut | None:
+        """The newest cut of `source` (None: it never recorded one)."""
+        cut = self.latest.get(source)
+        if cut is None and self.first > 0 and source not in self._searched:
+            with self._lock:  # a source quiet since before the first window: search backwards, once
+                self._searched.add(source)
+                cut = self._search(source)
+                if cut is not None and source not in self.latest:
+                    self.latest[source] = cut
+                    self.history.setdefault(source, deque(maxlen=HISTORY)).append(cut)
         return self.latest.get(source)
+
+    def _search(self, source: str) -> Cut | None:
+        end, window = self.first, 1024
+        while end > 0:
+            start = max(0, end - window)
+            newest: Cut | None = None
+            for rec in self.log.iter_partition(self.topic, 0, start, end):
+                found = _parse(rec.value)
+                if found is not None and found[0] == source:
+                    newest = found[1]
+            if newest is not None:
+                return newest
+            end, window = start, window * 4
+        return None
+
+
+def _parse(value: bytes | None) -> tuple[str, Cut] | None:
+    """(source, cut) of an offsets record that carries a cut."""
+    if value is None or b'"cut"' not in value:
+        return None
+    try:
+        doc = orjson.loads(value)
+    except orjson.JSONDecodeError:
+        return None
+    source = doc.get("source") if isinstance(doc, dict) else None
+    cut = cut_from_json(doc.get(CUT_FIELD)) if isinstance(source, str) else None
+    if cut is None or not isinstance(source, str):
+        return None
+    return source, cut
 
 
 def _capped(cut: Cut, begin: Mapping[str, Mapping[int, int]], ends: Mapping[str, Mapping[int, int]],

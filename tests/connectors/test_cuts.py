@@ -136,3 +136,18 @@ def test_spark_reads_stop_at_the_cut_unless_per_key(any_log: Any, writer: Captur
     assert stream.latestOffset(stream.initialOffset()) == {A: {"0": 3, "1": 0}, B: {"0": 0, "1": 2}}
     write(writer, [(B, 0, 1)], cut=True, offset=2)  # the transaction completes
     assert stream.latestOffset(stream.initialOffset()) == {A: {"0": 3, "1": 4}, B: {"0": 1, "1": 2}}
+
+
+def test_a_reader_finds_a_quiet_source_cut_before_its_first_window(any_log: Any, writer: CaptureWriter,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    from kappaflow.connectors import cuts
+
+    write(writer, [(A, 0, 2)], cut=True, offset=1)
+    for i in range(30):  # another source's offsets records push this one's out of the first window
+        OffsetStore(any_log).save(f"busy{i}", {"n": i}, cut={"x.y": {0: i}})
+    monkeypatch.setattr(cuts, "FIRST_WINDOW", 10)
+    index = CutIndex(any_log)
+    index.refresh()
+    assert index.first > 0
+    assert index.cut(SOURCE) == {A: {0: 2, 1: 0}, B: {0: 0, 1: 0}}
+    assert index.cut("never") is None
