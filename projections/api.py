@@ -71,6 +71,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from kappaflow.errors import ConfigError
+from kappaflow.projections.joins.spec import Lookup, parse_lookups
 from kappaflow.projections.sinks.registry import SINKS
 
 NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,62}$")
@@ -241,6 +242,7 @@ class Projection:
     sinks: ClassVar[Sequence[str]] = ("postgres",)
     sink_options: ClassVar[Mapping[str, Mapping[str, Any]]] = {}
     consistency: ClassVar[str] = "transactions"
+    lookups: ClassVar[Sequence[Lookup]] = ()
 
     def apply(self, row: dict[str, Any] | None, event: Event) -> dict[str, Any] | None:
         """Custom fold: the view row after `event` (None removes it). Override to use."""
@@ -313,6 +315,8 @@ class ProjectionSpec:
     # where reads stop: "transactions" (at consistent cuts) or "per_key" (at the log's end); not part
     # of the fingerprint: it changes when the view is updated, never what it holds once caught up
     consistency: str = field(default="transactions", compare=False)
+    lookups: tuple[Lookup, ...] = ()
+    """Many-to-one joins into other tables (``kappaflow.projections.joins``)."""
 
     def view_options(self) -> dict[str, Any]:
         """``ViewSpec.options`` for the sinks: ``{"search": {...}, "redis": {...}}`` (validated names)."""
@@ -320,12 +324,20 @@ class ProjectionSpec:
 
     @property
     def topics(self) -> list[str]:
+        """Every topic the projection reads (its sources, then the tables its lookups read)."""
+        out = [s.topic for s in self.sources]
+        return out + [t for t in dict.fromkeys(lk.topic for lk in self.lookups) if t not in out]
+
+    @property
+    def source_topics(self) -> list[str]:
+        """The topics whose rows or events the fold is driven by (``sources``; not lookup tables)."""
         return [s.topic for s in self.sources]
 
     @property
     def change_topics(self) -> list[str]:
         """Topics of change events (with table schemas), i.e. not event topics."""
-        return [s.topic for s in self.sources if not s.events]
+        out = [s.topic for s in self.sources if not s.events]
+        return out + [t for t in self.topics if t not in out and t not in self.source_topics]
 
     @property
     def kind(self) -> str:
@@ -374,6 +386,8 @@ class ProjectionSpec:
             import json
 
             parts.append("sink_options=" + json.dumps(shape, sort_keys=True, default=repr))
+        if self.lookups:  # only when set, so fingerprints of projections without lookups stay as they were
+            parts.append("lookups=" + ";".join(lk.describe() for lk in self.lookups))
         parts += strategy.code_fingerprint(self)  # last, as always: existing fingerprints stay the same
         return hashlib.sha256("\x1f".join(parts).encode()).hexdigest()[:32]
 
@@ -467,9 +481,10 @@ class ProjectionSpec:
         if consistency not in ("transactions", "per_key"):
             raise ConfigError(f"{where}: 'consistency': expected 'transactions' (the default) or 'per_key', "
                               f"got {consistency!r}")
+        lookups = parse_lookups(where, attr("lookups"), [s.topic for s in sources])
 
         module = getattr(klass, "__module__", None)
-        return cls(
+        spec = cls(
             name=name,
             view=view,
             namespace=namespace,
@@ -484,7 +499,23 @@ class ProjectionSpec:
             sinks=sinks,
             sink_options=sink_options,
             consistency=consistency,
+            lookups=lookups,
         )
+        if lookups:
+            strategy = spec.strategy
+            if not strategy.reads_latest_per_key:
+                raise ConfigError(
+                    f"{where}: 'lookups': lookups feed the folds over current rows (latest-row and grouped "
+                    f"views); a {spec.kind} fold over joined rows is not supported yet"
+                )
+            folded_elsewhere = [s for s in sinks if s != "postgres" and strategy.mirror_source(spec, s) is None]
+            if folded_elsewhere:
+                raise ConfigError(
+                    f"{where}: 'sinks': a projection with lookups keeps its join state in the PostgreSQL views "
+                    f"database, in the transaction of the view rows; it cannot fold into {folded_elsewhere} "
+                    "(a grouped view's search/Redis mirrors are fine)"
+                )
+        return spec
 
 
 def _validate_sinks(
@@ -568,6 +599,7 @@ __all__ = [
     "FoldSpec",
     "GroupFold",
     "LatestFold",
+    "Lookup",
     "Max",
     "Min",
     "Projection",

@@ -35,6 +35,8 @@ from kappaflow.projections.api import ProjectionSpec
 from kappaflow.projections.deadletter import write_dead_letters
 from kappaflow.projections.folds import BuildJob, ReadCounter, strategy_for
 from kappaflow.projections.folds.base import collect_bad, read_metrics
+from kappaflow.projections.joins import plan as join_plan
+from kappaflow.projections.joins import stage as join_stage
 from kappaflow.projections.plan import Plan
 from kappaflow.projections.runtime import Offsets, Runtime
 from kappaflow.projections.schemas import load_table_schemas
@@ -47,7 +49,9 @@ log = logging.getLogger("kappaflow.projections")
 def prepare(spec: ProjectionSpec, rt: Runtime) -> Plan:
     """Load the source schemas and compile the projection."""
     given = {s.topic: s.schema for s in spec.sources if s.schema is not None}
-    schemas = load_table_schemas(rt.reader(), spec.change_topics, given)
+    schemas = load_table_schemas(rt.reader(), [t for t in spec.change_topics if t in spec.source_topics], given)
+    if spec.lookups:
+        schemas.update(join_plan.lookup_schemas(spec, rt.reader(), schemas))
     return Plan.build(rt.spark, spec, schemas)
 
 
@@ -167,9 +171,26 @@ def apply_batch(
     shared between concurrently running micro-batches). `deduped_input`: the raw frames
     come one Spark partition per log partition (True: read with ``latestPerKey`` for
     declarative folds; for custom folds any non-None value means offset order per
-    partition, which allows folding in place); None: arbitrary partitioning."""
-    spec = plan.spec
+    partition, which allows folding in place); None: arbitrary partitioning.
+
+    A projection with lookups runs the whole batch in one transaction of the PostgreSQL sink:
+    join state, view rows and positions commit together (``joins.stage``)."""
     sink = sink or rt.sink
+    with join_stage.transaction(plan.join, sink):
+        return _apply_batch(plan, rt, target, raws, before, known_end, sink, deduped_input)
+
+
+def _apply_batch(
+    plan: Plan,
+    rt: Runtime,
+    target: Target,
+    raws: dict[str, DataFrame],
+    before: Positions,
+    known_end: Offsets | None,
+    sink: Sink,
+    deduped_input: bool | None,
+) -> BatchResult:
+    spec = plan.spec
     partitions = _partition_counts(rt, spec.topics)
     cond = _offset_filter(before)
     observations: list[Observation] = []
@@ -212,6 +233,9 @@ def apply_batch(
     # log records consumed (read), not offsets passed: compaction leaves gaps in the offsets
     res.events = sum(int(o.get.get("rows") or 0) + int(o.get.get("superseded") or 0) for o in observations)
     wm = watermark(after)
+    if plan.join is not None and batch.table.num_rows:  # a joined row's version is the batch's watermark
+        t = batch.table
+        batch.table = t.set_column(t.schema.get_field_index(VERSION), VERSION, pa.array([wm] * t.num_rows, pa.int64()))
     # Sinks without transactions (search, Redis) may refuse single rows: the positions are stored
     # only after the refused rows are in the dead-letter topic, so a crash between the two
     # re-runs the batch (the version guard skips what was written) and loses no dead letter.

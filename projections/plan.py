@@ -64,6 +64,7 @@ class Plan:
     schemas: dict[str, TableSchema]
     view: ViewSpec
     row_columns: tuple[str, ...] = ()  # source columns of the (common) row struct
+    join: Any = None  # kappaflow.projections.joins.plan.JoinPlan of a projection with lookups
     state_columns: tuple[ViewColumn, ...] = ()  # grouped: columns kept per source key
     view_key_types: dict[str, DataType] = field(default_factory=dict)
     whole_rows: bool = False  # the fold receives whole source rows (apply()): any column change reaches it
@@ -96,8 +97,8 @@ class Plan:
     def check_same_columns(self) -> None:
         """Declarative folds over several topics read one row struct: the topics need the same columns."""
         spec, schemas = self.spec, self.schemas
-        first = schemas[spec.topics[0]]
-        for t in spec.topics[1:]:
+        first = schemas[spec.source_topics[0]]
+        for t in spec.source_topics[1:]:
             other = schemas[t]
             diff = [
                 c.name
@@ -107,7 +108,7 @@ class Plan:
             if diff:
                 raise ConfigError(
                     f"projection {spec.name!r}: declarative projections over several topics need the same columns; "
-                    f"{t!r} differs from {spec.topics[0]!r} in {diff}"
+                    f"{t!r} differs from {spec.source_topics[0]!r} in {diff}"
                 )
 
     def empty_rows(self, spark: SparkSession) -> DataFrame:
@@ -134,7 +135,11 @@ class Plan:
 
     # --- parsing ---------------------------------------------------------------------------
     def _event_schema(self) -> StructType:
-        row = row_struct(self.schemas[self.spec.topics[0]], self.row_columns)
+        row = (
+            self.join.row_struct
+            if self.join is not None
+            else row_struct(self.schemas[self.spec.topics[0]], self.row_columns)
+        )
         return StructType(
             [
                 StructField("_kf_topic", StringType()),
@@ -173,12 +178,18 @@ class Plan:
             F.when(tomb, F.lit(None).cast("string")).otherwise(op).alias("_kf_op"),
             (tomb | (op == "d") | after.isNull()).alias("_kf_deleted"),
             (~tomb & (op.isNull() | ~op.isin(*VALID_OPS))).alias("_kf_bad"),
-            converted_row(after, schema, self.row_columns).alias("_kf_row"),
+            converted_row(after, schema, self._source_columns).alias("_kf_row"),
         ]
         return first, second
 
+    @property
+    def _source_columns(self) -> tuple[str, ...]:
+        """Columns parsed from the driving rows (with lookups, the row also gets the looked-up ones)."""
+        return self.row_columns if self.join is None else self.join.driving.columns
+
     def all_events(self, raws: dict[str, DataFrame]) -> DataFrame:
-        frames = [self.events(raws[t], t) for t in self.spec.topics]
+        """Canonical events of the source topics (not of lookup tables: ``joins`` reads those)."""
+        frames = [self.events(raws[t], t) for t in self.spec.source_topics]
         out = frames[0]
         for f in frames[1:]:
             out = out.unionByName(f)

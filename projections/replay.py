@@ -33,6 +33,7 @@ from typing import Any
 
 from kappaflow.projections.api import Projection, ProjectionSpec
 from kappaflow.projections.engine import ProjectionBusy, apply_range, build, flatten, prepare
+from kappaflow.projections.joins.stage import swap as join_swap
 from kappaflow.projections.mirror import copy as copy_mirror
 from kappaflow.projections.mirror import is_mirror, mirror_source, open_source
 from kappaflow.projections.plan import Plan
@@ -193,7 +194,7 @@ def rebuild(
                 pass
         raise
     for name, sink in sinks.items():
-        sink.swap(shadows[name])
+        join_swap(plan.join, sink, shadows[name])  # plain sink.swap without lookups
         live = sink.live(plan.view)
         out[name].rows = sink.count(live) if live is not None else 0
     if mirrors:

@@ -15,6 +15,8 @@ from pyspark.sql import functions as F
 from kappaflow.events import TableSchema
 from kappaflow.projections.api import ProjectionSpec
 from kappaflow.projections.folds.base import BuildJob, Built, FoldedBatch, FoldStrategy, collect_bad, dead_rows
+from kappaflow.projections.joins import stage as join_stage
+from kappaflow.projections.joins.plan import JoinPlan
 from kappaflow.projections.plan import Plan
 from kappaflow.projections.sinks.base import Sink, Target, ViewSpec
 
@@ -48,7 +50,12 @@ class DeclarativeStrategy(FoldStrategy):
 
     # --- the protocol ---------------------------------------------------------------------------
     def compile(self, spark: SparkSession, spec: ProjectionSpec, schemas: dict[str, TableSchema]) -> Plan:
-        plan = Plan(spec, schemas, view=None, row_columns=schemas[spec.topics[0]].column_names)
+        row_cols = schemas[spec.source_topics[0]].column_names
+        join = None
+        if spec.lookups:  # the fold sees the joined row: driving columns + each lookup's prefixed ones
+            join = JoinPlan.build(spec, schemas)
+            row_cols = (*row_cols, *join.extra_columns)
+        plan = Plan(spec, schemas, view=None, row_columns=row_cols, join=join)
         plan.check_same_columns()
         self.check_sources(plan)
         plan.view = self.view_of(plan, plan.empty_rows(spark))  # derive + where validated here
@@ -63,10 +70,14 @@ class DeclarativeStrategy(FoldStrategy):
             for t in spec.topics
         }
         obs = Observation(f"kf_build_{spec.name}_{time.monotonic_ns()}")
-        ev = plan.all_events({t: job.counted(df, t) for t, df in raws.items()}).observe(
-            obs, F.count(F.when(F.col("_kf_bad"), 1)).alias("bad")
-        )
-        out, located_by = self.load(job, plan.rows(plan.latest(ev, deduped=deduped)))
+        raws = {t: job.counted(df, t) for t, df in raws.items()}
+        ev = plan.all_events(raws).observe(obs, F.count(F.when(F.col("_kf_bad"), 1)).alias("bad"))
+        latest = plan.latest(ev, deduped=deduped)
+        if plan.join is not None:  # joined rows as of the end; the target's join state is loaded too
+            latest = join_stage.build_stage(
+                plan.join, job.sink, job.target, latest, raws, deduped=deduped, version=job.version
+            )
+        out, located_by = self.load(job, plan.rows(latest))
         built = Built(loaded=sum(r["_kf_loaded"] or 0 for r in out), dead=dead_rows(out), rows=located_by)
         if obs.get.get("bad"):
             built.dead += collect_bad(plan, raws)
@@ -79,7 +90,11 @@ class DeclarativeStrategy(FoldStrategy):
         bad = Observation(f"kf_bad_{plan.spec.name}_{time.monotonic_ns()}")
         bad_metric = plan.cached("bad_metric", lambda: F.count(F.when(F.col("_kf_bad"), 1)).alias("bad"))
         ev = plan.all_events(raws).observe(bad, bad_metric)
-        batch = self.changes(plan, plan.rows(plan.latest(ev, deduped=bool(deduped_input))))
+        latest = plan.latest(ev, deduped=bool(deduped_input))
+        if plan.join is not None:  # the batch goes into the join state; the affected joined rows come out
+            latest = join_stage.follow_stage(plan.join, rt.spark, sink, target, latest, raws,
+                                             deduped=bool(deduped_input))
+        batch = self.changes(plan, plan.rows(latest))
         batch.bad = bad
         return batch
 

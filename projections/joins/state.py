@@ -1,0 +1,248 @@
+"""The join state of a followed view: the current row of every table of the join, in PostgreSQL.
+
+One table per (view target, table of the join) in the ``kappaflow`` schema of the views
+database: ``k`` (canonical key text, primary key), ``kb`` (the record key, so a view row can be
+deleted by key), ``p`` (log partition), ``ver`` (offset of the change that made the row),
+``row`` (the kept columns as JSON text, written and read by Spark with the same options) and
+one indexed ``fk<j>`` column per lookup whose foreign key is in this table. A follow batch
+(``apply``) runs inside the transaction that also writes the view rows and the positions:
+
+1. COPY the batch's latest change per (table, key) into a temp staging table;
+2. delete / upsert the state rows (guarded by ``ver``: re-applying a change is a no-op);
+3. affected driving keys = the driving keys of the batch + the driving rows that reach a
+   changed looked-up row through their chain of foreign keys, under the NEW state (fan-out,
+   found through the ``fk<j>`` indexes);
+4. read the joined rows of the affected keys (a driving key whose row is gone comes back
+   with a NULL driving row: the view row is deleted).
+A crash anywhere rolls all of it back together with the view rows and positions.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from typing import Any
+
+import pyarrow as pa
+
+from kappaflow.projections.joins.plan import JoinPlan, TopicState
+from kappaflow.projections.sinks.base import Target
+
+KF_SCHEMA = "kappaflow"
+_MAX_IDENT = 63
+
+
+def _q(name: str) -> Any:
+    from psycopg import sql
+
+    return sql.Identifier(name)
+
+
+def _table_name(schema: str, target: Target, index: int) -> str:
+    base = f"join__{schema}__{target.name}"
+    suffix = f"__t{index}"
+    name = base + suffix
+    if len(name.encode()) <= _MAX_IDENT:
+        return name
+    digest = hashlib.sha1(name.encode()).hexdigest()[:8]
+    keep = _MAX_IDENT - len(suffix.encode()) - 9
+    return base.encode()[:keep].decode(errors="ignore") + "_" + digest + suffix
+
+
+class JoinState:
+    """The join state tables of one view target on one psycopg connection (the sink's)."""
+
+    def __init__(self, conn: Any, schema: str, target: Target, jp: JoinPlan) -> None:
+        self.conn = conn
+        self.schema = schema
+        self.target = target
+        self.jp = jp
+
+    def table(self, ts: TopicState | int) -> str:
+        return _table_name(self.schema, self.target, ts if isinstance(ts, int) else ts.index)
+
+    def rel(self, ts: TopicState | int) -> Any:
+        from psycopg import sql
+
+        return sql.SQL("{}.{}").format(_q(KF_SCHEMA), _q(self.table(ts)))
+
+    # --- DDL ---------------------------------------------------------------------------------
+    def exists(self) -> bool:
+        names = [self.table(ts) for ts in self.jp.topics]
+        row = self.conn.execute(
+            "SELECT count(*) FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace "
+            "WHERE n.nspname = %s AND c.relname = ANY(%s) AND c.relkind = 'r'",
+            (KF_SCHEMA, names),
+        ).fetchone()
+        return bool(row and row[0] == len(names))
+
+    def create(self) -> None:
+        """(Re)create empty state tables (drops leftovers of an interrupted build)."""
+        from psycopg import sql
+
+        self.conn.execute(sql.SQL("CREATE SCHEMA IF NOT EXISTS {}").format(_q(KF_SCHEMA)))
+        for ts in self.jp.topics:
+            rel = self.rel(ts)
+            self.conn.execute(sql.SQL("DROP TABLE IF EXISTS {}").format(rel))
+            cols: list[Any] = [sql.SQL("k text PRIMARY KEY"), sql.SQL("kb bytea"), sql.SQL("p integer"),
+                    sql.SQL("ver bigint NOT NULL"), sql.SQL("row text")]
+            cols += [sql.SQL("{} text").format(_q(f"fk{j}")) for j in ts.children]
+            self.conn.execute(sql.SQL("CREATE TABLE {} ({})").format(rel, sql.SQL(", ").join(cols)))
+            for j in ts.children:
+                ix = "kf_jx_" + hashlib.sha1(f"{self.table(ts)}{j}{time.time_ns()}".encode()).hexdigest()[:16]
+                self.conn.execute(sql.SQL("CREATE INDEX {} ON {} ({})").format(_q(ix), rel, _q(f"fk{j}")))
+
+    def drop(self) -> None:
+        from psycopg import sql
+
+        for ts in self.jp.topics:
+            self.conn.execute(sql.SQL("DROP TABLE IF EXISTS {}").format(self.rel(ts)))
+
+    def replace(self, other: JoinState) -> None:
+        """Make `other`'s tables (a rebuilt shadow's) this target's: drop these, rename those.
+        Run inside the transaction of the view swap."""
+        from psycopg import sql
+
+        for ts in self.jp.topics:
+            self.conn.execute(sql.SQL("DROP TABLE IF EXISTS {}").format(self.rel(ts)))
+            self.conn.execute(
+                sql.SQL("ALTER TABLE IF EXISTS {} RENAME TO {}").format(other.rel(ts), _q(self.table(ts)))
+            )
+
+    def truncate(self) -> None:
+        from psycopg import sql
+
+        for ts in self.jp.topics:
+            self.conn.execute(sql.SQL("TRUNCATE {}").format(self.rel(ts)))
+
+    # --- load (replay) -----------------------------------------------------------------------
+    def load(self, ts: TopicState, rows: pa.Table) -> int:
+        """COPY state rows (``k, kb, p, ver, row, fk<j>...``) into an empty table."""
+        from psycopg import sql
+
+        cols = ["k", "kb", "p", "ver", "row", *[f"fk{j}" for j in ts.children]]
+        stmt = sql.SQL("COPY {} ({}) FROM STDIN").format(self.rel(ts), sql.SQL(", ").join(_q(c) for c in cols))
+        data = [rows.column(c).to_pylist() for c in cols]
+        with self.conn.cursor() as cur, cur.copy(stmt) as cp:
+            for r in zip(*data, strict=True):
+                cp.write_row(r)
+        return rows.num_rows
+
+    # --- apply (follow) ----------------------------------------------------------------------
+    def apply(self, changes: pa.Table) -> pa.Table:
+        """Steps 1-4 of the module docstring: `changes` has ``ti, k, kb, p, off, deleted, row,
+        fk0..fk<n-1>``; returns ``k, kb, p, r0`` (driving row text) and ``r<i+1>`` per lookup i."""
+        from psycopg import sql
+
+        jp = self.jp
+        n = len(jp.lookups)
+        fkcols = [f"fk{j}" for j in range(n)]
+        stg, aff = "kf_join_stg", "kf_join_aff"
+        fkdefs = sql.SQL("").join(sql.SQL(", {} text").format(_q(c)) for c in fkcols)
+        self.conn.execute(sql.SQL("DROP TABLE IF EXISTS pg_temp.{}").format(_q(stg)))
+        self.conn.execute(
+            sql.SQL("CREATE TEMP TABLE {} (ti integer, k text, kb bytea, p integer, off bigint, deleted boolean, "
+                    "row text{}) ON COMMIT DROP").format(_q(stg), fkdefs)
+        )
+        self.conn.execute(sql.SQL("DROP TABLE IF EXISTS pg_temp.{}").format(_q(aff)))
+        self.conn.execute(
+            sql.SQL("CREATE TEMP TABLE {} (k text PRIMARY KEY, kb bytea) ON COMMIT DROP").format(_q(aff))
+        )
+        cols = ["ti", "k", "kb", "p", "off", "deleted", "row", *fkcols]
+        stmt = sql.SQL("COPY pg_temp.{} ({}) FROM STDIN").format(_q(stg), sql.SQL(", ").join(_q(c) for c in cols))
+        data = [changes.column(c).to_pylist() for c in cols]
+        with self.conn.cursor() as cur, cur.copy(stmt) as cp:
+            for r in zip(*data, strict=True):
+                cp.write_row(r)
+        self.conn.execute(sql.SQL("ANALYZE pg_temp.{}").format(_q(stg)))
+        # 2. the state: newest change per (table, key), guarded by the offset
+        for ts in jp.topics:
+            rel = self.rel(ts)
+            latest = sql.SQL(
+                "SELECT DISTINCT ON (k) * FROM pg_temp.{} WHERE ti = {} ORDER BY k, off DESC"
+            ).format(_q(stg), sql.Literal(ts.index))
+            self.conn.execute(
+                sql.SQL("DELETE FROM {} s USING ({}) c WHERE c.deleted AND s.k = c.k AND c.off > s.ver").format(
+                    rel, latest
+                )
+            )
+            own = ["kb", "p", "ver", "row", *[f"fk{j}" for j in ts.children]]
+            src = ["kb", "p", "off", "row", *[f"fk{j}" for j in ts.children]]
+            self.conn.execute(
+                sql.SQL(
+                    "INSERT INTO {rel} AS s (k, {own}) SELECT k, {src} FROM ({latest}) c WHERE NOT c.deleted "
+                    "ON CONFLICT (k) DO UPDATE SET {sets} WHERE excluded.ver > s.ver"
+                ).format(
+                    rel=rel,
+                    own=sql.SQL(", ").join(_q(c) for c in own),
+                    src=sql.SQL(", ").join(_q(c) for c in src),
+                    latest=latest,
+                    sets=sql.SQL(", ").join(sql.SQL("{c} = excluded.{c}").format(c=_q(c)) for c in own),
+                )
+            )
+        # 3. affected driving keys: the batch's own, then fan-out from every changed looked-up row
+        self.conn.execute(
+            sql.SQL(
+                "INSERT INTO pg_temp.{aff} (k, kb) SELECT DISTINCT ON (k) k, kb FROM pg_temp.{stg} WHERE ti = 0 "
+                "ORDER BY k, off DESC"
+            ).format(aff=_q(aff), stg=_q(stg))
+        )
+        for lp in jp.lookups:
+            path = self._path(lp.index)
+            joins: list[Any] = []
+            prev = sql.SQL("d")
+            for step in path[:-1]:
+                a = sql.SQL(f"a{step}")
+                joins.append(
+                    sql.SQL("JOIN {} {a} ON {a}.k = {prev}.{fk}").format(
+                        self.rel(jp.lookups[step].topic_index), a=a, prev=prev, fk=_q(f"fk{step}")
+                    )
+                )
+                prev = a
+            self.conn.execute(
+                sql.SQL(
+                    "INSERT INTO pg_temp.{aff} (k, kb) SELECT d.k, d.kb FROM {drv} d {joins} "
+                    "WHERE {prev}.{fk} IN (SELECT k FROM pg_temp.{stg} WHERE ti = {ti}) ON CONFLICT (k) DO NOTHING"
+                ).format(
+                    aff=_q(aff), drv=self.rel(0), joins=sql.SQL(" ").join(joins), prev=prev,
+                    fk=_q(f"fk{lp.index}"), stg=_q(stg), ti=sql.Literal(lp.topic_index),
+                )
+            )
+        # 4. the joined rows of the affected keys (current state)
+        sel: list[Any] = [sql.SQL("a.k"), sql.SQL("a.kb"), sql.SQL("d.p"), sql.SQL("d.row AS r0")]
+        joins = []
+        for lp in jp.lookups:
+            alias = sql.SQL(f"l{lp.index}")
+            parent = sql.SQL("d") if lp.parent is None else sql.SQL(f"l{lp.parent}")
+            joins.append(
+                sql.SQL("LEFT JOIN {} {a} ON {a}.k = {p}.{fk}").format(
+                    self.rel(lp.topic_index), a=alias, p=parent, fk=_q(f"fk{lp.index}")
+                )
+            )
+            sel.append(sql.SQL("{}.row AS {}").format(alias, _q(f"r{lp.index + 1}")))
+        query = sql.SQL("SELECT {} FROM pg_temp.{} a LEFT JOIN {} d ON d.k = a.k {}").format(
+            sql.SQL(", ").join(sel), _q(aff), self.rel(0), sql.SQL(" ").join(joins)
+        )
+        with self.conn.cursor() as cur:
+            cur.execute(query)
+            rows = cur.fetchall()
+        names = ["k", "kb", "p", "r0", *[f"r{i + 1}" for i in range(n)]]
+        cols_out = list(zip(*rows, strict=True)) if rows else [() for _ in names]
+        return pa.table(
+            {
+                "k": pa.array(cols_out[0], pa.string()),
+                "kb": pa.array([bytes(b) if b is not None else None for b in cols_out[1]], pa.binary()),
+                "p": pa.array(cols_out[2], pa.int32()),
+                **{name: pa.array(cols_out[i], pa.string()) for i, name in enumerate(names) if i >= 3},
+            }
+        )
+
+    def _path(self, index: int) -> list[int]:
+        """Lookup indexes from the driving table to lookup `index` (it last)."""
+        out = [index]
+        while self.jp.lookups[out[-1]].parent is not None:
+            out.append(self.jp.lookups[out[-1]].parent)
+        return list(reversed(out))
+
+
+__all__ = ["JoinState"]
