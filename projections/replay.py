@@ -33,6 +33,7 @@ from typing import Any
 
 from kappaflow.projections.api import Projection, ProjectionSpec
 from kappaflow.projections.engine import ProjectionBusy, apply_range, build, flatten, prepare
+from kappaflow.projections.joins.stage import drop as join_drop
 from kappaflow.projections.joins.stage import swap as join_swap
 from kappaflow.projections.mirror import copy as copy_mirror
 from kappaflow.projections.mirror import is_mirror, mirror_source, open_source
@@ -190,6 +191,7 @@ def rebuild(
         for name, shadow in shadows.items():
             try:
                 sinks[name].drop(shadow)
+                join_drop(plan.join, sinks[name], shadow)
             except Exception:
                 pass
         raise

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from kappaflow.errors import ConfigError
 from kappaflow.projections.api import Projection, ProjectionSpec
 from kappaflow.projections.engine import apply_range, build, flatten, nest, prepare
+from kappaflow.projections.joins.stage import drop as join_drop
 from kappaflow.projections.mirror import copy as copy_mirror
 from kappaflow.projections.mirror import is_mirror, open_source
 from kappaflow.projections.plan import Plan
@@ -126,6 +127,7 @@ def verify(
         raise AssertionError("unreachable")
     finally:
         sink_.drop(scratch)
+        join_drop(plan.join, sink_, scratch)
 
 
 def _verify_mirror(

@@ -71,7 +71,7 @@ def parse_lookups(where: str, raw: Any, source_topics: Sequence[str]) -> tuple[L
 
     A cycle is a ``via`` chain that comes back to a lookup, or a chain that visits a table
     twice (the driving table included): the view row would depend on itself."""
-    if raw is None:
+    if raw is None or (isinstance(raw, (list, tuple)) and not raw):
         return ()
     if isinstance(raw, Lookup):
         raw = [raw]

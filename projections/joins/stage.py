@@ -128,6 +128,14 @@ def swap(jp: JoinPlan | None, sink: Any, shadow: Target) -> Target:
     return out
 
 
+def drop(jp: JoinPlan | None, sink: Any, target: Target) -> None:
+    """Drop a target's join state (a shadow or verify scratch that is dropped itself)."""
+    if jp is None or getattr(sink, "kind", None) != "postgres":
+        return
+    with sink.conn.transaction():
+        state_for(jp, sink, target).drop()
+
+
 # --- follow --------------------------------------------------------------------------------------
 _CHANGE_HEAD = ["ti", "k", "kb", "p", "off", "deleted", "row"]
 
@@ -209,4 +217,4 @@ def _arrow(schema: StructType) -> pa.Schema:
     return pa.schema([pa.field(f.name, kinds[f.dataType.simpleString()]) for f in schema.fields])
 
 
-__all__ = ["build_stage", "follow_stage", "state_for", "swap", "transaction"]
+__all__ = ["build_stage", "drop", "follow_stage", "state_for", "swap", "transaction"]

@@ -127,7 +127,8 @@ def test_the_projection_api_examples_equal_sql_on_the_captured_source(
 
         classes = {c.name: c for c in vars(readme_module).values()
                    if isinstance(c, type) and issubclass(c, Projection) and c is not Projection}
-        assert {"customer_directory", "customer_orders", "order_history", "product_catalogue"} <= set(classes)
+        assert {"customer_directory", "customer_orders", "order_history", "product_catalogue", "order_details",
+                "category_revenue"} <= set(classes)
         for proj in classes.values():
             replay(proj, rt)
 
@@ -177,6 +178,19 @@ def test_the_projection_api_examples_equal_sql_on_the_captured_source(
              "created_at": r["created_at"]}
             for r in current
         ]
+
+        # joins: lookups into customers and products (left), grouped over an inner lookup
+        assert view("order_details", "id") == _rows(dsn, """
+            SELECT o.id, o.status, o.amount, c.name AS customer_name, c.city AS customer_city,
+                   p.name AS product_name, p.category AS product_category
+            FROM public.orders o LEFT JOIN public.customers c ON c.id = o.customer_id
+            LEFT JOIN public.products p ON p.id = o.product_id ORDER BY o.id""")
+        revenue = view("category_revenue", "product_category")
+        assert revenue == _rows(dsn, """
+            SELECT p.category AS product_category, count(*) AS orders, sum(o.amount) AS revenue
+            FROM public.orders o JOIN public.products p ON p.id = o.product_id
+            WHERE o.status <> 'cancelled' GROUP BY p.category ORDER BY 1""")
+        assert len(revenue) >= 2
 
         # sinks and sink_options: the same catalogue in PostgreSQL, the search index and Redis hashes
         products = _rows(dsn, "SELECT * FROM public.products ORDER BY id")
