@@ -147,13 +147,13 @@ def follow_stage(
     target: Target,
     latest: DataFrame,
     raws: dict[str, DataFrame],
-    before: dict[tuple[str, int], int],
     *,
     deduped: bool,
 ) -> DataFrame:
     """Apply the batch to the join state and return the joined rows of every affected driving key.
     Must run inside ``transaction``."""
     state = state_for(jp, sink, target)
+    before = sink.read_positions(target)
     if not state.exists():
         if any(before.values()):
             raise SinkError(
