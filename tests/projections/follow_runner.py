@@ -19,10 +19,13 @@ def main() -> None:
     from kappaflow.projections.runtime import Runtime, spark_session
     from kappaflow.projections.sinks.postgres import PostgresSink
     from tests.projections import defs
+    from tests.projections.join_helpers import order_docs
 
     spark = spark_session("local[1]", conf={"spark.sql.shuffle.partitions": "2", "spark.ui.enabled": "false"})
     rt = Runtime(spark, log_url, PostgresSink(dsn), checkpoint_dir=Path(checkpoint))
-    proj = {"custom": defs.custom, "totals": defs.totals, "latest": defs.latest}[kind](source)
+    kinds = {"custom": defs.custom, "totals": defs.totals, "latest": defs.latest,
+             "joins": lambda s: order_docs(s, name=f"{s}_docs")}
+    proj = kinds[kind](source)
     f = Follower(proj, rt, trigger="0.2s", max_records_per_batch=60, checkpoint=checkpoint).start()
     print("following", flush=True)
     f.run_forever()
