@@ -3,7 +3,9 @@ spread over the engine: a new kind is a module plus a registration."""
 
 from __future__ import annotations
 
-import ast
+import json
+import subprocess
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
@@ -90,26 +92,43 @@ def test_a_new_fold_kind_is_a_registration() -> None:
         del _REGISTRY[_EveryOther]
 
 
+_SCAN = """
+import ast, json, sys
+from pathlib import Path
+root, kinds, fold_kinds = Path(sys.argv[1]), set(sys.argv[2].split(",")), set(sys.argv[3].split(","))
+offenders = []
+for path in sorted(root.rglob("*.py")):
+    if "folds" in path.relative_to(root).parts:
+        continue
+    tree = ast.parse(path.read_text(), str(path))
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "isinstance":
+            names = {n.id for n in ast.walk(node.args[1]) if isinstance(n, ast.Name)}
+            if names & kinds:
+                offenders.append(f"{path.name}:{node.lineno}")
+        if (
+            isinstance(node, ast.Compare)
+            and getattr(node.left, "attr", None) == "kind"
+            and any(isinstance(c, ast.Constant) and c.value in fold_kinds for c in node.comparators)
+        ):
+            offenders.append(f"{path.name}:{node.lineno}")
+print(json.dumps(offenders))
+"""
+
+
 def test_nothing_outside_folds_branches_on_the_fold_kind() -> None:
     """No isinstance(..., LatestFold/GroupFold/CustomFold) and no fold-kind string compare outside
-    projections/folds/; no sink-kind compare or hasattr probe in the engine and the mirrors."""
+    projections/folds/; no sink-kind compare or hasattr probe in the engine and the mirrors.
+
+    The source scan runs in a process of its own: CPython 3.11's ``ast`` conversion keeps its
+    recursion depth in shared state that another thread of this test session parsing at the same
+    moment corrupts ("AST constructor recursion depth mismatch", python/cpython#106905)."""
     kinds = {"LatestFold", "GroupFold", "CustomFold"}
-    offenders = []
-    for path in sorted(PROJECTIONS.rglob("*.py")):
-        if "folds" in path.relative_to(PROJECTIONS).parts:
-            continue
-        tree = ast.parse(path.read_text(), str(path))
-        for node in ast.walk(tree):
-            if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "isinstance":
-                names = {n.id for n in ast.walk(node.args[1]) if isinstance(n, ast.Name)}
-                if names & kinds:
-                    offenders.append(f"{path.name}:{node.lineno}")
-            if (
-                isinstance(node, ast.Compare)
-                and getattr(node.left, "attr", None) == "kind"
-                and any(isinstance(c, ast.Constant) and c.value in FOLD_KINDS for c in node.comparators)
-            ):
-                offenders.append(f"{path.name}:{node.lineno}")
+    scan = subprocess.run(
+        [sys.executable, "-c", _SCAN, str(PROJECTIONS), ",".join(sorted(kinds)), ",".join(sorted(FOLD_KINDS))],
+        capture_output=True, text=True, timeout=120, check=True,
+    )
+    offenders: list[str] = json.loads(scan.stdout)
     for name in ("engine.py", "mirror.py", "loader.py"):
         text = (PROJECTIONS / name).read_text()
         for probe in ('.kind == "', '.kind != "', "hasattr(sink"):
