@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from dataclasses import replace
-from typing import Any
+from typing import Any, cast
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -25,7 +25,7 @@ DL_COLUMNS = ("_kf_dl_topic", "_kf_dl_partition", "_kf_dl_offset", "_kf_dl_key",
 def no_migrate(cfg: SinkConfig) -> SinkConfig:
     """Workers never run migrations (the driver did)."""
     if hasattr(cfg, "migrate"):
-        return replace(cfg, migrate=False)
+        return cast(SinkConfig, replace(cast(Any, cfg), migrate=False))
     return cfg
 
 

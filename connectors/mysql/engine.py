@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, cast
 
 from kappaflow.connectors.base import (
     StopSignal,
@@ -180,8 +180,8 @@ class CaptureEngine:
 
     def process(self, item: Item) -> None:
         cls = item.__class__
-        if cls is RowsItem:
-            self._rows(item)
+        if cls is RowsItem:  # exact class checks (the hot path); cast for the type checker
+            self._rows(cast(RowsItem, item))
         elif cls is CommitItem:
             assert isinstance(item, CommitItem)
             self.resume = (item.file, item.next_pos, item.gtid)
@@ -195,9 +195,9 @@ class CaptureEngine:
                     time.monotonic() - self._last_flush >= self.flush_interval_s:
                 self.checkpoint()
         elif cls is SchemaItem:
-            self._schema(item)
+            self._schema(cast(SchemaItem, item))
         elif cls is DdlItem:
-            self._ddl(item)
+            self._ddl(cast(DdlItem, item))
         elif cls is TickItem:
             # the server's heartbeat: the capture is at the end of the binlog, nothing is waiting
             summary = self.writer.writer.summary

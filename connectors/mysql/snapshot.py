@@ -45,7 +45,7 @@ class MySQLSnapshotSource(SnapshotSource):
         eng = self.engine
         assert isinstance(offset, MySQLOffset) and offset.snapshot is not None
         prog = offset.snapshot
-        eng.touched = {tuple(t.split(".", 1)): set() for t in prog.tables[prog.index:]}
+        eng.touched = {_db_table(t): set() for t in prog.tables[prog.index:]}
         try:
             while not prog.done:
                 if stop.is_set():
@@ -168,7 +168,9 @@ class MySQLSnapshotSource(SnapshotSource):
         if len(rows) < self.chunk_rows:
             self._next_table(prog)
         else:
-            prog.last_key = eng.codec.encode_key(key_of(state, rows[-1]), state.schema).decode()
+            last_key = eng.codec.encode_key(key_of(state, rows[-1]), state.schema)
+            assert last_key is not None  # a snapshotted table has key columns (checked before the snapshot)
+            prog.last_key = last_key.decode()
         # a new window: keys changed from now on
         if eng.touched is not None:
             eng.touched_prev = eng.touched
@@ -212,3 +214,9 @@ def _key_params(state: TableState) -> dict[str, Any]:
         else:
             out[s.name] = lambda v: v
     return out
+
+
+def _db_table(name: str) -> tuple[str, str]:
+    """``"db.table"`` -> ``("db", "table")`` (a table name may itself hold dots)."""
+    db, table = name.split(".", 1)
+    return db, table

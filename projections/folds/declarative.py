@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import abc
 import time
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, cast
 
 from pyspark.sql import DataFrame, Observation, SparkSession
 from pyspark.sql import functions as F
@@ -55,7 +55,7 @@ class DeclarativeStrategy(FoldStrategy):
         if spec.lookups:  # the fold sees the joined row: driving columns + each lookup's prefixed ones
             join = JoinPlan.build(spec, schemas)
             row_cols = (*row_cols, *join.extra_columns)
-        plan = Plan(spec, schemas, view=None, row_columns=row_cols, join=join)
+        plan = Plan(spec, schemas, view=cast(ViewSpec, None), row_columns=row_cols, join=join)  # view: set below
         plan.check_same_columns()
         self.check_sources(plan)
         plan.view = self.view_of(plan, plan.empty_rows(spark))  # derive + where validated here

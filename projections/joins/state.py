@@ -240,8 +240,10 @@ class JoinState:
     def _path(self, index: int) -> list[int]:
         """Lookup indexes from the driving table to lookup `index` (it last)."""
         out = [index]
-        while self.jp.lookups[out[-1]].parent is not None:
-            out.append(self.jp.lookups[out[-1]].parent)
+        parent = self.jp.lookups[index].parent
+        while parent is not None:
+            out.append(parent)
+            parent = self.jp.lookups[parent].parent
         return list(reversed(out))
 
 

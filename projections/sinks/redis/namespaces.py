@@ -4,6 +4,7 @@ the projection lock's lease that every other part of the sink uses."""
 
 from __future__ import annotations
 
+import functools
 import logging
 import re
 import secrets
@@ -284,10 +285,10 @@ class RedisNamespaces(DocumentSink):
         cursor = 0
         count = self.options.scan_count
         while True:
-            cursor, keys = self._retrying("scan", lambda c=cursor: self.client.scan(
-                cursor=c, match=pattern, count=count))
+            cursor, keys = self._retrying("scan", functools.partial(
+                self.client.scan, cursor=cursor, match=pattern, count=count))
             if keys:
-                removed += int(self._retrying("unlink", lambda k=keys: self.client.unlink(*k)))
+                removed += int(self._retrying("unlink", functools.partial(self.client.unlink, *keys)))
             if int(cursor) == 0:
                 break
         self._retrying("forget build", lambda: self.client.srem(self._registry(view), build))

@@ -59,6 +59,7 @@ this sink targets standalone Redis (or Sentinel), not Redis Cluster.
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections import deque
 from collections.abc import Iterable, Iterator, Mapping, Sequence
@@ -369,8 +370,8 @@ class RedisSink(RedisNamespaces):
         for start in range(0, len(keys), 1000):
             part = [tuple(k) for k in keys[start:start + 1000]]
             build = target.name.rsplit(":", 1)[1] if target.shadow else ""
-            entries = self._retrying("read rows", lambda p=part, b=build: _read(
-                self.client, self.base(view), p, b))
+            entries = self._retrying("read rows", functools.partial(
+                _read, self.client, self.base(view), part, build))
             for key, entry in zip(part, entries, strict=True):
                 if entry:
                     row = self._decode(view, dec, entry[1], _s(entry[0]))
@@ -398,11 +399,11 @@ class RedisSink(RedisNamespaces):
         pattern = _glob_escape(f"{self.base(view)}:{build}:") + "*"
         cursor = 0
         while True:
-            cursor, keys = self._retrying("scan", lambda c=cursor: self.client.scan(
-                cursor=c, match=pattern, count=self.options.scan_count))
+            cursor, keys = self._retrying("scan", functools.partial(
+                self.client.scan, cursor=cursor, match=pattern, count=self.options.scan_count))
             if keys:
                 if fmt == "json":
-                    vals = self._retrying("read rows", lambda k=keys: self.client.mget(k))
+                    vals = self._retrying("read rows", functools.partial(self.client.mget, keys))
                     for v in vals:
                         if v is not None and (row := self._decode(view, dec, v, "s")) is not None:
                             yield row

@@ -3,6 +3,7 @@ alias, shadows, the atomic alias swap, strays; and a target's positions (kept pe
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import re
@@ -153,7 +154,7 @@ class AliasLifecycle(PositionsIndex):
         for index in self._call("list indexes", lambda: self.client.get_alias(index=pattern)):
             if index.endswith("__w"):
                 log.warning("search sink: deleting stray index %s (auto-created by a write after data loss)", index)
-                self._call("delete stray index", lambda i=index: self.client.delete_index(i))
+                self._call("delete stray index", functools.partial(self.client.delete_index, index))
 
     def begin_shadow(self, view: ViewSpec, label: str = "shadow") -> Target:
         if not _LABEL_RE.match(label):

@@ -4,9 +4,11 @@ as rejects, then the positions."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Any
 
 import orjson
 import pyarrow as pa
@@ -145,7 +147,7 @@ class BulkWriter(AliasLifecycle):
             self._check_fence(target.view, f"writing into {target.name!r}")
             body = b"".join(lines)
             try:
-                resp = self._retrying("bulk request", lambda body=body: self.client.bulk(body), opts)
+                resp = self._retrying("bulk request", functools.partial(self.client.bulk, body), opts)
             except _HttpError as exc:
                 if exc.status == 413 and len(lines) > 1:  # request too large: halve it
                     half = len(lines) // 2
@@ -192,6 +194,11 @@ class BulkWriter(AliasLifecycle):
             lines, changes = retry_lines, retry_changes
             if lines:
                 busy = changes[0]
-                backoff.wait("bulk items", None, warn=False, exhausted=lambda n, k=len(lines), c=busy: (
-                    f"search sink: {k} documents still refused as busy after {n} attempts (first: key {c[0]}, "
-                    f"version {c[3]})"))
+                backoff.wait("bulk items", None, warn=False,
+                             exhausted=functools.partial(_still_busy, len(lines), busy))
+
+
+def _still_busy(count: int, first: Any, attempts: int) -> str:
+    """The message when documents stay refused as busy after every retry."""
+    return (f"search sink: {count} documents still refused as busy after {attempts} attempts (first: key "
+            f"{first[0]}, version {first[3]})")

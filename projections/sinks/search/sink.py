@@ -66,6 +66,7 @@ code but the client calls in :class:`ElasticsearchClient` / :class:`OpenSearchCl
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -147,7 +148,7 @@ class SearchSink(BulkWriter):
         ids = [key_str(k) for k in keys]
         out: dict[tuple[Any, ...], dict[str, Any]] = {}
         for start in range(0, len(ids), 1000):
-            docs = self._call("mget", lambda s=start: self.client.mget(index, ids[s:s + 1000]))
+            docs = self._call("mget", functools.partial(self.client.mget, index, ids[start:start + 1000]))
             for key, doc in zip(keys[start:start + 1000], docs, strict=True):
                 if doc.get("found"):
                     out[tuple(key)] = dec.row(doc["_source"], doc.get("_version"))
@@ -185,7 +186,7 @@ class SearchSink(BulkWriter):
                 body: dict[str, Any] = {"size": 1000, "sort": sort, "version": True, "query": {"match_all": {}}}
                 if after is not None:
                     body["search_after"] = after
-                hits = self._retrying("search", lambda b=body: self.client.search(index, b))[
+                hits = self._retrying("search", functools.partial(self.client.search, index, body))[
                     "hits"]["hits"]
                 if not hits:
                     return
