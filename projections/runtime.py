@@ -11,7 +11,9 @@ A projection writes to the sinks it names (``Projection.sinks``), see ``sinks_fo
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -63,6 +65,7 @@ def spark_session(master: str = "local[*]", app_name: str = "kappaflow", conf: d
     for k, v in merged.items():
         builder = builder.config(k, v)
     quiet_spark_python(log_level)
+    _launch_driver_jvm(master, app_name, merged)
     spark = builder.getOrCreate()
     spark.sparkContext.setLogLevel(log_level.upper())
     if not master.startswith("local"):
@@ -72,6 +75,41 @@ def spark_session(master: str = "local[*]", app_name: str = "kappaflow", conf: d
         spark.sparkContext.addPyFile(str(code_archive(ship_modules)))
     register(spark)
     return spark
+
+
+def _launch_driver_jvm(master: str, app_name: str, conf: dict[str, str]) -> None:
+    """Start the driver JVM with its stdout/stderr piped through this process.
+
+    Why: a JVM inheriting the follower's stderr outlives a follower killed with -9 long enough to
+    print its own shutdown errors (``RpcEnvStoppedException`` from the stream execution thread,
+    ``Py4JNetworkException``) as the last lines of the follower's log, where they read like the cause.
+    Piped, whatever the JVM prints is forwarded line by line while this process lives and goes
+    nowhere once it is gone. pyspark's own ``launch_gateway`` does the start (same command, same
+    ``--conf`` arguments); a gateway that already exists (a session in this process) is reused.
+    """
+    from pyspark import SparkConf, SparkContext
+    from pyspark.java_gateway import launch_gateway
+
+    if SparkContext._gateway is not None:
+        return
+    spark_conf = SparkConf(loadDefaults=False).setMaster(master).setAppName(app_name)
+    for k, v in conf.items():
+        spark_conf.set(k, v)
+    gateway = launch_gateway(spark_conf, popen_kwargs={"stdout": subprocess.PIPE, "stderr": subprocess.STDOUT})
+    proc = gateway.proc
+    threading.Thread(target=_forward, args=(proc.stdout,), name="kappaflow-jvm-output", daemon=True).start()
+    SparkContext._gateway = gateway
+    SparkContext._jvm = gateway.jvm
+
+
+def _forward(stream: Any) -> None:
+    """Copy the driver JVM's output to this process's stderr, one line at a time."""
+    for line in iter(stream.readline, b""):
+        try:
+            sys.stderr.write(line.decode("utf-8", "replace"))
+            sys.stderr.flush()
+        except (OSError, ValueError):  # stderr closed at interpreter exit
+            return
 
 
 def session_from_settings(settings: Any) -> SparkSession:
