@@ -14,7 +14,7 @@ type dispatch per value:
 :meth:`TableCodec.encode_value` assembles the envelope bytes by formatting
 pre-serialised pieces around one ``orjson.dumps`` of the row; the result is
 byte-identical to ``EventCodec.encode_value`` of the equivalent ``ChangeEvent``
-(``tests/connectors/postgres/test_rows.py`` checks that for every type).
+(``tests/connectors/postgres/test_pg_types.py`` checks that for every type).
 """
 
 from __future__ import annotations
