@@ -90,14 +90,15 @@ def _launch_driver_jvm(master: str, app_name: str, conf: dict[str, str]) -> None
     from pyspark import SparkConf, SparkContext
     from pyspark.java_gateway import launch_gateway
 
-    if SparkContext._gateway is not None:
-        return
+    if SparkContext._gateway is not None or "PYSPARK_GATEWAY_PORT" in os.environ:
+        return  # a gateway of this process, or spark-submit's (its JVM is not ours to pipe)
     spark_conf = SparkConf(loadDefaults=False).setMaster(master).setAppName(app_name)
     for k, v in conf.items():
         spark_conf.set(k, v)
     gateway = launch_gateway(spark_conf, popen_kwargs={"stdout": subprocess.PIPE, "stderr": subprocess.STDOUT})
-    proc = gateway.proc
-    threading.Thread(target=_forward, args=(proc.stdout,), name="kappaflow-jvm-output", daemon=True).start()
+    if gateway.proc is not None and gateway.proc.stdout is not None:
+        threading.Thread(target=_forward, args=(gateway.proc.stdout,), name="kappaflow-jvm-output",
+                         daemon=True).start()
     SparkContext._gateway = gateway
     SparkContext._jvm = gateway.jvm
 
