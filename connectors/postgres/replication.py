@@ -224,8 +224,7 @@ class ReplicationConnection:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     return None
-                r, _, _ = select.select([self._fd], [], [], remaining)
-                if not r:
+                if not wait_fd(self._fd, remaining):
                     return None
                 conn.consume_input()
                 n, data = conn.get_copy_data(1)
@@ -258,8 +257,7 @@ class ReplicationConnection:
             if n <= 0:
                 if n == 0:
                     # pull what the socket already holds without waiting
-                    r, _, _ = select.select([self._fd], [], [], 0)
-                    if r:
+                    if wait_fd(self._fd, 0):
                         self._conn.consume_input()
                         n, data = get(1)
                         if n > 0:
@@ -281,7 +279,7 @@ class ReplicationConnection:
                             "sending a standby status update", self.dsn)
         # non-blocking: flush until libpq's output buffer is empty
         while conn.flush() == 1:
-            select.select([], [self._fd], [], 1.0)
+            wait_fd(self._fd, 1.0, write=True)
 
     @property
     def backend_pid(self) -> int:
@@ -326,3 +324,13 @@ def _ident(name: str) -> str:
 
 def _literal(text: str) -> str:
     return text.replace("'", "''")
+
+def wait_fd(fd: int, timeout: float, *, write: bool = False) -> bool:
+    """Wait up to ``timeout`` seconds until ``fd`` is readable (or writable); True when it is.
+
+    poll, not select: select() refuses descriptors numbered 1024 and above, which a long-running
+    process holding many files and sockets reaches.
+    """
+    poller = select.poll()
+    poller.register(fd, select.POLLOUT if write else select.POLLIN)
+    return bool(poller.poll(max(0, int(timeout * 1000))))

@@ -25,7 +25,6 @@ Tables keyed by ``key_columns`` instead of a primary key are read in one chunk
 from __future__ import annotations
 
 import re
-import select
 import sys
 import time
 from collections.abc import Sequence
@@ -37,6 +36,7 @@ from kappaflow.connectors.base import SnapshotSource, StopSignal, TrustedRecord
 from kappaflow.connectors.postgres import slots
 from kappaflow.connectors.postgres.context import PgCapture
 from kappaflow.connectors.postgres.offset import PgOffset, SnapshotProgress, TableProgress
+from kappaflow.connectors.postgres.replication import wait_fd
 from kappaflow.connectors.postgres.slots import TableInfo
 from kappaflow.connectors.postgres.source_info import PgPosition
 from kappaflow.connectors.postgres.toast import TOAST_ROW_MIN
@@ -179,7 +179,7 @@ class PgSnapshotSource(SnapshotSource):
             if n > 0:
                 append(bytes(data))
             elif n == 0:
-                select.select([fd], [], [], 1.0)
+                wait_fd(fd, 1.0)
                 pg.consume_input()
             else:
                 break
