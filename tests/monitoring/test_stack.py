@@ -101,16 +101,21 @@ class Stack:
         with open_log(str(self.dir / "log"), read_only=True) as log:
             return sum(log.end_offsets(TOPIC).values())
 
-    def wait_caught_up(self, timeout: float = 300) -> dict[Any, float]:
-        """The follower's /metrics once its lag is 0 in every partition and it read the whole log."""
+    def wait_caught_up(self, events: int, timeout: float = 300) -> dict[Any, float]:
+        """The follower's /metrics once its lag is 0 in every partition and its batches counted
+        ``events``. Both conditions, because the lag is read from the store's positions (committed
+        with the batch's rows) while the counters move just after that commit returns: a scrape in
+        between sees lag 0 and the previous count."""
 
         def caught_up() -> dict[Any, float] | None:
             assert self.follow is not None and self.follow.poll() is None, self.logs[-1].read_text()[-3000:]
             s = scrape(self.follow_url)
             lags = [v for (n, _), v in s.items() if n == "kappaflow_follow_lag_records"]
-            return s if lags and not any(lags) else None
+            counted = value(s, "kappaflow_follow_events_total", projection=PROJECTION, sink="postgres")
+            return s if lags and not any(lags) and (counted or 0) >= events else None
 
-        return wait_for(caught_up, timeout, "the follower to catch up (lag 0 on its /metrics)")
+        return wait_for(caught_up, timeout,
+                        f"the follower to catch up (lag 0 and {events} events counted on its /metrics)")
 
     def change(self, sql: str) -> None:
         with psycopg.connect(self.src_dsn, autocommit=True) as conn:
@@ -154,7 +159,7 @@ def stack(pg_server: Any, tmp_path_factory: pytest.TempPathFactory) -> Any:
         wait_for(lambda: value(scrape(st.capture_url), "kappaflow_capture_changes_total", source="shop") == 20, 120,
                  "the snapshot of 20 rows")
         st.start_follow()
-        s = st.wait_caught_up()
+        s = st.wait_caught_up(20)
         assert value(s, "kappaflow_follow_events_total", projection=PROJECTION, sink="postgres") == 20
         yield st
     finally:
@@ -211,7 +216,7 @@ def test_lag_rises_while_the_follower_is_stopped_and_falls_after(stack: Stack) -
     assert stack.cli("status", "--check", env=no_followers).returncode == 0
 
     stack.start_follow()
-    after = stack.wait_caught_up()
+    after = stack.wait_caught_up(10)
     assert all(v == 0 for v in _lag(after, "kappaflow_follow_lag_seconds"))
     assert value(after, "kappaflow_follow_events_total", projection=PROJECTION, sink="postgres") == 10
     assert value(after, "kappaflow_log_records_read_total", topic=TOPIC) == 10
