@@ -18,6 +18,7 @@ from kappaflow.projections.api import (
     CollectSet,
     Count,
     Event,
+    Hopping,
     Lookup,
     Max,
     Min,
@@ -25,6 +26,7 @@ from kappaflow.projections.api import (
     ProjectionSpec,
     Source,
     Sum,
+    Tumbling,
     load_projection,
 )
 
@@ -35,6 +37,7 @@ __all__ = [
     "CollectSet",
     "Count",
     "Event",
+    "Hopping",
     "Lookup",
     "Max",
     "Min",
@@ -42,5 +45,6 @@ __all__ = [
     "ProjectionSpec",
     "Source",
     "Sum",
+    "Tumbling",
     "load_projection",
 ]

@@ -53,13 +53,13 @@ Retraction: grouped aggregates are computed over the CURRENT row of every source
 nothing), so an update that moves a row between groups moves its contribution and a
 delete removes it, with or without before-images in the log. See ``folds/grouped.py``.
 
+Event time: ``window = Tumbling("created_at", size="1h", ...)`` or ``Hopping(...)`` with
+``aggregates`` makes a windowed view (``WindowFold``, ``folds/windowed.py``): one row per
+group and window, with a watermark derived from the log and a late-data policy.
+
 Room to grow: a fold kind is a ``FoldSpec`` subclass run by a ``FoldStrategy`` in its own
-module of ``kappaflow.projections.folds`` (compile, replay, follow, mirrors, state).
-Event-time windows will add a ``window`` attribute (``Tumbling``/``Sliding``/``Session``
-over an event-time column, with a watermark and a late-data policy) that turns into extra
-group columns of a ``GroupFold``; joins will add ``Source`` roles (``Source(...,
-role="table")`` for enrichment by current row, streams joined within a time bound) run by
-a ``JoinFold`` strategy. The class attributes below are read only through
+module of ``kappaflow.projections.folds`` (compile, replay, follow, mirrors, state); joins
+will add ``Source`` roles (streams joined within a time bound). The class attributes below are read only through
 ``ProjectionSpec.from_class``, so new attributes do not disturb old ones.
 """
 
@@ -136,6 +136,67 @@ class CollectSet(Aggregate):
     """Distinct non-NULL values, sorted."""
 
     func: ClassVar[str] = "collect_set"
+
+
+# --- event-time windows ----------------------------------------------------------------------------
+LATE_POLICIES = ("dead_letter", "drop", "update")
+EMIT_MODES = ("updates", "final_only")
+
+
+@dataclass(frozen=True)
+class Window:
+    """Base of window declarations (``Tumbling``, ``Hopping``): the event-time ``column`` (a source
+    column or a ``derive`` name of type timestamp/timestamptz) and the watermark and late-data rules
+    shared by every window shape. Durations: ``timedelta``, seconds (int/float) or text like
+    ``"90s"``, ``"15m"``, ``"1h"``, ``"1d"``, ``"500ms"``. Checked when the class is loaded
+    (``folds/windowed.py``), so errors name the projection and the attribute.
+
+    ``delay``: the watermark trails the largest event time seen by this much;
+    ``allowed_lateness``: a window stays open this long after the watermark passed its end;
+    ``late``: what happens to an event that arrives for a window past that (``"dead_letter"``,
+    ``"drop"``, ``"update"``); ``emit``: ``"updates"`` (every window row current, ``final``
+    flips) or ``"final_only"`` (a window row appears when it is final); ``idle_timeout``: a
+    partition whose largest event time is this far behind the most advanced partition's (or
+    that has none) does not hold the watermark back (None: every partition holds it back).
+    """
+
+    column: str
+    size: Any
+    delay: Any = 0
+    allowed_lateness: Any = 0
+    late: str = "dead_letter"
+    emit: str = "updates"
+    idle_timeout: Any = None
+
+    shape: ClassVar[str] = ""
+
+    @property
+    def slide(self) -> Any:
+        return self.size
+
+
+@dataclass(frozen=True)
+class Tumbling(Window):
+    """Fixed, non-overlapping windows of ``size``, aligned to the Unix epoch (UTC)."""
+
+    shape: ClassVar[str] = "tumbling"
+
+
+@dataclass(frozen=True)
+class Hopping(Window):
+    """Windows of ``size`` starting every ``slide`` (aligned to the Unix epoch, UTC): an event
+    belongs to ``size / slide`` windows. ``slide`` must divide into ``size`` no more than it is."""
+
+    hop: Any = None
+    shape: ClassVar[str] = "hopping"
+
+    def __init__(self, column: str, size: Any, slide: Any, **rules: Any) -> None:
+        object.__setattr__(self, "hop", slide)
+        super().__init__(column, size, **rules)
+
+    @property
+    def slide(self) -> Any:
+        return self.hop
 
 
 # --- sources --------------------------------------------------------------------------------------
@@ -243,6 +304,7 @@ class Projection:
     sink_options: ClassVar[Mapping[str, Mapping[str, Any]]] = {}
     consistency: ClassVar[str] = "transactions"
     lookups: ClassVar[Sequence[Lookup]] = ()
+    window: ClassVar[Window | None] = None
 
     def apply(self, row: dict[str, Any] | None, event: Event) -> dict[str, Any] | None:
         """Custom fold: the view row after `event` (None removes it). Override to use."""
@@ -273,6 +335,24 @@ class GroupFold(FoldSpec):
 @dataclass(frozen=True)
 class CustomFold(FoldSpec):
     kind: ClassVar[str] = "custom"
+
+
+@dataclass(frozen=True)
+class WindowFold(FoldSpec):
+    """Aggregates per group and event-time window (``folds/windowed.py``); durations in microseconds,
+    ``idle_us`` None when no partition is ever idle."""
+
+    aggregates: tuple[tuple[str, Aggregate], ...] = ()
+    column: str = ""
+    shape: str = "tumbling"
+    size_us: int = 0
+    slide_us: int = 0
+    delay_us: int = 0
+    lateness_us: int = 0
+    late: str = "dead_letter"
+    emit: str = "updates"
+    idle_us: int | None = None
+    kind: ClassVar[str] = "windowed"
 
 
 @dataclass(frozen=True)
@@ -598,6 +678,7 @@ __all__ = [
     "Event",
     "FoldSpec",
     "GroupFold",
+    "Hopping",
     "LatestFold",
     "Lookup",
     "Max",
@@ -606,5 +687,8 @@ __all__ = [
     "ProjectionSpec",
     "Source",
     "Sum",
+    "Tumbling",
+    "Window",
+    "WindowFold",
     "load_projection",
 ]

@@ -72,7 +72,8 @@ def write_dead_letters(
     log_url: str, client_options: Mapping[str, Any], projection: str, rows: Sequence[Mapping[str, Any]]
 ) -> int:
     """Append dead letters (dicts with topic, partition, offset, key, reason; for rows a sink
-    refused also sink, row_key, version)."""
+    refused also sink, row_key, version; ``extra``: more fields a fold reports, e.g. a late
+    event's ``event_time``, ``watermark``, ``window_start``/``window_end``)."""
     if not rows:
         return 0
     now = int(time.time() * 1000)
@@ -88,6 +89,8 @@ def write_dead_letters(
             "reason": r.get("reason"),
             "ts_ms": now,
         }
+        if r.get("extra"):  # a fold's details (a late event: its event time, the watermark, the window)
+            value.update({k: v for k, v in r["extra"].items() if k not in value})
         rk_text = f"{r.get('topic')}:{r.get('partition')}:{r.get('offset')}"
         if r.get("sink"):
             value.update(sink=r["sink"], row_key=r.get("row_key"), version=r.get("version"))

@@ -32,6 +32,7 @@ class SinkStatus:
     partitions: list[PartitionLag] = field(default_factory=list)
     following: bool = False
     error: str | None = None  # the store could not be read (down?)
+    details: dict[str, Any] = field(default_factory=dict)  # the fold's own (``FoldStrategy.status_details``)
 
     @property
     def lag(self) -> int:
@@ -44,6 +45,7 @@ class SinkStatus:
             "following": self.following,
             "lag": self.lag,
             "error": self.error,
+            **({"details": self.details} if self.details else {}),
             "partitions": [
                 {"topic": p.topic, "partition": p.partition, "position": p.position, "end": p.end, "lag": p.lag}
                 for p in self.partitions
@@ -117,8 +119,10 @@ def projection_status(rt: Runtime, name: str | None = None) -> list[ProjectionSt
                         ends[(t, p)] = end
                 except UnknownTopicError:
                     pass
+            spec = _spec(e.class_path)
             per_sink = [
-                st for kind, sink in rt.sinks.items() if (st := _sink_status(rt, kind, sink, e.name, view, ends))
+                st for kind, sink in rt.sinks.items()
+                if (st := _sink_status(rt, kind, sink, e.name, view, ends, spec))
             ]
             first = per_sink[0] if per_sink else SinkStatus("postgres", None)
             out.append(
@@ -140,8 +144,21 @@ def projection_status(rt: Runtime, name: str | None = None) -> list[ProjectionSt
     return out
 
 
+def _spec(class_path: str | None) -> Any:
+    """The projection's validated class when it can be imported here (for the fold's own status
+    details), else None: status never fails because a projection's module is not on the path."""
+    if not class_path:
+        return None
+    from kappaflow.projections.api import load_projection
+
+    try:
+        return load_projection(class_path)
+    except Exception:
+        return None
+
+
 def _sink_status(
-    rt: Runtime, kind: str, sink: Any, name: str, view: Any, ends: dict[tuple[str, int], int]
+    rt: Runtime, kind: str, sink: Any, name: str, view: Any, ends: dict[tuple[str, int], int], spec: Any = None
 ) -> SinkStatus | None:
     """The view's status in one sink; None when the sink does not hold the view."""
     from kappaflow.errors import KappaflowError
@@ -160,7 +177,15 @@ def _sink_status(
         return SinkStatus(kind, None, [PartitionLag(t, p, 0, end) for (t, p), end in sorted(ends.items())],
                           error=str(exc))
     parts = [PartitionLag(t, p, positions.get((t, p), 0), end) for (t, p), end in sorted(ends.items())]
-    return SinkStatus(kind, rows, parts, following)
+    details: dict[str, Any] = {}
+    if spec is not None and spec.name == name:
+        try:
+            details = spec.strategy.status_details(spec, sink, live)
+        except KappaflowError:
+            details = {}
+        except Exception as exc:  # a view built by another version of the class: positions still show
+            details = {"error": str(exc)[:200]}
+    return SinkStatus(kind, rows, parts, following, details=details)
 
 
 __all__ = ["PartitionLag", "ProjectionStatus", "SinkStatus", "projection_status"]

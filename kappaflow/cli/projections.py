@@ -319,6 +319,10 @@ def status(
                 else:
                     table.add_row(*cells, p.topic, str(p.partition), f"{p.position:,}", f"{p.end:,}", f"{p.lag:,}")
         console.print(table)
+        for st in s.sinks:
+            if st.details:  # the fold's own figures, e.g. a windowed view's watermark and late events
+                console.print(f"{st.sink}: " + ", ".join(f"{k} {v}" for k, v in st.details.items()),
+                              highlight=False, markup=False)
 
 
 def _check(ctx: typer.Context) -> None:

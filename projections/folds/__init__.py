@@ -3,6 +3,9 @@
 - ``latest.py``: latest row per key (``LatestFold``);
 - ``grouped.py``: group by, with retracting aggregates (``GroupFold``); its keyed state lives in
   a sink with ``GroupedState`` and its other sinks mirror that one;
+- ``windowed.py``: aggregates per group and event-time window, with a watermark from the log,
+  allowed lateness and a late-data policy (``WindowFold``); its state lives with the grouped
+  fold's in PostgreSQL;
 - ``custom.py``: a Python ``apply(row, event)`` (``CustomFold``), run by ``custom_folder.py``
   inside Spark's workers;
 - ``declarative.py``: what latest and grouped share (they fold current source rows);
@@ -28,6 +31,7 @@ from kappaflow.projections.folds.base import (
 from kappaflow.projections.folds.custom import CustomStrategy
 from kappaflow.projections.folds.grouped import GroupedStrategy
 from kappaflow.projections.folds.latest import LatestStrategy
+from kappaflow.projections.folds.windowed import WindowedStrategy
 
 __all__ = [
     "BuildJob",
@@ -38,6 +42,7 @@ __all__ = [
     "GroupedStrategy",
     "LatestStrategy",
     "ReadCounter",
+    "WindowedStrategy",
     "declared_fold",
     "register",
     "strategy_for",

@@ -204,6 +204,11 @@ class FoldStrategy(abc.ABC):
         (``kappaflow.projections.mirror``), or None when `sink` folds the log itself."""
         return None
 
+    def status_details(self, spec: ProjectionSpec, sink: Sink, target: Target) -> dict[str, Any]:
+        """What ``kappaflow status`` shows about this fold's state in `sink` beyond positions and lag
+        (e.g. a windowed view's watermark, late events and state rows); cheap reads only."""
+        return {}
+
 
 # --- the registry ----------------------------------------------------------------------------------
 _REGISTRY: dict[type[FoldSpec], FoldStrategy] = {}

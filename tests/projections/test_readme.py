@@ -13,6 +13,7 @@ import sys
 import types
 import uuid
 from collections.abc import Iterator
+from datetime import timedelta
 from decimal import Decimal
 from pathlib import Path
 from typing import Any
@@ -128,7 +129,7 @@ def test_the_projection_api_examples_equal_sql_on_the_captured_source(
         classes = {c.name: c for c in vars(readme_module).values()
                    if isinstance(c, type) and issubclass(c, Projection) and c is not Projection}
         assert {"customer_directory", "customer_orders", "order_history", "product_catalogue", "order_details",
-                "category_revenue"} <= set(classes)
+                "category_revenue", "hourly_revenue"} <= set(classes)
         for proj in classes.values():
             replay(proj, rt)
 
@@ -191,6 +192,17 @@ def test_the_projection_api_examples_equal_sql_on_the_captured_source(
             FROM public.orders o JOIN public.products p ON p.id = o.product_id
             WHERE o.status <> 'cancelled' GROUP BY p.category ORDER BY 1""")
         assert len(revenue) >= 2
+
+        # event time: hourly windows per customer = SQL's hours over the current rows (nothing is later
+        # than the 7 days of allowed lateness here, so no change was refused)
+        hourly = view("hourly_revenue", "customer_id, window_start")
+        assert [{k: r[k] for k in ("customer_id", "window_start", "orders", "revenue")} for r in hourly] == _rows(
+            dsn, """
+            SELECT customer_id, date_trunc('hour', created_at AT TIME ZONE 'UTC') AT TIME ZONE 'UTC' AS window_start,
+                   count(*) AS orders, sum(amount) AS revenue
+            FROM public.orders WHERE status <> 'cancelled' GROUP BY 1, 2 ORDER BY 1, 2""")
+        assert len(hourly) >= 60 and all(r["window_end"] - r["window_start"] == timedelta(hours=1) for r in hourly)
+        assert {r["final"] for r in hourly} <= {True, False}
 
         # sinks and sink_options: the same catalogue in PostgreSQL, the search index and Redis hashes
         products = _rows(dsn, "SELECT * FROM public.products ORDER BY id")
