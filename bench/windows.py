@@ -133,7 +133,7 @@ def main() -> None:
         log(f"windows: {res.rows} rows in {secs:.1f}s")
         spec = as_spec(HourlyPerCustomer)
         view = prepare(spec, rt).view
-        status = window_status(rt.sink, spec, rt.sink.live(view))
+        status = window_status(rt.sink, rt.sink.live(view))
         with psycopg.connect(dsn) as conn:
             row = conn.execute(
                 f'SELECT count(*) FILTER (WHERE NOT final), count(*) FROM public."{view.name}"'

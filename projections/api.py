@@ -185,7 +185,7 @@ class Tumbling(Window):
 @dataclass(frozen=True)
 class Hopping(Window):
     """Windows of ``size`` starting every ``slide`` (aligned to the Unix epoch, UTC): an event
-    belongs to ``size / slide`` windows. ``slide`` must divide into ``size`` no more than it is."""
+    belongs to about ``size / slide`` windows. ``slide`` must be > 0 and at most ``size``."""
 
     hop: Any = None
     shape: ClassVar[str] = "hopping"

@@ -119,10 +119,9 @@ def projection_status(rt: Runtime, name: str | None = None) -> list[ProjectionSt
                         ends[(t, p)] = end
                 except UnknownTopicError:
                     pass
-            spec = _spec(e.class_path)
             per_sink = [
                 st for kind, sink in rt.sinks.items()
-                if (st := _sink_status(rt, kind, sink, e.name, view, ends, spec))
+                if (st := _sink_status(rt, kind, sink, e.name, view, ends, e.kind))
             ]
             first = per_sink[0] if per_sink else SinkStatus("postgres", None)
             out.append(
@@ -144,21 +143,8 @@ def projection_status(rt: Runtime, name: str | None = None) -> list[ProjectionSt
     return out
 
 
-def _spec(class_path: str | None) -> Any:
-    """The projection's validated class when it can be imported here (for the fold's own status
-    details), else None: status never fails because a projection's module is not on the path."""
-    if not class_path:
-        return None
-    from kappaflow.projections.api import load_projection
-
-    try:
-        return load_projection(class_path)
-    except Exception:
-        return None
-
-
 def _sink_status(
-    rt: Runtime, kind: str, sink: Any, name: str, view: Any, ends: dict[tuple[str, int], int], spec: Any = None
+    rt: Runtime, kind: str, sink: Any, name: str, view: Any, ends: dict[tuple[str, int], int], fold_kind: str = ""
 ) -> SinkStatus | None:
     """The view's status in one sink; None when the sink does not hold the view."""
     from kappaflow.errors import KappaflowError
@@ -177,13 +163,14 @@ def _sink_status(
         return SinkStatus(kind, None, [PartitionLag(t, p, 0, end) for (t, p), end in sorted(ends.items())],
                           error=str(exc))
     parts = [PartitionLag(t, p, positions.get((t, p), 0), end) for (t, p), end in sorted(ends.items())]
+    from kappaflow.projections.folds import strategy_of_kind
+
     details: dict[str, Any] = {}
-    if spec is not None and spec.name == name:
+    strategy = strategy_of_kind(fold_kind)
+    if strategy is not None:
         try:
-            details = spec.strategy.status_details(spec, sink, live)
-        except KappaflowError:
-            details = {}
-        except Exception as exc:  # a view built by another version of the class: positions still show
+            details = strategy.status_details(sink, live)
+        except Exception as exc:  # the fold's own figures are extra: positions and lag still show
             details = {"error": str(exc)[:200]}
     return SinkStatus(kind, rows, parts, following, details=details)
 

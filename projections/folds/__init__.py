@@ -27,6 +27,7 @@ from kappaflow.projections.folds.base import (
     declared_fold,
     register,
     strategy_for,
+    strategy_of_kind,
 )
 from kappaflow.projections.folds.custom import CustomStrategy
 from kappaflow.projections.folds.grouped import GroupedStrategy
@@ -46,4 +47,5 @@ __all__ = [
     "declared_fold",
     "register",
     "strategy_for",
+    "strategy_of_kind",
 ]

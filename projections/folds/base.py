@@ -204,9 +204,10 @@ class FoldStrategy(abc.ABC):
         (``kappaflow.projections.mirror``), or None when `sink` folds the log itself."""
         return None
 
-    def status_details(self, spec: ProjectionSpec, sink: Sink, target: Target) -> dict[str, Any]:
+    def status_details(self, sink: Sink, target: Target) -> dict[str, Any]:
         """What ``kappaflow status`` shows about this fold's state in `sink` beyond positions and lag
-        (e.g. a windowed view's watermark, late events and state rows); cheap reads only."""
+        (e.g. a windowed view's watermark, late events and state rows): cheap reads of what the view
+        stored, without the projection's class (status does not import user code)."""
         return {}
 
 
@@ -236,6 +237,11 @@ def declared_fold(decl: Declaration) -> FoldSpec:
     raise ConfigError(f"{decl.where}: no fold kind matches what the class declares")
 
 
+def strategy_of_kind(kind: str) -> FoldStrategy | None:
+    """The strategy whose fold has this ``kind`` name (as the projections registry records it), if any."""
+    return next((s for f, s in _REGISTRY.items() if f.kind == kind), None)
+
+
 def strategy_for(fold: FoldSpec | ProjectionSpec) -> FoldStrategy:
     """The strategy of a fold (or of a projection's fold)."""
     f = fold.fold if isinstance(fold, ProjectionSpec) else fold
@@ -260,4 +266,5 @@ __all__ = [
     "read_metrics",
     "register",
     "strategy_for",
+    "strategy_of_kind",
 ]

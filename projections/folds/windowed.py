@@ -105,6 +105,8 @@ RESERVED = (WINDOW_START, WINDOW_END, FINAL)
 MARK_TOPIC = "kf:watermark"
 """``_kf_topic`` of the per-partition watermark rows in the state table (no log topic has a ':')."""
 WM_MAX, WM_LATE = "_kf_wm_max", "_kf_late"
+W_KEY = b"W"
+"""``_kf_key`` of the row holding the projection watermark W and the late events of all partitions."""
 FINAL_GUC = "kappaflow.final_before"
 """Transaction-local setting the ``final`` aggregate reads: windows ending at or before it are final."""
 LATE_REASON = "late"
@@ -451,6 +453,7 @@ class WindowedStrategy(DeclarativeStrategy):
         ts_sql = "timestamptz" if shape.aware else "timestamp"
         we = '"' + WINDOW_END + '"'
         group = {
+            "late_policy": fold.late,
             "group_by": list(group_by),
             "state_columns": [{"name": c.name, "pg_type": pg_type(c.type)} for c in plan.state_columns],
             "aggregates": [
@@ -500,8 +503,9 @@ class WindowedStrategy(DeclarativeStrategy):
             state.select(*state_cols).mapInArrow(make_loader(cfg, job.target, state=True), LOAD_RESULT_DDL).collect()
             keeper = _keeper(plan, job.sink)
             end = {(t, p): o for t, parts in job.end.items() for p, o in parts.items()}
-            keeper.load_state(job.target, [_mark_table(plan, {(r["_kf_mt"], r["_kf_mp"]): (r[WM_MAX], r[WM_LATE])
-                                                              for r in marks}, end)])
+            by_tp = {(r["_kf_mt"], r["_kf_mp"]): (r[WM_MAX], r[WM_LATE]) for r in marks}
+            total = sum(n or 0 for _, n in by_tp.values())
+            keeper.load_state(job.target, [_mark_table(plan, by_tp, end, (w, total, job.version))])
         finally:
             out.unpersist()
         built = Built(loaded=sum(r["_kf_loaded"] or 0 for r in loaded), dead=dead)
@@ -548,7 +552,7 @@ class WindowedStrategy(DeclarativeStrategy):
         marks_tbl = _mark_table(plan, moved, ends)
         table = pa.concat_tables([table, marks_tbl.append_column(DELETED, pa.array([False] * marks_tbl.num_rows))])
         return WindowBatch(table, dead=dead, bad=bad, w_before=w_before, w_after=w_after,
-                           w_all=w_all, rule=rule, aware=shape.aware)
+                           w_all=w_all, rule=rule, aware=shape.aware, late_total=sum(late.values()))
 
     def write_batch(
         self, plan: Plan, sink: Sink, target: Target, batch: FoldedBatch, watermark: int, positions: Positions | None
@@ -576,7 +580,9 @@ class WindowedStrategy(DeclarativeStrategy):
         try:
             with conn.transaction():
                 conn.execute("SELECT set_config(%s, %s, true)", (FINAL_GUC, _ts_text(fb_new, batch.aware)))
-                res = keeper.apply_grouped(target, batch.table, watermark, positions)
+                w_row = _mark_table(plan, {}, {}, (batch.w_after, batch.late_total, watermark))
+                changes = pa.concat_tables([batch.table, w_row.append_column(DELETED, pa.array([False]))])
+                res = keeper.apply_grouped(target, changes, watermark, positions)
                 if fb_new is not None and (fb_old is None or fb_new > fb_old):
                     nf = "kf_wfinal"
                     conn.execute(sql.SQL("DROP TABLE IF EXISTS pg_temp.{}").format(sql.Identifier(nf)))
@@ -621,8 +627,8 @@ class WindowedStrategy(DeclarativeStrategy):
     def mirror_source(self, spec: ProjectionSpec, sink: str) -> str | None:
         return None
 
-    def status_details(self, spec: ProjectionSpec, sink: Sink, target: Target) -> dict[str, Any]:
-        return window_status(sink, spec, target)
+    def status_details(self, sink: Sink, target: Target) -> dict[str, Any]:
+        return window_status(sink, target)
 
 
 STRATEGY = register(WindowedStrategy())
@@ -637,6 +643,7 @@ class WindowBatch(FoldedBatch):
     w_all: int | None = None
     rule: Rule | None = None
     aware: bool = True
+    late_total: int = 0
 
 
 # --- helpers ---------------------------------------------------------------------------------------
@@ -670,6 +677,8 @@ def _read_marks(keeper: Any, target: Target) -> dict[TP, tuple[int | None, int]]
     ).fetchall()
     out = {}
     for k, m, n in rows:
+        if bytes(k) == W_KEY:
+            continue
         t, p = orjson.loads(bytes(k))
         out[(t, int(p))] = (m, int(n or 0))
     return out
@@ -750,16 +759,26 @@ def _change_table(plan: Plan, shape: Shape, tbl: pa.Table, changes: list[Any]) -
     return pa.table(arrays)
 
 
-def _mark_table(plan: Plan, marks: Mapping[TP, tuple[int | None, int]], versions: Mapping[TP, int]) -> pa.Table:
-    """The per-partition watermark rows (largest event time, late count) as state rows."""
+def _mark_table(
+    plan: Plan, marks: Mapping[TP, tuple[int | None, int]], versions: Mapping[TP, int],
+    w_row: tuple[int | None, int, int] | None = None,
+) -> pa.Table:
+    """The per-partition watermark rows (largest event time, late count) as state rows, and `w_row`
+    (W, late events of all partitions, version) as the projection's row (key ``W_KEY``)."""
     shape = _shape(plan)
     types = _arrow_types(plan, shape)
-    items = sorted(marks.items())
+    items: list[tuple[Any, tuple[int | None, int]]] = sorted(marks.items())
+    keys = [mark_key(t, p) for (t, p), _ in items]
+    vers = [versions.get(tp, 0) for tp, _ in items]
+    if w_row is not None:
+        items.append(("W", (w_row[0], w_row[1])))
+        keys.append(W_KEY)
+        vers.append(w_row[2])
     n = len(items)
     out: dict[str, pa.Array] = {
         STATE_TOPIC: pa.array([MARK_TOPIC] * n, pa.string()),
-        STATE_KEY: pa.array([mark_key(t, p) for (t, p), _ in items], pa.binary()),
-        VERSION: pa.array([versions.get(tp, 0) for tp, _ in items], pa.int64()),
+        STATE_KEY: pa.array(keys, pa.binary()),
+        VERSION: pa.array(vers, pa.int64()),
     }
     for c in shape.values:
         out[c.name] = pa.nulls(n, types[c.name])
@@ -879,29 +898,32 @@ def make_window_folder(rule: Rule, shape: Shape) -> Callable[[Iterator[pa.Record
 
 
 # --- status ----------------------------------------------------------------------------------------
-def window_status(sink: Sink, spec: ProjectionSpec, target: Target) -> dict[str, Any]:
-    """The watermark, late counts and state size of a windowed view (``kappaflow status``)."""
+def window_status(sink: Sink, target: Target) -> dict[str, Any]:
+    """The watermark W, late events, policy and state rows of a windowed view, from what the view stored
+    (``kappaflow status``; no projection class needed)."""
     from psycopg import sql
 
-    fold = spec.fold
-    assert isinstance(fold, WindowFold)
     keeper: Any = sink.grouped_state()
     if keeper is None:
         return {}
-    marks = _read_marks(keeper, target)
-    row = keeper.conn.execute(
+    rows = keeper.conn.execute(
+        sql.SQL("SELECT {m}, {n} FROM {}.{} WHERE {t} = %s AND {k} = %s").format(
+            sql.Identifier("kappaflow"), sql.Identifier(keeper.state_table(target)), m=sql.Identifier(WM_MAX),
+            n=sql.Identifier(WM_LATE), t=sql.Identifier(STATE_TOPIC), k=sql.Identifier(STATE_KEY)),
+        (MARK_TOPIC, W_KEY),
+    ).fetchall()
+    count = keeper.conn.execute(
         sql.SQL("SELECT count(*) FROM {}.{} WHERE {} <> %s").format(
             sql.Identifier("kappaflow"), sql.Identifier(keeper.state_table(target)), sql.Identifier(STATE_TOPIC)),
         (MARK_TOPIC,),
     ).fetchone()
-    rule = Rule.of(fold)
-    parts = sorted(marks)
-    w, _ = rule.watermarks({tp: m for tp, (m, _) in marks.items() if m is not None}, parts)
+    w, late = (rows[0][0], int(rows[0][1] or 0)) if rows else (None, 0)
+    group = target.view.options.get("group", {})
     return {
         "watermark": iso(w) if w is not None else None,
-        "late_events": sum(n for _, n in marks.values()),
-        "late_policy": fold.late,
-        "state_rows": int(row[0]) if row else 0,
+        "late_events": late,
+        "late_policy": group.get("late_policy"),
+        "state_rows": int(count[0]) if count else 0,
     }
 
 

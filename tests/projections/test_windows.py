@@ -39,6 +39,7 @@ from kappaflow.projections.engine import apply_range, prepare
 from kappaflow.projections.folds.windowed import window_status
 from kappaflow.projections.replay import replay
 from kappaflow.projections.simulate import TableWriter
+from kappaflow.projections.status import projection_status
 
 T0 = datetime(2024, 3, 1, tzinfo=UTC)
 H = timedelta(hours=1)
@@ -172,12 +173,15 @@ def reference(
 
 
 # --- the history -----------------------------------------------------------------------------------
-def history(w: TableWriter, rnd: random.Random, steps: int, idle_after: int | None) -> None:
+def history(w: TableWriter, rnd: random.Random, steps: int, idle_after: int | None,
+            at: dict[str, Any] | None = None) -> None:
     """Orders in slowly advancing event time, 15% out of order by up to 90 minutes, 4% far beyond any
     lateness (a day late); updates moving orders in time and between customers, deletes, cancels.
-    From `idle_after` on, partition 0 gets no events (idle)."""
-    clock = T0
-    next_id = 1
+    From `idle_after` on, partition 0 gets no events (idle). `at` carries the clock and the next order
+    id from one call to the next."""
+    at = at if at is not None else {}
+    clock = at.get("clock", T0)
+    next_id = at.get("next_id", 1)
 
     def pick_id() -> int:
         nonlocal next_id
@@ -213,6 +217,7 @@ def history(w: TableWriter, rnd: random.Random, steps: int, idle_after: int | No
         if rnd.random() < 0.2:
             w.flush()
     w.flush()
+    at.update(clock=clock, next_id=next_id)
 
 
 # --- reading the views -----------------------------------------------------------------------------
@@ -265,9 +270,8 @@ def test_replay_and_follow_in_batches_equal_the_reference(rt: Any, embedded_log:
     replayed = projection(source, cfg, "wr_" + uuid.uuid4().hex[:8])
     replay(replayed, rt)
     assert view(rt.dsn, replayed.name) == want, "replay: " + diff(view(rt.dsn, replayed.name), want)
-    spec = ProjectionSpec.from_class(replayed)
-    status = window_status(rt.sink, spec, rt.sink.live(prepare(spec, rt).view))
-    assert status["late_events"] == want_late
+    (status,) = [st.details for st in projection_status(rt, replayed.name)[0].sinks]  # as `kappaflow status`
+    assert status["late_events"] == want_late and status["late_policy"] == cfg.late
     assert late_offsets(rt, replayed.name) == sorted(want_dead)
     if cfg.emit == "updates":
         assert any(r[3] for r in want.values()) and not all(r[3] for r in want.values())
@@ -291,7 +295,7 @@ def test_replay_and_follow_in_batches_equal_the_reference(rt: Any, embedded_log:
             break
     assert pos == dict(end)
     assert view(rt.dsn, followed.name) == want, "follow: " + diff(view(rt.dsn, followed.name), want)
-    fstatus = window_status(rt.sink, fspec, target)
+    fstatus = window_status(rt.sink, target)
     assert fstatus["late_events"] == want_late and fstatus["watermark"] == status["watermark"]
     assert late_offsets(rt, followed.name) == sorted(want_dead)
     if cfg.late != "update":  # the state of windows every partition has passed is dropped
@@ -354,7 +358,7 @@ RUNNER = Path(__file__).with_name("window_runner.py")
 
 @pytest.mark.slow
 @pytest.mark.integration
-@pytest.mark.timeout(900)
+@pytest.mark.timeout(1800)  # three follower processes start their own Spark
 def test_follower_killed_with_sigkill_mid_window_equals_the_reference(rt: Any, embedded_log: Any,
                                                                        tmp_path: Path) -> None:
     """A follower process (batches of at most 40 records) is killed with -9 while windows are open and
@@ -365,7 +369,8 @@ def test_follower_killed_with_sigkill_mid_window_equals_the_reference(rt: Any, e
     name = f"{source}_hourly"
     w = TableWriter(embedded_log, schema(source), partitions=PARTITIONS)
     rnd = random.Random(4242)
-    history(w, rnd, 120, None)
+    at: dict[str, Any] = {}
+    history(w, rnd, 120, None, at)
     ckpt = tmp_path / "ckpt"
     runner_log = tmp_path / "runner.log"
     env = {**os.environ, "PYSPARK_PYTHON": sys.executable}
@@ -393,7 +398,7 @@ def test_follower_killed_with_sigkill_mid_window_equals_the_reference(rt: Any, e
     try:
         for trial in range(2):
             before = stored()
-            history(w, rnd, 80, None)
+            history(w, rnd, 80, None, at)
             wait(lambda b=before: stored() > b, 300, f"trial {trial}: progress")
             time.sleep(rnd.uniform(0.0, 1.0))
             os.killpg(proc.pid, signal.SIGKILL)
@@ -410,6 +415,6 @@ def test_follower_killed_with_sigkill_mid_window_equals_the_reference(rt: Any, e
     from tests.projections.window_runner import hourly
 
     spec = ProjectionSpec.from_class(hourly(source))
-    assert window_status(rt.sink, spec, rt.sink.live(prepare(spec, rt).view))["late_events"] == want_late
+    assert window_status(rt.sink, rt.sink.live(prepare(spec, rt).view))["late_events"] == want_late
     replay(hourly(source), rt)
     assert view(rt.dsn, name) == want, "a fresh replay differs"
