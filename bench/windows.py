@@ -2,9 +2,9 @@
 
     .venv/bin/python bench/windows.py [--events 1000000] [--orders 100000] [--customers 20000] [--days 30]
 
-Data (issue 18): `events` order change events over `orders` orders spanning `days` days of event time,
-10% out of order by up to 2 hours, 1% later than the allowed lateness (a day late); the rest are updates
-of earlier orders (amount, status) at the current event time.
+Data (issue 18): `events` order change events over `orders` orders placed evenly over `days` days of
+event time, 10% of them out of order by up to 2 hours and 1% a day late (beyond the allowed lateness);
+the other events update one of the 50 newest orders (amount, status), keeping its event time.
 
 - ``window_replay_events_per_s``: replay of hourly tumbling windows per customer (count + sum; delay 5
   minutes, allowed lateness 1 hour, late events dead-lettered): change events / the whole ``replay()``;
@@ -50,19 +50,21 @@ def write(log_path: Path, events: int, orders: int, customers: int, days: int) -
     rnd = random.Random(18)
     t0 = datetime(2024, 1, 1, tzinfo=UTC)
     span = timedelta(days=days)
+    created = 0
     for n in range(events):
         clock = t0 + span * (n / events)
-        if n < orders:
+        if created < orders and (created == 0 or rnd.random() < orders / events):
+            created += 1
             t = clock
             r = rnd.random()
             if r < 0.10:
                 t -= timedelta(minutes=rnd.randint(1, 120))
             elif r < 0.11:
                 t -= timedelta(days=1)
-            w.insert({"id": n + 1, "customer_id": rnd.randint(1, customers), "amount": rnd.randint(1, 999),
+            w.insert({"id": created, "customer_id": rnd.randint(1, customers), "amount": rnd.randint(1, 999),
                       "status": "new", "created_at": t})
-        else:
-            k = (rnd.randint(1, orders),)
+        else:  # an update of one of the 50 newest orders (its event time is when it was placed)
+            k = (rnd.randint(max(1, created - 49), created),)
             w.update(k, {"amount": rnd.randint(1, 999), "status": rnd.choice(["paid", "shipped"])})
         if len(w.pending) >= 20_000:
             w.flush()
