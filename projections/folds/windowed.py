@@ -453,7 +453,6 @@ class WindowedStrategy(DeclarativeStrategy):
         ts_sql = "timestamptz" if shape.aware else "timestamp"
         we = '"' + WINDOW_END + '"'
         group = {
-            "late_policy": fold.late,
             "group_by": list(group_by),
             "state_columns": [{"name": c.name, "pg_type": pg_type(c.type)} for c in plan.state_columns],
             "aggregates": [
@@ -550,7 +549,8 @@ class WindowedStrategy(DeclarativeStrategy):
         moved = {tp: (pmax.get(tp), late.get(tp, 0)) for tp in set(pmax) | set(late)
                  if (pmax.get(tp), late.get(tp, 0)) != before_marks.get(tp)}
         marks_tbl = _mark_table(plan, moved, ends)
-        table = pa.concat_tables([table, marks_tbl.append_column(DELETED, pa.array([False] * marks_tbl.num_rows))])
+        flags = pa.array([False] * marks_tbl.num_rows, pa.bool_())  # typed: an empty list would be null-typed
+        table = pa.concat_tables([table, marks_tbl.append_column(DELETED, flags)])
         return WindowBatch(table, dead=dead, bad=bad, w_before=w_before, w_after=w_after,
                            w_all=w_all, rule=rule, aware=shape.aware, late_total=sum(late.values()))
 
@@ -581,7 +581,7 @@ class WindowedStrategy(DeclarativeStrategy):
             with conn.transaction():
                 conn.execute("SELECT set_config(%s, %s, true)", (FINAL_GUC, _ts_text(fb_new, batch.aware)))
                 w_row = _mark_table(plan, {}, {}, (batch.w_after, batch.late_total, watermark))
-                changes = pa.concat_tables([batch.table, w_row.append_column(DELETED, pa.array([False]))])
+                changes = pa.concat_tables([batch.table, w_row.append_column(DELETED, pa.array([False], pa.bool_()))])
                 res = keeper.apply_grouped(target, changes, watermark, positions)
                 if fb_new is not None and (fb_old is None or fb_new > fb_old):
                     nf = "kf_wfinal"
@@ -899,7 +899,7 @@ def make_window_folder(rule: Rule, shape: Shape) -> Callable[[Iterator[pa.Record
 
 # --- status ----------------------------------------------------------------------------------------
 def window_status(sink: Sink, target: Target) -> dict[str, Any]:
-    """The watermark W, late events, policy and state rows of a windowed view, from what the view stored
+    """The watermark W, late events and state rows of a windowed view, from what the view stored
     (``kappaflow status``; no projection class needed)."""
     from psycopg import sql
 
@@ -918,11 +918,9 @@ def window_status(sink: Sink, target: Target) -> dict[str, Any]:
         (MARK_TOPIC,),
     ).fetchone()
     w, late = (rows[0][0], int(rows[0][1] or 0)) if rows else (None, 0)
-    group = target.view.options.get("group", {})
     return {
         "watermark": iso(w) if w is not None else None,
         "late_events": late,
-        "late_policy": group.get("late_policy"),
         "state_rows": int(count[0]) if count else 0,
     }
 

@@ -271,7 +271,7 @@ def test_replay_and_follow_in_batches_equal_the_reference(rt: Any, embedded_log:
     replay(replayed, rt)
     assert view(rt.dsn, replayed.name) == want, "replay: " + diff(view(rt.dsn, replayed.name), want)
     (status,) = [st.details for st in projection_status(rt, replayed.name)[0].sinks]  # as `kappaflow status`
-    assert status["late_events"] == want_late and status["late_policy"] == cfg.late
+    assert status["late_events"] == want_late and status["state_rows"] > 0
     assert late_offsets(rt, replayed.name) == sorted(want_dead)
     if cfg.emit == "updates":
         assert any(r[3] for r in want.values()) and not all(r[3] for r in want.values())
