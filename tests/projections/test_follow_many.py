@@ -49,12 +49,14 @@ def _writers(log: Any) -> tuple[TableWriter, TableWriter]:
             TableWriter(log, orders_schema("manyb"), partitions=2))
 
 
+def _view(dsn: str, name: str) -> list[tuple[Any, ...]]:
+    cols, cut = COLUMNS[name]
+    rows = view_rows(dsn, name, cols)
+    return [r[:cut] for r in rows] if cut else rows
+
+
 def _views(dsn: str) -> dict[str, list[tuple[Any, ...]]]:
-    out = {}
-    for name, (cols, cut) in COLUMNS.items():
-        rows = view_rows(dsn, name, cols)
-        out[name] = [r[:cut] for r in rows] if cut else rows
-    return out
+    return {name: _view(dsn, name) for name in COLUMNS}
 
 
 def _assert_equal_to_fresh_replays(rt: Any, dsn: str) -> None:
@@ -245,3 +247,43 @@ def test_kill_9_of_a_many_projection_runtime_mid_batch_then_restart(spark: Any, 
         _assert_equal_to_fresh_replays(rt, pg_dsn)
     finally:
         rt.close()
+
+
+@pytest.mark.integration
+def test_a_batch_spark_reruns_after_a_restart_is_skipped_when_the_view_has_it(
+        rt: Any, embedded_log: Any, pg_dsn: str, caplog: pytest.LogCaptureFixture) -> None:
+    """Spark re-runs the last batch it had not recorded as committed (a crash between the sink's
+    commit and Spark's): the follower sees from Spark's offset log that the view has every record of
+    it and skips it -- no Spark job, no sink transaction -- and the next batch applies normally."""
+    import logging
+
+    from kappaflow.projections.follow import Follower
+
+    wa, _ = _writers(embedded_log)
+    random_history(wa, seed=41, n=80)
+    f = Follower(many_defs.ManyChanges, rt, trigger="0.2s").start()
+    try:
+        wait(lambda: f.caught_up(), 180, "the follower to catch up")
+    finally:
+        f.stop()
+    assert f._ckpt is not None
+    ckpt = Path(f._ckpt)
+    last = max(int(p.name) for p in (ckpt / "offsets").iterdir() if p.name.isdigit())
+    for p in (ckpt / "commits").iterdir():  # as if the process died before Spark recorded the batch
+        if p.name in (str(last), f".{last}.crc"):
+            p.unlink()
+    before = _view(pg_dsn, "many_changes")
+    caplog.set_level(logging.DEBUG, logger="kappaflow.projections")
+    again = Follower(many_defs.ManyChanges, rt, trigger="0.2s").start()
+    try:
+        wait(lambda: (ckpt / "commits" / str(last)).exists(), 180, f"Spark to re-run batch {last}")
+        assert again.stats.batches == 0 and again.stats.events == 0
+        assert f"follower many_changes/postgres: batch {last} is already in the view, skipped" in caplog.messages
+        assert _view(pg_dsn, "many_changes") == before
+        more_changes(wa, random.Random(2), 30, 900)
+        wait(lambda: again.stats.batches >= 1 and again.caught_up(), 180, "the next batch to apply")
+    finally:
+        again.stop()
+    followed = _view(pg_dsn, "many_changes")
+    replay(many_defs.ManyChanges, rt)
+    assert _view(pg_dsn, "many_changes") == followed  # no change counted twice
