@@ -221,7 +221,7 @@ def cpu_s(pid: int) -> float:
     for p in tree(pid):
         try:
             f = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
-            total += int(f[11]) + int(f[12])
+            total += int(f[11]) + int(f[12]) + int(f[13]) + int(f[14])  # with reaped children (workers)
         except (OSError, IndexError, ValueError):
             pass
     return total / tck

@@ -68,6 +68,7 @@ def _assert_equal_to_fresh_replays(rt: Any, dsn: str) -> None:
 
 
 @pytest.mark.integration
+@pytest.mark.timeout(1200)  # five streaming queries in the session's Spark; slow when the machine is busy
 def test_many_projections_in_one_runtime_and_one_sink_down(spark: Any, embedded_log: Any, pg_dsn: str,
                                                           tmp_path: Path) -> None:
     from kappaflow.testing.servers.redis import PrivateRedis
@@ -91,12 +92,12 @@ def test_many_projections_in_one_runtime_and_one_sink_down(spark: Any, embedded_
         runtime.start()
         rnd = random.Random(3)
         for step in range(2):
-            wait(lambda: all(f.caught_up() for f in others), 240, f"step {step}: the PostgreSQL views to catch up")
+            wait(lambda: all(f.caught_up() for f in others), 480, f"step {step}: the PostgreSQL views to catch up")
             assert cache_f.failed is None and not cache_f.healthy and cache_f.error is not None
             more_changes(wa, rnd, 40, 500 + step)
             more_changes(wb, rnd, 20, 600 + step)
         redis.start()  # the store is back: the cache's follower starts and catches up
-        wait(lambda: runtime.caught_up(), 240, "every follower, the Redis one included, to catch up")
+        wait(lambda: runtime.caught_up(), 480, "every follower, the Redis one included, to catch up")
         assert cache_f.healthy and cache_f.restarts == 0 and all(f.failed is None for f in others)
         import redis as redis_py
 
