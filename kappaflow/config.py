@@ -457,6 +457,13 @@ class HealthConfig(_Model):
     followers: list[str] = Field(default_factory=lambda: ["*"])
 
 
+class FollowConfig(_Model):
+    """``[follow]``: what ``kappaflow follow --all`` runs in one Spark application."""
+
+    # "module:Class" or "module" (every projection class it offers), as on the command line
+    projections: list[str] = Field(default_factory=list)
+
+
 class UiConfig(_Model):
     """``[ui]``: where ``kappaflow ui`` serves the status page (localhost unless configured)."""
 
@@ -472,6 +479,7 @@ class Settings(_Model):
     ledger: LedgerConfig = Field(default_factory=LedgerConfig)
     metrics: MetricsConfig = Field(default_factory=MetricsConfig)
     health: HealthConfig = Field(default_factory=HealthConfig)
+    follow: FollowConfig = Field(default_factory=FollowConfig)
     ui: UiConfig = Field(default_factory=UiConfig)
     sources: dict[str, SourceConfig] = Field(default_factory=dict)
     profile: dict[str, dict[str, Any]] = Field(default_factory=dict, exclude=True)
@@ -584,5 +592,6 @@ def _env_overrides(env: dict[str, str]) -> dict[str, Any]:
         for part in path[:-1]:
             node = node.setdefault(part, {})
         leaf = path[-1]
-        node[leaf] = [v for v in value.split(",") if v] if leaf in ("tables", "topics", "followers") else value
+        lists = ("tables", "topics", "followers", "projections")
+        node[leaf] = [v for v in value.split(",") if v] if leaf in lists else value
     return out

@@ -666,6 +666,41 @@ def load_projection(path: str) -> ProjectionSpec:
     return replace(ProjectionSpec.from_class(obj), class_path=path)
 
 
+def load_projections(target: str) -> list[ProjectionSpec]:
+    """``module:Class`` -> that projection; ``module`` -> every projection class the module
+    offers: the ``Projection`` subclasses in its namespace that are defined in it or, for a
+    package, in its submodules (what ``from module import *`` style re-exports expose), in
+    the order they appear. A subclass without ``sources`` is a base for others, not a
+    projection, and is skipped. A module with none is an error, not an empty runtime."""
+    import importlib
+
+    if ":" in target:
+        return [load_projection(target)]
+    if not target or not all(part.isidentifier() for part in target.split(".")):
+        raise ConfigError(f"projection {target!r}: expected module:Class or a module, e.g. examples.shop")
+    try:
+        module = importlib.import_module(target)
+    except ImportError as exc:
+        raise ConfigError(f"projection {target!r}: cannot import module {target!r}: {exc}") from None
+    from dataclasses import replace
+
+    out: list[ProjectionSpec] = []
+    seen: set[int] = set()
+    for attr, obj in vars(module).items():
+        if attr.startswith("_") or not isinstance(obj, type) or obj is Projection or id(obj) in seen:
+            continue
+        if not issubclass(obj, Projection) or not getattr(obj, "sources", None):
+            continue
+        defined_in = obj.__module__
+        if defined_in != target and not defined_in.startswith(target + "."):
+            continue  # imported from elsewhere (a base class, another application's projection)
+        seen.add(id(obj))
+        out.append(replace(ProjectionSpec.from_class(obj), class_path=f"{target}:{attr}"))
+    if not out:
+        raise ConfigError(f"projection module {target!r} defines no Projection class with sources")
+    return out
+
+
 __all__ = [
     "SINK_KINDS",
     "Aggregate",
@@ -691,4 +726,5 @@ __all__ = [
     "Window",
     "WindowFold",
     "load_projection",
+    "load_projections",
 ]

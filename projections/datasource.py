@@ -52,6 +52,7 @@ The stream offset is ``{topic: {partition: next_offset}}``.
 
 from __future__ import annotations
 
+import functools
 import json
 import threading
 from collections import Counter
@@ -397,7 +398,11 @@ def _op_of(headers: Any) -> str | None:
     return op
 
 
-_ZERO = pa.scalar(0, pa.int32())
+@functools.cache
+def _zero() -> pa.Scalar:
+    """Made on first use: ``pa.scalar`` imports pandas (~40 MB), which the planning side of a
+    stream -- one Python process per streaming query, that never reads records -- does without."""
+    return pa.scalar(0, pa.int32())
 
 
 def _batch(topic: str, partition: int, cols: Columns, superseded: list[int] | None = None) -> pa.RecordBatch:
@@ -412,7 +417,7 @@ def _batch(topic: str, partition: int, cols: Columns, superseded: list[int] | No
             pa.array(values, pa.binary()),
             pa.array([x * 1000 for x in ts], pa.timestamp("us", tz="UTC")),
             pa.array([_op_of(h) for h in heads], pa.string()),
-            pa.repeat(_ZERO, n) if superseded is None else pa.array(superseded, pa.int32()),
+            pa.repeat(_zero(), n) if superseded is None else pa.array(superseded, pa.int32()),
         ],
         schema=ARROW_SCHEMA,
     )

@@ -239,6 +239,10 @@ def _apply_batch(
     # Sinks without transactions (search, Redis) may refuse single rows: the positions are stored
     # only after the refused rows are in the dead-letter topic, so a crash between the two
     # re-runs the batch (the version guard skips what was written) and loses no dead letter.
+    if not changed and not batch.table.num_rows and not res.dead_letters:
+        # Nothing moved (every record was below the stored positions): no sink transaction.
+        res.positions = after
+        return res
     with_rows = changed if sink.positions_with_rows else None
     w = _with_retry(
         "applying the batch", lambda: strategy.write_batch(plan, sink, target, batch, wm, with_rows)

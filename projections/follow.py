@@ -40,7 +40,9 @@ it is released when the process dies, kill -9 included.
 
 from __future__ import annotations
 
+import json
 import logging
+import random
 import shutil
 import signal
 import threading
@@ -143,39 +145,62 @@ class Follower:
         self._supervisor: threading.Thread | None = None
         self._failures = 0  # in a row, reset by a successful batch
         self._pg: Any = None  # mirrors: their own connection to the PostgreSQL view
+        self._ckpt: str | None = None  # the running query's checkpoint directory
 
     @property
     def name(self) -> str:
         return f"{self.spec.name}/{self.sink_name}"
 
     # --- lifecycle -------------------------------------------------------------------------
-    def start(self) -> Follower:
+    def start(self, *, retry_start: bool = False) -> Follower:
+        """Take the lock and start the streaming query; raises if that fails.
+
+        ``retry_start=True`` (a runtime hosting many projections): a failure a retry can fix (the
+        store is down or unreachable) does not raise; the follower retries its start in the
+        background with the same backoff as a restart, so the other projections start and run."""
+        try:
+            self._open_and_start()
+        except BaseException as exc:
+            if not (retry_start and retryable_start(exc)):
+                raise
+            self.error = exc
+            self._supervisor = threading.Thread(target=self._start_later, args=(exc,),
+                                                name=f"kappaflow-follow-{self.name}", daemon=True)
+            self._supervisor.start()
+            return self
+        self._supervisor = threading.Thread(target=self._supervise, name=f"kappaflow-follow-{self.name}", daemon=True)
+        self._supervisor.start()
+        return self
+
+    def _open_and_start(self) -> None:
         rt = self.rt
         spec = self.spec
-        self.plan = prepare(spec, rt)
-        self._schemas = SchemaWatch(self.plan, rt)
+        if self.plan is None:
+            self.plan = prepare(spec, rt)
+            self._schemas = SchemaWatch(self.plan, rt)
         base = rt.sink_for(spec.name, self.sink_name)
-        # Own sink (connection): followers in one process run their batches concurrently.
-        self.sink = base.config().open()
-        if is_mirror(spec, self.sink_name):
-            # A mirror follows the projection's PostgreSQL view, not the log (see mirror.py).
-            self._pg = open_source(spec, rt, self.sink_name)
-        # The lock on its own connection/client, so it is held for the follower's lifetime.
-        self._lock_sink = base.config().open()
-        if not self._lock_sink.try_lock(spec.name):
-            self._release()
-            raise ProjectionBusy(
-                f"projection {spec.name!r} is already followed or being replayed in the {self.sink_name} sink "
-                "by another process"
-            )
         try:
+            # Own sink (connection): followers in one process run their batches concurrently.
+            self.sink = base.config().open()
+            if is_mirror(spec, self.sink_name):
+                # A mirror follows the projection's PostgreSQL view, not the log (see mirror.py).
+                self._pg = open_source(spec, rt, self.sink_name)
+            # The lock on its own connection/client, so it is held for the follower's lifetime.
+            self._lock_sink = base.config().open()
+            if not self._lock_sink.try_lock(spec.name):
+                raise ProjectionBusy(
+                    f"projection {spec.name!r} is already followed or being replayed in the {self.sink_name} sink "
+                    "by another process"
+                )
             self._start_query(first=True)
         except BaseException:
             self._release()
             raise
-        self._supervisor = threading.Thread(target=self._supervise, name=f"kappaflow-follow-{self.name}", daemon=True)
-        self._supervisor.start()
-        return self
+
+    def _start_later(self, exc: BaseException) -> None:
+        """Supervisor of a follower whose first start failed: retry it with backoff, then supervise."""
+        if self._recover(exc, what="start failed"):
+            self._supervise()
 
     def _checkpoint_path(self, generation: int) -> str:
         spec = self.spec
@@ -222,6 +247,7 @@ class Follower:
         partitions = {t: log_.partitions(t) for t in spec.topics}
         start = nest(positions, spec.topics, partitions)
         ckpt = self._checkpoint_path(generation)
+        self._ckpt = ckpt
         if fresh:
             # After a failure the sink's stored positions are the truth: start the stream from them.
             shutil.rmtree(ckpt, ignore_errors=True)
@@ -272,10 +298,16 @@ class Follower:
     def _batch(self, df: DataFrame, batch_id: int) -> None:
         started = time.monotonic()
         try:
-            self._check_lock()
-            self._schemas.check()  # a source schema change the view cannot take stops the follower
             spec = self.spec
             before = self.sink.read_positions(self.target)
+            if self._already_applied(batch_id, before):
+                # Spark re-runs the batch it had not recorded before a crash or restart, and the
+                # sink has it already: step 2 would filter out every record, so skip the Spark
+                # jobs and the sink transaction altogether (no lock or schema check needed either).
+                log.debug("follower %s: batch %d is already in the view, skipped", self.name, batch_id)
+                return
+            self._check_lock()
+            self._schemas.check()  # a source schema change the view cannot take stops the follower
             raws = (
                 {t: df.where(F.col("topic") == t) for t in spec.topics}
                 if len(spec.topics) > 1
@@ -286,6 +318,24 @@ class Follower:
         except BaseException as exc:
             self.error = exc
             raise
+
+    def _already_applied(self, batch_id: int, before: dict[tuple[str, int], int]) -> bool:
+        """Whether every record of micro-batch `batch_id` is below the sink's stored positions.
+
+        The batch's end offsets are in Spark's offset log (``<checkpoint>/offsets/<batch_id>``,
+        written before the batch runs: a version line, a metadata line, then one JSON line per
+        source). Read from the local file system only; anywhere else (a cluster's HDFS/S3
+        checkpoint) or in any unexpected shape the batch simply runs, and step 2 filters it."""
+        ckpt = self._ckpt
+        if not ckpt or "://" in ckpt:
+            return False
+        try:
+            lines = (Path(ckpt) / "offsets" / str(batch_id)).read_text().splitlines()
+            end = json.loads(lines[2])
+            ends = [(t, int(p), int(o)) for t, parts in end.items() for p, o in parts.items()]
+        except (OSError, IndexError, ValueError, AttributeError, TypeError):
+            return False
+        return bool(ends) and all(before.get((t, p), 0) >= o for t, p, o in ends)
 
     def _count(self, res: BatchResult, started: float | None = None,
                before: dict[tuple[str, int], int] | None = None) -> None:
@@ -320,13 +370,12 @@ class Follower:
             if not self._recover(exc):
                 return
 
-    def _recover(self, exc: BaseException) -> bool:
+    def _recover(self, exc: BaseException, what: str = "batch failed") -> bool:
         """Restart (or rebuild, then restart) after `exc`; False when the follower gives up.
 
         Each failure is ONE log line: what failed, the cause (``kappaflow.logs.describe``: no
         Spark/py4j wrappers, no traceback) and what happens next; the traceback is logged at
         debug level only."""
-        what = "batch failed"
         while not self._stopping.is_set():
             lost = isinstance(exc, SinkStateLostError)
             if isinstance(exc, KappaflowError) and not exc.transient and not lost:
@@ -334,7 +383,9 @@ class Follower:
             self._failures += 1
             if self._failures > self.max_restarts:
                 return self._give_up(exc, f"{self.max_restarts} restarts in a row failed")
-            delay = min(self.backoff_s * 2 ** (self._failures - 1), self.max_backoff_s)
+            # Jittered (0.75-1.25x): queries of one runtime that failed together (a store they share
+            # went down, Python workers that could not start on a busy machine) restart apart.
+            delay = min(self.backoff_s * 2 ** (self._failures - 1), self.max_backoff_s) * random.uniform(0.75, 1.25)
             log.warning(
                 "follower %s: %s: %s; %s in %.1fs (attempt %d/%d)",
                 self.name, "the sink lost the view" if lost else what, describe(exc),
@@ -345,6 +396,10 @@ class Follower:
             if self._stopping.wait(delay):
                 return False
             try:
+                if self._lock_sink is None:  # its first start failed: start it now
+                    self._open_and_start()
+                    log.info("follower %s: started (attempt %d)", self.name, self._failures)
+                    return True
                 self._reopen()
                 self._relock()
                 if lost or self._view_lost():
@@ -471,7 +526,9 @@ class Follower:
         return sum(at for at, _ in parts.values()), sum(e for _, e in parts.values())
 
     def caught_up(self) -> bool:
-        """True when the stored positions reach the log's current end."""
+        """True when the stored positions reach the log's current end (False while not started)."""
+        if self.target is None or self._lock_sink is None:
+            return False
         ends = self.rt.end_offsets(self.spec.topics)
         pos = self._lock_sink.read_positions(self.target)  # not the batch connection (may be mid-transaction)
         return all(pos.get((t, p), 0) >= e for t, parts in ends.items() for p, e in parts.items())
@@ -479,6 +536,17 @@ class Follower:
     def run_forever(self, stop: threading.Event | None = None) -> None:
         """Run until SIGINT/SIGTERM (or `stop` is set), then stop cleanly."""
         _run_forever([self], stop)
+
+
+def retryable_start(exc: BaseException) -> bool:
+    """Whether a follower's failed start is worth retrying: the store or the log is down or
+    unreachable. Not when another process holds the projection (``ProjectionBusy``) nor for
+    errors no retry can fix (configuration, a view that needs a rebuild)."""
+    if isinstance(exc, ProjectionBusy):
+        return False
+    if isinstance(exc, KappaflowError):
+        return exc.transient
+    return isinstance(exc, OSError | ConnectionError | TimeoutError)
 
 
 class _MirrorLoop:

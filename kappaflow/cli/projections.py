@@ -129,47 +129,56 @@ def replay(
 
 def follow(
     ctx: typer.Context,
-    projection: Annotated[str, typer.Argument(help="module:Class of the projection")],
+    projections: Annotated[list[str] | None, typer.Argument(
+        help="Projections to follow: module:Class, or a module (every projection class it offers); several "
+             "run in one Spark application.", show_default=False)] = None,
+    all_: Annotated[bool, typer.Option("--all", help="Follow the projections listed in [follow] projections.")] = False,
     trigger: Annotated[str, typer.Option("--trigger", help="Micro-batch interval, e.g. 0.5s, 2s, 500ms.")] = "0.5s",
     max_records: Annotated[int, typer.Option("--max-records", help="Records per micro-batch at most.")] = 200_000,
-    checkpoint: Annotated[str | None, typer.Option("--checkpoint", help="Spark checkpoint directory.")] = None,
+    checkpoint: Annotated[str | None, typer.Option(
+        "--checkpoint", help="Spark checkpoint directory (several projections: one sub-folder each).")] = None,
     sink: SinkOption = None,
     metrics_port: Annotated[int | None, typer.Option(
         "--metrics-port", help="Serve Prometheus metrics on this port (/metrics); default [metrics] port.")] = None,
 ) -> None:
-    """Keep a view current in each of its sinks (one streaming query per sink); Ctrl-C stops cleanly.
+    """Keep views current: one streaming query per projection and sink, all in one Spark application;
+    Ctrl-C stops cleanly.
 
-    Logs (stderr, timestamped) when each follower runs and when it has caught up with the log."""
+    A query whose store is down backs off and restarts alone while the others go on. Logs (stderr,
+    timestamped) when each follower runs and when it has caught up with the log."""
     import logging
 
     from kappaflow.cli.follow_progress import FollowProgress
     from kappaflow.metrics.follow import follow_registry
     from kappaflow.metrics.process import serve
-    from kappaflow.projections.follow import FollowerGroup, parse_trigger
+    from kappaflow.projections.follow import parse_trigger
+    from kappaflow.projections.follow_runtime import FollowRuntime, resolve_projections
 
     log = logging.getLogger("kappaflow.follow")
-    spec = _load(projection)
+    s = settings(ctx)
+    _cwd_importable()
+    specs = resolve_projections(projections or [], all_=all_, configured=s.follow.projections)
     parse_trigger(trigger)  # a bad --trigger is refused before Spark starts
     rt = _runtime(ctx, spark=False)
     try:
-        selected = rt.sinks_for(spec, sink)
-        _refuse_if_locked(spec, selected)
-        names = ", ".join(selected)
-        log.info("follow %s -> view %s in %s (trigger %s): starting Spark; Ctrl-C stops", spec.name, spec.view,
-                 names, trigger)
+        runtime = FollowRuntime(specs, rt, sinks=sink, trigger=trigger, max_records_per_batch=max_records,
+                                checkpoint=checkpoint)
+        for spec in specs:
+            _refuse_if_locked(spec, {f.sink_name: rt.sink_for(spec.name, f.sink_name)
+                                     for f in runtime.groups[spec.name].followers.values()})
+        what = ", ".join(f"{spec.name} -> {spec.view} in {', '.join(runtime.groups[spec.name].followers)}"
+                         for spec in specs)
+        log.info("follow %s (trigger %s): starting Spark; Ctrl-C stops", what, trigger)
         _start_spark(ctx, rt)
-        group = FollowerGroup(
-            spec, rt, sinks=sink, trigger=trigger, max_records_per_batch=max_records, checkpoint=checkpoint,
-        )
-        progress = FollowProgress(group)
-        with serve(settings(ctx), follow_registry(group, settings(ctx)), port=metrics_port):
-            group.start()
+        progress = FollowProgress(runtime)
+        with serve(s, follow_registry(runtime, s), port=metrics_port):
+            runtime.start()
             progress.start()
             try:
-                group.run_forever()
+                runtime.run_forever()
             finally:
                 progress.stop()
-                for f in group.followers.values():
+                for f in runtime.followers.values():
                     log.info(
                         "follower %s stopped: %s batches, %s events%s%s%s", f.name, f.stats.batches,
                         f"{f.stats.events:,}", f", {f.restarts} restarts" if f.restarts else "",

@@ -50,7 +50,7 @@ def test_every_kappaflow_setting_loads(resolved: dict[str, Any], tmp_path: Path,
                                       monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(tmp_path)  # no kappaflow.toml: the environment alone configures the services
     services = _kappaflow_services(resolved)
-    assert {"capture-shop", "capture-inventory", "follow-customer-totals"} <= set(services)
+    assert {"capture-shop", "capture-inventory", "follow-shop"} <= set(services)
     for name, svc in services.items():
         env = {k: str(v) for k, v in svc["environment"].items()}
         settings = Settings.load(None, environ=env)
@@ -68,13 +68,20 @@ def test_every_kappaflow_setting_loads(resolved: dict[str, Any], tmp_path: Path,
         assert command[0] == "kappaflow"
         if command[1] == "capture":
             assert command[2] in settings.sources
-        if command[1] == "follow":  # the projection loads and every store it names is configured
-            from kappaflow.projections.api import load_projection
+        if command[1] == "follow":  # the projections load and every store they name is configured
+            from kappaflow.projections.follow_runtime import resolve_projections
 
-            spec = load_projection(command[2])
+            targets, args = [], iter(command[2:])
+            for a in args:
+                if a.startswith("--") and a != "--all":
+                    next(args, None)  # an option's value (--trigger 1s)
+                elif not a.startswith("-"):
+                    targets.append(a)
+            specs = resolve_projections(targets, all_="--all" in command, configured=settings.follow.projections)
             keys = {"postgres": settings.views.postgres_dsn, "search": settings.views.search_url,
                     "redis": settings.views.redis_url}
-            assert all(keys[s] for s in spec.sinks), f"{name}: {command[2]} names sinks {spec.sinks}"
+            for spec in specs:
+                assert all(keys[s] for s in spec.sinks), f"{name}: {spec.name} names sinks {spec.sinks}"
 
 
 def test_kappaflow_commands_in_the_stack_exist(resolved: dict[str, Any]) -> None:
