@@ -393,12 +393,16 @@ class RedisSink(RedisNamespaces):
         pool = self.client.connection_pool
         conn = pool.get_connection()
         ups = dels = stale = 0
+        clean = False  # the connection is outside MULTI (else it is dropped, not handed back mid-transaction)
         try:
             while True:
                 error: Exception
+                clean = False
                 try:
                     replies = self._transaction(conn, todo, source, opts.pipeline_depth)
+                    clean = True
                 except redis.ResponseError as exc:  # the transaction was refused as a whole (EXECABORT)
+                    clean = True
                     if _script_error(exc, loaded):
                         loaded = True
                         conn.send_command("SCRIPT", "LOAD", _SCRIPTS[opts.value_format])
@@ -428,6 +432,8 @@ class RedisSink(RedisNamespaces):
                     error = first
                 backoff.wait("writing", error)
         finally:
+            if not clean:
+                conn.disconnect()
             pool.release(conn)
             result.upserted += ups
             result.deleted += dels
