@@ -19,6 +19,14 @@ inserts, updates and deletes written; the log also holds one tombstone per delet
 - ``follow_latency_p50_s`` / ``_p99_s``: ``UPDATE`` committed in the source table ->
   the PostgreSQL connector (a separate capture process) -> log -> follower (trigger 0.5 s)
   -> row visible in the view; 200 samples, one update every 0.1 s;
+- ``follow_events_per_s`` / ``consistent_follow_events_per_s``: catch-up of a follower (trigger
+  0.5 s, default micro-batch limit) from an empty view over the same backlog, captured by the same
+  PostgreSQL connector process: the snapshot of 1,000 rows plus ``--catchup-events`` row changes in
+  source transactions of 1..20 rows each. ``follow_events_per_s`` reads with
+  ``consistency = "per_key"`` (micro-batches end at the log's end), ``consistent_follow_events_per_s``
+  with the default ``"transactions"`` (micro-batches end at consistent cuts); each runs twice in
+  A-B-B-A order and the mean is reported (goal: ``consistent_follow_vs_per_key`` >= 0.9). Both
+  count log records from follower start to the stored positions at the log's end;
 - ``cli_replay_wall_s``: what a user waits for: ``kappaflow replay`` of each projection as a
   command of its own over the same log (Python start, Spark start-up, planning, build, swap),
   run after the in-process Spark stopped (``--skip-cli`` skips it).
@@ -227,8 +235,78 @@ def copy_baseline(dsn: str, view: str) -> float:
     return rows / secs
 
 
-def follow_latency(spark: Any, server_dsn: str, work: Path, samples: int) -> list[float]:
-    """Source UPDATE committed -> visible in the view, with capture running in another process."""
+def catch_up(spark: Any, src: str, log_path: Path, work: Path, events: int) -> dict[str, Any]:
+    """Follower catch-up rates with and without cuts over one backlog (see the module docstring)."""
+    import psycopg
+
+    from kappaflow.connectors.cuts import CutIndex
+    from kappaflow.log import open_log
+    from kappaflow.projections import Projection
+    from kappaflow.projections.follow import Follower
+    from kappaflow.projections.runtime import Runtime
+    from kappaflow.projections.sinks.postgres import PostgresSink
+
+    topic = "bf.public.items"
+    rnd = random.Random(17)
+    written = 0
+    with psycopg.connect(src, autocommit=True) as c:
+        while written < events:
+            n = min(rnd.randint(1, 20), events - written)
+            first = rnd.randint(1, 1000 - n + 1)
+            c.execute("UPDATE public.items SET val = val + 1 WHERE id BETWEEN %s AND %s", (first, first + n - 1))
+            written += n
+    want = 1000 + events
+    deadline = time.monotonic() + 600
+    while True:  # the capture process has the backlog in the log, and its newest cut covers it
+        lg = open_log(str(log_path), read_only=True)
+        try:
+            ends = dict(lg.end_offsets(topic))
+            index = CutIndex(lg)
+            index.refresh()
+            cut = (index.cut("bf") or {}).get(topic)
+        finally:
+            lg.close()
+        if sum(ends.values()) >= want and cut == ends:
+            break
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the capture did not write {want} records with a cut at their end in 600 s "
+                               f"(log end {ends}, cut {cut})")
+        time.sleep(0.2)
+    records = sum(ends.values())
+    rt = Runtime(spark, str(log_path), PostgresSink(src), checkpoint_dir=work / "catchup-ckpt")
+    rates: dict[str, list[float]] = {"per_key": [], "transactions": []}
+    try:
+        for run, consistency in enumerate(("per_key", "transactions", "transactions", "per_key")):
+            proj = type(f"CatchUp{run}", (Projection,), {
+                "name": f"bench_catchup_{run}", "sources": [topic], "key": ["id"], "consistency": consistency,
+                "__module__": __name__})
+            t = time.perf_counter()
+            f = Follower(proj, rt, trigger="0.5s").start()
+            try:
+                deadline = time.monotonic() + 600
+                while not f.caught_up():
+                    f.check()
+                    if time.monotonic() > deadline:
+                        raise RuntimeError(f"{proj.name}: the follower did not catch up in 600 s")
+                    time.sleep(0.05)
+                secs = time.perf_counter() - t
+            finally:
+                f.stop()
+            rates[consistency].append(records / secs)
+            log(f"catch-up {consistency} #{run}: {records} records in {secs:.2f}s -> {records / secs:,.0f}/s")
+    finally:
+        rt.close()
+    per_key = sum(rates["per_key"]) / 2
+    consistent = sum(rates["transactions"]) / 2
+    return {"catchup_records": records, "follow_events_per_s": round(per_key),
+            "consistent_follow_events_per_s": round(consistent),
+            "consistent_follow_vs_per_key": round(consistent / per_key, 3)}
+
+
+def follow_latency(spark: Any, server_dsn: str, work: Path, samples: int,
+                   catchup_events: int = 0) -> tuple[list[float], dict[str, Any]]:
+    """Source UPDATE committed -> visible in the view, with capture running in another process
+    (first, with `catchup_events`: the catch-up rates of ``catch_up``, on the same capture)."""
     import psycopg
     from psycopg import sql
 
@@ -278,6 +356,7 @@ def follow_latency(spark: Any, server_dsn: str, work: Path, samples: int) -> lis
             if time.monotonic() > deadline:
                 raise RuntimeError("capture did not create the topic in 120 s")
             time.sleep(0.2)
+        catch = catch_up(spark, src, log_path, work, catchup_events) if catchup_events else {}
 
         class Items(Projection):
             name = "bench_items"
@@ -338,7 +417,7 @@ def follow_latency(spark: Any, server_dsn: str, work: Path, samples: int) -> lis
                 time.sleep(0.05)
             stop.set()
             th.join(5)
-            return lat
+            return lat, catch
         finally:
             f.stop()
             rt.close()
@@ -418,6 +497,8 @@ def main() -> None:
     )
     ap.add_argument("--master", default="local[*]")
     ap.add_argument("--skip-follow", action="store_true")
+    ap.add_argument("--catchup-events", type=int, default=200_000,
+                    help="row changes of the follow catch-up backlog (0: skip the catch-up rates)")
     ap.add_argument("--skip-cli", action="store_true", help="skip timing `kappaflow replay` as a command")
     ap.add_argument("--skip-kafka", action="store_true", help="skip kafka_replay_events_per_s")
     ap.add_argument("--warmup-events", type=int, default=200_000,
@@ -491,7 +572,8 @@ def main() -> None:
                 result["kafka_replay_events_per_s"] = round(rate)
                 result["kafka_replay_vs_declarative"] = round(rate / result["declarative_events_per_s"], 3)
         if not args.skip_follow:
-            lat = follow_latency(spark, dsn, work, args.samples)
+            lat, catch = follow_latency(spark, dsn, work, args.samples, args.catchup_events)
+            result.update(catch)
             result["follow_samples"] = len(lat)
             result["follow_latency_p50_s"] = round(percentile(lat, 0.5), 3)
             result["follow_latency_p99_s"] = round(percentile(lat, 0.99), 3)

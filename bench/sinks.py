@@ -12,7 +12,9 @@ baselines.
     .venv/bin/python bench/sinks.py [--docs 200000] [--keys 500000]
 
 The last line is one JSON object: search_docs_per_s, search_raw_docs_per_s,
-redis_keys_per_s, redis_raw_keys_per_s (plus ratios and sizes).
+redis_keys_per_s (each sink write -- a micro-batch -- in one MULTI/EXEC, the default),
+redis_non_atomic_keys_per_s (the same writes with ``atomic_batches=False``: the cost of
+atomic batches), redis_raw_keys_per_s (plus ratios and sizes).
 Goals: search >= 80% of raw; Redis >= 70% of raw and >= 150k keys/s.
 """
 
@@ -101,7 +103,7 @@ def bench_search(n: int, batch_rows: int) -> tuple[float, float]:
         server.stop()
 
 
-def bench_redis(n: int, batch_rows: int) -> tuple[float, float]:
+def bench_redis(n: int, batch_rows: int) -> tuple[float, float, float]:
     import redis
 
     rows = make_rows(n)
@@ -123,19 +125,24 @@ def bench_redis(n: int, batch_rows: int) -> tuple[float, float]:
         assert client.dbsize() == n
         client.flushdb()
 
-        sink = RedisSink(server.url)
-        target = sink.ensure(view)
-
-        def kf() -> None:
+        def kf(sink: RedisSink) -> None:
+            target = sink.ensure(view)
             for start in range(0, n, batch_rows):
                 res = sink.write(target, table.slice(start, batch_rows),
                                  positions={("bench", 0): min(n, start + batch_rows)})
                 assert not res.rejected and res.upserted == min(batch_rows, n - start), res
 
-        kf_s = timed(kf)
-        assert client.dbsize() == n + 3  # rows + pointer, registry, marker
+        # each sink write (a micro-batch) in one MULTI/EXEC (the default), and the same writes without
+        # (atomic_batches=False: the cost of atomic batches); A-B-A-B on an emptied server, best of two
+        best = {True: float("inf"), False: float("inf")}
+        for atomic in (True, False, True, False):
+            secs = timed(lambda a=atomic: kf(RedisSink(server.url, options={"atomic_batches": a})))
+            assert client.dbsize() == n + 3  # rows + pointer, registry, marker
+            client.flushdb()
+            best[atomic] = min(best[atomic], secs)
+        kf_s, plain_s = best[True], best[False]
         client.close()
-        return n / kf_s, n / raw_s
+        return n / kf_s, n / raw_s, n / plain_s
     finally:
         server.stop()
 
@@ -146,8 +153,9 @@ def main() -> None:
     ap.add_argument("--keys", type=int, default=500_000)
     ap.add_argument("--batch-rows", type=int, default=20_000, help="rows per sink write (a micro-batch)")
     args = ap.parse_args()
-    redis_kf, redis_raw = bench_redis(args.keys, args.batch_rows)
-    print(f"redis: kappaflow {redis_kf:,.0f} keys/s, raw pipelined SET {redis_raw:,.0f} keys/s", flush=True)
+    redis_kf, redis_raw, redis_plain = bench_redis(args.keys, args.batch_rows)
+    print(f"redis: kappaflow {redis_kf:,.0f} keys/s (batches in MULTI/EXEC; {redis_plain:,.0f} without), "
+          f"raw pipelined SET {redis_raw:,.0f} keys/s", flush=True)
     search_kf, search_raw = bench_search(args.docs, args.batch_rows)
     print(f"search: kappaflow {search_kf:,.0f} docs/s, raw helpers.bulk {search_raw:,.0f} docs/s", flush=True)
     print(json.dumps({
@@ -155,6 +163,8 @@ def main() -> None:
         "search_raw_docs_per_s": round(search_raw),
         "redis_keys_per_s": round(redis_kf),
         "redis_raw_keys_per_s": round(redis_raw),
+        "redis_non_atomic_keys_per_s": round(redis_plain),
+        "redis_atomic_vs_non_atomic": round(redis_kf / redis_plain, 3),
         "search_vs_raw": round(search_kf / search_raw, 3),
         "redis_vs_raw": round(redis_kf / redis_raw, 3),
         "docs": args.docs,

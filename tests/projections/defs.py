@@ -18,6 +18,21 @@ def totals(source: str, name: str = "totals") -> type[Projection]:
     return Totals
 
 
+def accounts(topic: str, name: str = "accounts_view", consistency: str = "transactions",
+             sinks: tuple[str, ...] = ("postgres",), sink_options: dict[str, Any] | None = None) -> type[Projection]:
+    """The latest row of every account of a bank's accounts table (test_consistent_views.py)."""
+
+    class Accounts(Projection):
+        sources = [topic]
+        key = ["id"]
+
+    Accounts.name = name
+    Accounts.consistency = consistency
+    Accounts.sinks = sinks
+    Accounts.sink_options = sink_options or {}
+    return Accounts
+
+
 def latest(source: str, name: str = "orders_latest") -> type[Projection]:
     class Latest(Projection):
         sources = [f"{source}.public.orders"]

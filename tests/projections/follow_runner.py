@@ -1,6 +1,8 @@
 """A follower in its own process with its own Spark (killed with -9 by test_follow.py).
 
-usage: follow_runner.py LOG_URL DSN CHECKPOINT SOURCE KIND
+usage: follow_runner.py LOG_URL DSN CHECKPOINT SOURCE KIND [MAX_RECORDS_PER_BATCH]
+
+(for KIND "accounts", SOURCE is the accounts topic; MAX_RECORDS_PER_BATCH defaults to 60, 0 = no limit)
 """
 
 from __future__ import annotations
@@ -24,9 +26,10 @@ def main() -> None:
     spark = spark_session("local[1]", conf={"spark.sql.shuffle.partitions": "2", "spark.ui.enabled": "false"})
     rt = Runtime(spark, log_url, PostgresSink(dsn), checkpoint_dir=Path(checkpoint))
     kinds = {"custom": defs.custom, "totals": defs.totals, "latest": defs.latest,
-             "joins": lambda s: order_docs(s, name=f"{s}_docs")}
+             "joins": lambda s: order_docs(s, name=f"{s}_docs"), "accounts": defs.accounts}
     proj = kinds[kind](source)
-    f = Follower(proj, rt, trigger="0.2s", max_records_per_batch=60, checkpoint=checkpoint).start()
+    limit = int(sys.argv[6]) if len(sys.argv) > 6 else 60
+    f = Follower(proj, rt, trigger="0.2s", max_records_per_batch=limit or None, checkpoint=checkpoint).start()
     print("following", flush=True)
     f.run_forever()
 

@@ -129,7 +129,7 @@ def test_the_projection_api_examples_equal_sql_on_the_captured_source(
         classes = {c.name: c for c in vars(readme_module).values()
                    if isinstance(c, type) and issubclass(c, Projection) and c is not Projection}
         assert {"customer_directory", "customer_orders", "order_history", "product_catalogue", "order_details",
-                "category_revenue", "hourly_revenue"} <= set(classes)
+                "category_revenue", "hourly_revenue", "customer_city_cache"} <= set(classes)
         for proj in classes.values():
             replay(proj, rt)
 
@@ -215,6 +215,10 @@ def test_the_projection_api_examples_equal_sql_on_the_captured_source(
         cached = get(redis.Redis.from_url(redis_server.url), "product_catalogue", 1)
         assert cached is not None and cached["name"] == products[0]["name"]
         assert Decimal(cached["price"]) == products[0]["price"] == Decimal("99.00")
+        # transactionally consistent views: the Redis reader of whole transactions
+        customers = _rows(dsn, "SELECT id, city FROM public.customers ORDER BY id")
+        got_cities = readme_module.cities(redis.Redis.from_url(redis_server.url), [c["id"] for c in customers])
+        assert got_cities == {c["id"]: c["city"] for c in customers}
     finally:
         rt.close()
         pg_server.drop_database(db)

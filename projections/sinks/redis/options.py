@@ -30,6 +30,10 @@ class RedisSinkOptions(DocumentSinkOptions):
     batch_keys: int = Field(1000, ge=1, le=100_000)
     batch_bytes: int = Field(4 * 1024 * 1024, ge=1024)
     pipeline_depth: int = Field(8, ge=1, le=1000)
+    atomic_batches: bool = True
+    """Apply each batch written to a live view in one MULTI/EXEC, so readers never see part of it
+    (a follow micro-batch: one source transaction whole). Costs one round trip per batch and keeps
+    the batch queued in the server until EXEC; False writes the script calls as they come."""
     scan_count: int = Field(1000, ge=10)
     backoff_initial_s: float = Field(0.1, gt=0)
     backoff_max_s: float = Field(10.0, gt=0)

@@ -29,6 +29,13 @@ one round trip per chunk rather than per key. JSON rows use ``SET ... GET``: the
 case (new key, or a newer version) is one command; a stale write puts the newer value
 back inside the same atomic script call.
 
+Atomic batches: a write to a live view (a follow micro-batch) sends its script calls inside one
+``MULTI`` ... ``EXEC`` (``atomic_batches``, default on), so a reader -- any one command or script,
+``MGET`` or :func:`get_many` -- sees the view before the batch or after it; with follow batches
+ending at consistent cuts, never part of a source transaction. The calls stream as before (the
+replies are ``QUEUED``); the server holds the batch until ``EXEC`` and runs it in one go (other
+clients wait for that long). Builds of a shadow (no readers) skip it.
+
 Deletes write a tombstone ``{"_kf_v":N,"_kf_deleted":true}`` that expires after
 ``tombstone_ttl_s`` (default 24 h, like the log's ``delete.retention.ms``): it keeps the
 delete's version so an older write arriving later cannot resurrect the row. :func:`get`
@@ -108,6 +115,25 @@ class RedisSinkConfig(SinkConfig):
         return sink
 
 
+def _script_error(exc: Exception, loaded: bool) -> bool:
+    """Whether a write script's error means "load the script and send again" (NOSCRIPT after a server
+    restart, once); raises for the errors that end the write: fenced (:class:`LockLostError`), build
+    lost (:class:`SinkStateLostError`), not retryable (:class:`SinkError`). False: retry after a backoff."""
+    import redis
+
+    text = str(exc)
+    if (isinstance(exc, redis.exceptions.NoScriptError) or text.startswith("NOSCRIPT")) and not loaded:
+        return True
+    if text.startswith("KFFENCED"):
+        raise _fenced("writing rows", text) from None
+    if text.startswith("KFLOST"):
+        raise SinkStateLostError(f"redis sink: {text[7:]} (the server lost its data, or the build "
+                                 f"was dropped); re-read positions and replay") from None
+    if not text.startswith(_RETRYABLE):
+        raise SinkError(f"redis sink: the write script failed: {text}") from None
+    return False
+
+
 class RedisSink(RedisNamespaces):
     """Views as Redis keys (see the module docstring)."""
 
@@ -151,8 +177,10 @@ class RedisSink(RedisNamespaces):
                                          f"never called); re-read positions and replay")
             result = WriteResult()
             encode = self._encode_json if opts.value_format == "json" else self._encode_hash
+            # a live view's batch is applied atomically (readers see all of it or none); a shadow has no readers
+            send = self._send_atomic if opts.atomic_batches and not target.shadow else self._send
             try:
-                self._send(encode(iter_changes(view, batch), view, build, opts, result), opts, result)
+                send(encode(iter_changes(view, batch), view, build, opts, result), opts, result)
                 if positions:
                     self._store(view, build, positions)
                 return result
@@ -324,19 +352,11 @@ class RedisSink(RedisNamespaces):
                         except redis.ResponseError:
                             failed.append(call)
                     resend.extendleft(reversed(failed))
-                    text = str(exc)
-                    if isinstance(exc, redis.exceptions.NoScriptError) and not loaded:
+                    if _script_error(exc, loaded):
                         loaded = True  # after a server restart: load once, then resend
                         conn.send_command("SCRIPT", "LOAD", _SCRIPTS[opts.value_format])
                         conn.read_response()
                         continue
-                    if text.startswith("KFFENCED"):
-                        raise _fenced("writing rows", text) from None
-                    if text.startswith("KFLOST"):
-                        raise SinkStateLostError(f"redis sink: {text[7:]} (the server lost its data, or the build "
-                                                 f"was dropped); re-read positions and replay") from None
-                    if not text.startswith(_RETRYABLE):
-                        raise SinkError(f"redis sink: the write script failed: {text}") from None
                     error = exc
                 except (redis.ConnectionError, redis.TimeoutError, OSError) as exc:
                     resend.extendleft(reversed(pending))
@@ -349,6 +369,117 @@ class RedisSink(RedisNamespaces):
             result.upserted += ups
             result.deleted += dels
             result.skipped += stale
+
+    def _send_atomic(self, calls: Iterable[bytes], opts: RedisSinkOptions, result: WriteResult) -> None:
+        """The batch's script calls inside one ``MULTI`` ... ``EXEC``: Redis runs a transaction's commands
+        back to back, so any other client's command or script (a reader's ``MGET``, :func:`get_many`) sees
+        the view before the batch or after it, never in between.
+
+        Calls are still encoded lazily and streamed, ``pipeline_depth`` replies (``QUEUED``) in flight.
+        The version guard and the fence stay in each script: a fenced writer's or a lost build's calls
+        all fail alike (one check, one moment). A dropped connection discards the transaction (or it
+        ran whole): everything is sent again in a new one. A call that failed inside an executed
+        transaction while the others ran (a retryable server error) is sent again in the next
+        transaction: the only case in which a reader can see part of the batch."""
+        import redis
+
+        source = iter(calls)
+        head = next(source, None)
+        if head is None:
+            return  # nothing to write (every row refused, or an empty batch): no round trip
+        todo: list[bytes] = [head]  # the calls of the transaction (produced so far), in order
+        backoff = Backoff(self, opts)
+        loaded = False
+        pool = self.client.connection_pool
+        conn = pool.get_connection()
+        ups = dels = stale = 0
+        clean = False  # the connection is outside MULTI (else it is dropped, not handed back mid-transaction)
+        try:
+            while True:
+                error: Exception
+                clean = False
+                try:
+                    replies = self._transaction(conn, todo, source, opts.pipeline_depth)
+                    clean = True
+                except redis.ResponseError as exc:  # the transaction was refused as a whole (EXECABORT)
+                    clean = True
+                    if _script_error(exc, loaded):
+                        loaded = True
+                        conn.send_command("SCRIPT", "LOAD", _SCRIPTS[opts.value_format])
+                        conn.read_response()
+                        continue
+                    error = exc
+                except (redis.ConnectionError, redis.TimeoutError, OSError) as exc:
+                    conn.disconnect()
+                    error = exc
+                else:
+                    failed: list[bytes] = []
+                    first: Exception | None = None
+                    for call, reply in zip(todo, replies, strict=True):
+                        if isinstance(reply, Exception):
+                            failed.append(call)
+                            first = first or reply
+                        else:
+                            ups, dels, stale = ups + int(reply[0]), dels + int(reply[1]), stale + int(reply[2])
+                    if first is None:
+                        return
+                    todo = failed
+                    if isinstance(first, redis.ResponseError) and _script_error(first, loaded):
+                        loaded = True
+                        conn.send_command("SCRIPT", "LOAD", _SCRIPTS[opts.value_format])
+                        conn.read_response()
+                        continue
+                    error = first
+                backoff.wait("writing", error)
+        finally:
+            if not clean:
+                conn.disconnect()
+            pool.release(conn)
+            result.upserted += ups
+            result.deleted += dels
+            result.skipped += stale
+
+    @staticmethod
+    def _transaction(conn: Any, todo: list[bytes], source: Iterator[bytes], depth: int) -> list[Any]:
+        """MULTI, the calls in `todo` and then those `source` still yields (appended to `todo`), EXEC:
+        the per-call replies of the executed transaction. Raises the first error met while queueing
+        (after EXEC, so the connection is left clean) or EXEC's own."""
+        import redis
+
+        queue_error: redis.ResponseError | None = None
+        in_flight = 0
+
+        def send(call: bytes) -> None:
+            nonlocal in_flight, queue_error
+            conn.send_packed_command([call], check_health=False)
+            in_flight += 1
+            while in_flight > depth:
+                in_flight -= 1
+                try:
+                    conn.read_response()  # OK / QUEUED
+                except redis.ResponseError as exc:
+                    queue_error = queue_error or exc
+
+        send(b"*1\r\n$5\r\nMULTI\r\n")
+        for call in todo:
+            send(call)
+        for call in source:
+            todo.append(call)
+            send(call)
+        conn.send_packed_command([b"*1\r\n$4\r\nEXEC\r\n"], check_health=False)
+        while in_flight:
+            in_flight -= 1
+            try:
+                conn.read_response()
+            except redis.ResponseError as exc:
+                queue_error = queue_error or exc
+        try:
+            replies = conn.read_response()
+        except redis.ResponseError as exc:
+            raise (queue_error or exc) from None
+        if not isinstance(replies, list) or len(replies) != len(todo):
+            raise SinkError(f"redis sink: EXEC answered {replies!r} for a transaction of {len(todo)} calls")
+        return replies
 
     # --- reads -----------------------------------------------------------------------------
     def _decode(self, view: ViewSpec, dec: RowDecoder, raw: Any, kind: str) -> dict[str, Any] | None:

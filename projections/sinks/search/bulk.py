@@ -76,6 +76,8 @@ class BulkWriter(AliasLifecycle):
         else:
             for bulk in bulks:
                 self._send(bulk, target, opts, result)
+        if opts.refresh_per_batch and not target.shadow and (result.upserted or result.deleted):
+            self._call("refresh", lambda: self.client.refresh(dest))  # the batch becomes searchable at once
         if positions:
             self.store_positions(target, positions)
         return result

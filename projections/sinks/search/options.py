@@ -24,6 +24,11 @@ class SearchSinkOptions(DocumentSinkOptions):
     """Extra index settings, e.g. {"analysis": {...}} for custom analyzers, shards, replicas."""
     refresh_interval: str | None = None  # of a live index; None: the server's default
     build_refresh_interval: str | None = "30s"  # while a shadow fills (fewer refreshes: faster)
+    refresh_per_batch: bool = False
+    """Refresh the live index once after each batch written to it (one call per batch, not per bulk
+    request). With ``refresh_interval="-1"`` (no periodic refresh) a follow batch's documents then
+    become searchable together, at that refresh; still not atomically: each shard refreshes on its
+    own and a search running across the refresh may see some shards before it and some after."""
     bulk_docs: int = Field(1000, ge=1)
     bulk_bytes: int = Field(8 * 1024 * 1024, ge=1024)
     concurrency: int = Field(1, ge=1, le=16)

@@ -352,3 +352,51 @@ class TestRedisSinkContract(SinkContract):
         s = RedisSink(redis_server.url, options={"value_format": request.param})
         yield s
         s.close()
+
+
+@pytest.mark.parametrize("fmt", ["json", "hash"])
+def test_a_batch_is_applied_atomically_for_a_reader(redis_server: Any, fmt: str) -> None:
+    """Every batch rewrites all 300 keys with its generation, in script calls of 20 keys (15 per batch):
+    a reader reading all keys in one atomic call (get_many: one script) sees one generation at a time,
+    never a batch half applied (MULTI/EXEC around the batch's calls). The version guard still holds:
+    a batch re-sent after a later one changes nothing."""
+    view = _view(redis={"batch_keys": 20, "pipeline_depth": 4, "value_format": fmt})
+    sink = RedisSink(redis_server.url)
+    target = sink.ensure(view)
+    keys = list(range(300))
+    sink.write(target, batch_from_rows(view, [row(i, i, gen=0) for i in keys]))
+    seen: set[Any] = set()
+    problems: list[str] = []
+    reads = [0]
+    stop = threading.Event()
+
+    def reader() -> None:
+        c = redis.Redis.from_url(redis_server.url)
+        try:
+            while not stop.is_set():
+                gens = {str(d["gen"]) if d is not None else None for d in get_many(c, view.name, keys)}
+                if len(gens) != 1:
+                    problems.append(f"read {reads[0]}: generations {sorted(map(str, gens))}")
+                seen.update(gens)
+                reads[0] += 1
+        finally:
+            c.close()
+
+    t = threading.Thread(target=reader, daemon=True)
+    t.start()
+    try:
+        wait_for(lambda: reads[0] >= 3, timeout=20, what="the reader's first reads")
+        for gen in range(1, 41):
+            res = sink.write(target, batch_from_rows(view, [row(i, gen * 1000 + i, gen=gen) for i in keys]),
+                             positions={(TOPIC, 0): gen})
+            assert (res.upserted, res.skipped) == (300, 0)
+        before = reads[0]
+        wait_for(lambda: reads[0] >= before + 3, timeout=20, what="reads after the last batch")
+    finally:
+        stop.set()
+        t.join(10)
+    assert not problems, f"{len(problems)} of {reads[0]} reads saw part of a batch: {problems[:3]}"
+    assert len(seen) > 3, seen  # the reader ran while the batches were written
+    again = sink.write(target, batch_from_rows(view, [row(i, 5000 + i, gen=5) for i in keys]))
+    assert (again.upserted, again.skipped) == (0, 300)
+    assert {str(d["gen"]) for d in get_many(redis.Redis.from_url(redis_server.url), view.name, keys)} == {"40"}

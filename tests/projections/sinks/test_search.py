@@ -424,3 +424,33 @@ class TestSearchSinkContract(SinkContract):
         s = SearchSink(search_server.url)
         yield s
         s.close()
+
+
+def test_refresh_per_batch_refreshes_once_per_batch_not_per_request(search_server: Any) -> None:
+    """refresh_per_batch: one refresh of the live index after a batch of 5 bulk requests (osmem makes
+    documents searchable at once, so what is checked is the call the sink makes); none for a shadow
+    being filled, none without the option."""
+    counted = _view(search={"bulk_docs": 10, "refresh_per_batch": True, "refresh_interval": "-1"})
+    plain = _view(search={"bulk_docs": 10})
+    sink = SearchSink(search_server.url)
+    refreshed: list[str] = []
+    real = sink.client.refresh
+
+    def refresh(index: str) -> None:
+        refreshed.append(index)
+        real(index)
+
+    sink.client.refresh = refresh  # type: ignore[method-assign]
+    live = sink.ensure(counted)
+    res = sink.write(live, batch_from_rows(counted, [row(i, 100 + i) for i in range(50)]),
+                     positions={(TOPIC, 0): 150})
+    assert res.upserted == 50 and len(refreshed) == 1, refreshed
+    sink.write(live, batch_from_rows(counted, [row(i, 100 + i) for i in range(50)]))  # all stale: nothing new
+    assert len(refreshed) == 1, refreshed
+    shadow = sink.begin_shadow(counted)
+    sink.write(shadow, batch_from_rows(counted, [row(i, 200 + i) for i in range(50)]))
+    assert len(refreshed) == 1, refreshed
+    other = sink.ensure(plain)
+    sink.write(other, batch_from_rows(plain, [row(i, 100 + i) for i in range(50)]))
+    assert len(refreshed) == 1, refreshed
+    assert sink.count(live) == 50
