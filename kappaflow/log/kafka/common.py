@@ -41,6 +41,7 @@ __all__ = [
     "creation_configs",
     "describe_key",
     "existing_topic",
+    "keep_topic",
     "parse_bootstrap",
     "partitions_of",
     "topic_config_from",
@@ -327,8 +328,14 @@ def cached_topic(cache: dict[str, TopicConfig], lock: threading.Lock, name: str,
         config = describe([name]).get(name)
         if config is None:
             raise UnknownTopicError(name)
-        with lock:
-            cache[name] = config
+        keep_topic(cache, lock, name, config)
+    return config
+
+
+def keep_topic(cache: dict[str, TopicConfig], lock: threading.Lock, name: str, config: TopicConfig) -> TopicConfig:
+    """`config` kept in `cache` as `name`'s (returned): a topic's config is fixed once it exists."""
+    with lock:
+        cache[name] = config
     return config
 
 

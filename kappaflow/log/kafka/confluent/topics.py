@@ -22,6 +22,7 @@ from kappaflow.log.kafka.common import (
     check_new_topic,
     creation_configs,
     existing_topic,
+    keep_topic,
     topic_config_from,
     topic_rejected,
     topic_undescribed,
@@ -126,13 +127,8 @@ class TopicAdmin:
                     raise self.fail(exc, f"creating topic {name!r}") from None
             else:
                 self._wait_listed(name)
-                with self._lock:
-                    self._cache[name] = wanted
-                return wanted
-        existing_topic(name, config, existing, exist_ok=exist_ok)
-        with self._lock:
-            self._cache[name] = existing
-        return existing
+                return keep_topic(self._cache, self._lock, name, wanted)
+        return keep_topic(self._cache, self._lock, name, existing_topic(name, config, existing, exist_ok=exist_ok))
 
     def _wait_listed(self, name: str) -> None:
         """Creation is asynchronous on Kafka: wait (bounded) until metadata shows the topic's partitions."""

@@ -14,6 +14,7 @@ from kappaflow.log.kafka.common import (
     check_new_topic,
     creation_configs,
     existing_topic,
+    keep_topic,
     topic_config_from,
     topic_rejected,
     topic_undescribed,
@@ -78,13 +79,8 @@ class KafkaTopics(KafkaConnection):
             except kerr.KafkaError as exc:
                 raise self._fail(exc, f"creating topic {name!r}") from None
             else:
-                with self._lock:
-                    self._topics[name] = wanted
-                return wanted
-        existing_topic(name, config, existing, exist_ok=exist_ok)
-        with self._lock:
-            self._topics[name] = existing
-        return existing
+                return keep_topic(self._topics, self._lock, name, wanted)
+        return keep_topic(self._topics, self._lock, name, existing_topic(name, config, existing, exist_ok=exist_ok))
 
     def delete_topic(self, name: str) -> None:
         self._require_writer(f"deleting topic {name!r}")
