@@ -18,7 +18,8 @@ README = (Path(__file__).resolve().parents[2] / "README.md").read_text()
 
 
 def _row(kind: str) -> str:
-    rows = [ln for ln in README.splitlines() if ln.startswith(f"| {kind}")]
+    # the "Topics and keys" table names each source kind with its CLI flag: "| PostgreSQL (`--postgres`) |"
+    rows = [ln for ln in README.splitlines() if ln.startswith(f"| {kind} (`--")]
     assert len(rows) == 1, f"README: one 'Topics and keys' row for {kind}, found {rows}"
     return rows[0]
 
