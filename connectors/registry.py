@@ -23,6 +23,7 @@ from kappaflow.errors import ConfigError
 if TYPE_CHECKING:
     from kappaflow.connectors.base import Connector
     from kappaflow.connectors.preflight import TableCheck
+    from kappaflow.connectors.writer import FaultHook
     from kappaflow.doctor import Finding
     from kappaflow.log.base import Log
     from kappaflow.metrics.probes import SourceProbe
@@ -64,7 +65,10 @@ class SourceKind:
       ``cleanup.policy=delete`` by design (every other topic of the source is compacted);
     * ``captured(config)`` -- what `source list` shows it captures (tables, topics);
     * ``postgres_slot`` -- it holds a logical replication slot on a PostgreSQL server (doctor's
-      server-wide slot and retained-WAL checks look at those servers).
+      server-wide slot and retained-WAL checks look at those servers);
+    * ``fault_hook`` -- its connector takes the capture writer's fault hook (``fault=``, see
+      ``connectors/writer.py``): a test can stop it at a chosen writer step of a chosen phase. The
+      shipped kill -9 suite (``kappaflow.connectors.testing``) needs it; no product code sets one.
     """
 
     kind: str
@@ -77,11 +81,18 @@ class SourceKind:
     probe: Callable[[Any], SourceProbe | None] = _no_probe
     append_only_topics: Callable[[Any, Log, Mapping[str, Any]], set[str]] = _no_append_only
     postgres_slot: bool = False
+    fault_hook: bool = False
 
     def open(self, config: Any, log: Log, *, partitions: int = 4, progress: bool | None = None,
-             log_kafka: Any = None) -> Connector:
-        """The connector for ``config``, writing to ``log``."""
-        return self.connector(config, log, partitions=partitions, progress=progress, log_kafka=log_kafka)
+             log_kafka: Any = None, fault: FaultHook | None = None) -> Connector:
+        """The connector for ``config``, writing to ``log`` (``fault``: a test's writer fault hook,
+        for kinds registered with ``fault_hook``)."""
+        if fault is None:
+            return self.connector(config, log, partitions=partitions, progress=progress, log_kafka=log_kafka)
+        if not self.fault_hook:
+            raise ConfigError(f"source kind {self.kind!r}: its connector takes no writer fault hook")
+        return self.connector(config, log, partitions=partitions, progress=progress, log_kafka=log_kafka,
+                              fault=fault)
 
 
 # kind -> the module whose ``KIND`` describes it (imported on first use).

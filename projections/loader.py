@@ -10,8 +10,7 @@ and the rows the sink refused (``Sink.load_batches``).
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from dataclasses import replace
-from typing import Any, cast
+from typing import Any
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -20,13 +19,6 @@ from kappaflow.errors import ConfigError
 from kappaflow.projections.sinks.base import Rejected, SinkConfig, Target
 
 DL_COLUMNS = ("_kf_dl_topic", "_kf_dl_partition", "_kf_dl_offset", "_kf_dl_key", "_kf_dl_reason")
-
-
-def no_migrate(cfg: SinkConfig) -> SinkConfig:
-    """Workers never run migrations (the driver did)."""
-    if hasattr(cfg, "migrate"):
-        return cast(SinkConfig, replace(cast(Any, cfg), migrate=False))
-    return cfg
 
 
 def make_loader(
@@ -39,7 +31,7 @@ def make_loader(
     the sink refuses come back as dead letters too (topic NULL, offset = the row's version,
     key = the row key), so one Spark job both loads the view and returns the dead letters.
     """
-    cfg = no_migrate(cfg)
+    cfg = cfg.for_worker()  # e.g. no migrations: the driver ran them
 
     def load(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
         dead: list[pa.RecordBatch] = []
@@ -121,4 +113,4 @@ def loaded(out: list[Any]) -> int:
     return sum(r["_kf_loaded"] or 0 for r in out)
 
 
-__all__ = ["DL_COLUMNS", "LOAD_RESULT_DDL", "loaded", "make_loader", "no_migrate"]
+__all__ = ["DL_COLUMNS", "LOAD_RESULT_DDL", "loaded", "make_loader"]

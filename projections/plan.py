@@ -27,7 +27,6 @@ from pyspark.sql import functions as F
 from pyspark.sql.types import (
     BinaryType,
     BooleanType,
-    DataType,
     IntegerType,
     LongType,
     StringType,
@@ -45,7 +44,7 @@ from kappaflow.projections.schemas import (
     row_struct,
     spark_type,
 )
-from kappaflow.projections.sinks.base import ViewColumn, ViewSpec
+from kappaflow.projections.sinks.base import ViewSpec
 
 META = ("_kf_topic", "_kf_partition", "_kf_offset", "_kf_key")
 VALID_OPS = ("c", "u", "d", "r", "t")
@@ -65,8 +64,9 @@ class Plan:
     view: ViewSpec
     row_columns: tuple[str, ...] = ()  # source columns of the (common) row struct
     join: Any = None  # kappaflow.projections.joins.plan.JoinPlan of a projection with lookups
-    state_columns: tuple[ViewColumn, ...] = ()  # grouped: columns kept per source key
-    view_key_types: dict[str, DataType] = field(default_factory=dict)
+    # What the fold strategy compiled for itself (grouped: the columns kept per source key; custom:
+    # the view key's types): only that strategy reads it, so a new fold kind adds no field here.
+    compiled: Any = None
     whole_rows: bool = False  # the fold receives whole source rows (apply()): any column change reaches it
     # Column expressions are built once and reused for every batch: each builder call is a
     # py4j round trip, and a follow micro-batch would otherwise pay hundreds of them.

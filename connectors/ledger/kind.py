@@ -15,16 +15,18 @@ from kappaflow.connectors.registry import SourceKind
 
 if TYPE_CHECKING:
     from kappaflow.connectors.base import Connector
+    from kappaflow.connectors.writer import FaultHook
     from kappaflow.doctor import Finding
     from kappaflow.log.base import Log
 
 __all__ = ["KIND"]
 
 
-def _connector(config: Any, log: Log, *, partitions: int, progress: bool | None, log_kafka: Any) -> Connector:
+def _connector(config: Any, log: Log, *, partitions: int, progress: bool | None, log_kafka: Any,
+               fault: FaultHook | None = None) -> Connector:
     from kappaflow.connectors.ledger.connector import LedgerConnector
 
-    return LedgerConnector(config, log, partitions=partitions, progress=progress)
+    return LedgerConnector(config, log, partitions=partitions, progress=progress, fault=fault)
 
 
 def _status(config: Any, log: Log) -> dict[str, Any]:
@@ -60,4 +62,5 @@ KIND = SourceKind(
     append_only_topics=_append_only,
     captured=lambda config: [config.events_table],
     postgres_slot=True,
+    fault_hook=True,
 )

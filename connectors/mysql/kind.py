@@ -11,6 +11,7 @@ from kappaflow.connectors.registry import SourceKind
 if TYPE_CHECKING:
     from kappaflow.connectors.base import Connector
     from kappaflow.connectors.preflight import TableCheck
+    from kappaflow.connectors.writer import FaultHook
     from kappaflow.doctor import Finding
     from kappaflow.log.base import Log
     from kappaflow.metrics.probes import SourceProbe
@@ -18,10 +19,11 @@ if TYPE_CHECKING:
 __all__ = ["KIND"]
 
 
-def _connector(config: Any, log: Log, *, partitions: int, progress: bool | None, log_kafka: Any) -> Connector:
+def _connector(config: Any, log: Log, *, partitions: int, progress: bool | None, log_kafka: Any,
+               fault: FaultHook | None = None) -> Connector:
     from kappaflow.connectors.mysql.connector import MySQLConnector
 
-    return MySQLConnector.from_config(config, log, partitions=partitions, progress=progress)
+    return MySQLConnector.from_config(config, log, partitions=partitions, progress=progress, fault=fault)
 
 
 def _doctor(config: Any) -> Iterator[Finding]:
@@ -56,4 +58,5 @@ KIND = SourceKind(
     probe=_probe,
     append_only_topics=transaction_topic,
     captured=lambda config: list(config.tables) or ["(all)"],
+    fault_hook=True,
 )

@@ -10,6 +10,7 @@ from kappaflow.connectors.registry import SourceKind
 if TYPE_CHECKING:
     from kappaflow.connectors.base import Connector
     from kappaflow.connectors.preflight import TableCheck
+    from kappaflow.connectors.writer import FaultHook
     from kappaflow.doctor import Finding
     from kappaflow.log.base import Log
     from kappaflow.metrics.probes import SourceProbe
@@ -17,10 +18,11 @@ if TYPE_CHECKING:
 __all__ = ["KIND"]
 
 
-def _connector(config: Any, log: Log, *, partitions: int, progress: bool | None, log_kafka: Any) -> Connector:
+def _connector(config: Any, log: Log, *, partitions: int, progress: bool | None, log_kafka: Any,
+               fault: FaultHook | None = None) -> Connector:
     from kappaflow.connectors.postgres.connector import PostgresConnector
 
-    return PostgresConnector(config, log, partitions=partitions, progress=progress)
+    return PostgresConnector(config, log, partitions=partitions, progress=progress, fault=fault)
 
 
 def _status(config: Any, log: Log) -> dict[str, Any]:
@@ -69,4 +71,5 @@ KIND = SourceKind(
     append_only_topics=transaction_topic,
     captured=lambda config: list(config.tables) or ["(all)"],
     postgres_slot=True,
+    fault_hook=True,
 )

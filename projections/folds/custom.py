@@ -102,7 +102,7 @@ class CustomStrategy(FoldStrategy):
         cols = tuple(ViewColumn(f.name, f.dataType, f.name not in spec.key) for f in struct.fields)
         plan = Plan(spec, schemas, ViewSpec(spec.view, spec.name, spec.key, cols, spec.namespace, spec.view_options()),
                     whole_rows=True)
-        plan.view_key_types = {k: struct[k].dataType for k in spec.key}
+        plan.compiled = {k: struct[k].dataType for k in spec.key}  # the view key's types (_key_types)
         for src in spec.sources:
             mapping = dict(src.key or {k: k for k in spec.key})
             if sorted(mapping) != sorted(spec.key):
@@ -238,6 +238,12 @@ def _pickle_by_value(cls: type) -> None:
         pass
 
 
+def _key_types(plan: Plan) -> dict[str, DataType]:
+    """The view key's Spark types (the strategy's compiled state, set by ``compile``)."""
+    types: dict[str, DataType] = plan.compiled
+    return types
+
+
 def _key_columns(plan: Plan) -> dict[str, tuple[str, ...]]:
     out = {}
     for src in plan.spec.sources:
@@ -280,7 +286,7 @@ def custom_events(plan: Plan, raws: dict[str, DataFrame], *, in_place: bool = Fa
             kj = F.from_json(F.col("key").cast("string"), key_struct(schema))
             krow = F.coalesce(kj["payload"], F.struct(*[kj[c].alias(c) for c in schema.key]))
             kconv = converted_row(krow, schema.key_schema())
-            vk = [kconv[mapping[k]].cast(plan.view_key_types[k]).alias(k) for k in plan.spec.key]
+            vk = [kconv[mapping[k]].cast(_key_types(plan)[k]).alias(k) for k in plan.spec.key]
             # not tombstones, nor truncate markers (op header; the deletes after them carry the rows)
             frames.append(
                 raw.where(F.col("value").isNotNull() & (F.col("op").isNull() | (F.col("op") != "t"))).select(
@@ -300,13 +306,13 @@ def custom_events(plan: Plan, raws: dict[str, DataFrame], *, in_place: bool = Fa
             kj = F.from_json(F.col("key").cast("string"), key_struct(schema))
             krow = F.coalesce(kj["payload"], F.struct(*[kj[c].alias(c) for c in schema.key]))
             kconv = converted_row(krow, schema.key_schema())
-            vk = [kconv[mapping[k]].cast(plan.view_key_types[k]).alias(k) for k in plan.spec.key]
+            vk = [kconv[mapping[k]].cast(_key_types(plan)[k]).alias(k) for k in plan.spec.key]
         else:
             after = F.coalesce(env["payload"]["after"], env["after"])
             before = F.coalesce(env["payload"]["before"], env["before"])
             row = F.coalesce(after, before)
             conv = converted_row(row, schema, sorted(set(mapping.values())))
-            vk = [conv[mapping[k]].cast(plan.view_key_types[k]).alias(k) for k in plan.spec.key]
+            vk = [conv[mapping[k]].cast(_key_types(plan)[k]).alias(k) for k in plan.spec.key]
         frames.append(
             raw.where(F.col("value").isNotNull())
             .select(
@@ -340,7 +346,7 @@ def _event_topic_events(plan: Plan, raw: DataFrame, mapping: dict[str, str]) -> 
     """Event topics: the view key from the event's fields; order by its ``position``."""
     types: dict[str, DataType] = {"position": LongType()}
     for k in plan.spec.key:
-        types[mapping[k]] = plan.view_key_types[k]
+        types[mapping[k]] = _key_types(plan)[k]
     struct = StructType([StructField(f, t) for f, t in sorted(types.items())])
     ev = F.from_json(F.col("value").cast("string"), struct)
     order = F.struct(
@@ -350,7 +356,7 @@ def _event_topic_events(plan: Plan, raw: DataFrame, mapping: dict[str, str]) -> 
         F.lit(1).alias("d"),
         F.lit(0).cast("bigint").alias("e"),
     )
-    vk = [ev[mapping[k]].cast(plan.view_key_types[k]).alias(k) for k in plan.spec.key]
+    vk = [ev[mapping[k]].cast(_key_types(plan)[k]).alias(k) for k in plan.spec.key]
     return raw.where(F.col("value").isNotNull()).select(
         F.col("topic").alias("_kf_topic"),
         F.col("partition").alias("_kf_partition"),

@@ -15,7 +15,6 @@ from typing import Any
 import orjson
 import pyarrow as pa
 
-from kappaflow.projections.loader import no_migrate
 from kappaflow.projections.sinks.base import DELETED, VERSION, SinkConfig, Target
 
 EMIT_CHUNK = 4096
@@ -463,7 +462,7 @@ class _Folder:
         keys = {k for k in keys if not any(v is None for v in k)}
         if not keys:
             return {}
-        sink = no_migrate(self.job.sink).open()
+        sink = self.job.sink.for_worker().open()
         try:
             out: dict[tuple[Any, ...], dict[str, Any]] = {}
             ordered = sorted(keys, key=repr)

@@ -66,10 +66,20 @@ from kappaflow.projections.sinks.base import (
     WriteResult,
 )
 from kappaflow.projections.sinks.postgres import STATE_KEY, STATE_TOPIC, aggregate_sql_of, pg_type
+from kappaflow.projections.sinks.registry import SINKS
 
-STATE_SINKS = ("postgres",)
-"""Sinks whose stores keep a grouped view's keyed state (``Sink.grouped_state``): a grouped
-projection names one of them; its other sinks mirror it."""
+
+def _state_sinks() -> list[str]:
+    """Sink kinds whose stores keep a grouped view's keyed state (the registry's ``grouped_state``
+    capability, ``Sink.grouped_state``): a grouped projection names one of them; its other sinks
+    mirror it."""
+    return [name for name, kind in SINKS.items() if kind.grouped_state]
+
+
+def _state_columns(plan: Plan) -> tuple[ViewColumn, ...]:
+    """The columns kept per source key (the strategy's compiled state, set by ``compile``)."""
+    columns: tuple[ViewColumn, ...] = plan.compiled
+    return columns
 
 
 def _fold(plan: Plan) -> GroupFold:
@@ -83,7 +93,7 @@ def _state_frame(plan: Plan, rows: DataFrame) -> DataFrame:
         F.col("_kf_topic").alias(STATE_TOPIC),
         F.col("_kf_key").alias(STATE_KEY),
         F.col("_kf_offset").alias(VERSION),
-        *[c.name for c in plan.state_columns],
+        *[c.name for c in _state_columns(plan)],
         F.col("_kf_keep"),
     )
 
@@ -113,7 +123,7 @@ def _state_change_columns(plan: Plan) -> tuple[list[SparkColumn], list[SparkColu
         F.col("_kf_topic").alias(STATE_TOPIC),
         F.col("_kf_key").alias(STATE_KEY),
         F.col("_kf_offset").alias(VERSION),
-        *[F.col(c.name) for c in plan.state_columns],
+        *[F.col(c.name) for c in _state_columns(plan)],
         F.col("_kf_keep"),
     ]
     keep = F.col("_kf_keep") & _group_present(plan)
@@ -121,7 +131,7 @@ def _state_change_columns(plan: Plan) -> tuple[list[SparkColumn], list[SparkColu
         F.col(STATE_TOPIC),
         F.col(STATE_KEY),
         F.col(VERSION),
-        *[F.when(keep, F.col(c.name)).alias(c.name) for c in plan.state_columns],
+        *[F.when(keep, F.col(c.name)).alias(c.name) for c in _state_columns(plan)],
         (~keep).alias(DELETED),
     ]
     return first, second
@@ -171,14 +181,16 @@ class GroupedStrategy(DeclarativeStrategy):
         return [repr([(n, a.func, a.column) for n, a in spec.fold.aggregates])]
 
     def check_sinks(self, where: str, sinks: Sequence[str]) -> None:
-        other = [s for s in sinks if s not in STATE_SINKS]
-        if other and not any(s in STATE_SINKS for s in sinks):
+        keepers = _state_sinks()
+        other = [s for s in sinks if s not in keepers]
+        if other and not any(s in keepers for s in sinks):
+            titles = " or ".join(SINKS[k].title for k in keepers)
             raise ConfigError(
                 f"{where}: 'sinks': a grouped projection ('aggregates') may write to {other} only together with "
-                "'postgres': the per-source-key state that retracts a changed or deleted row's old contribution, "
-                "and the recompute of the touched groups, live in PostgreSQL (apply_grouped); search and Redis "
-                "views of it are mirrors of the PostgreSQL view. Use sinks = "
-                f"('postgres', {', '.join(map(repr, other))})"
+                f"{' or '.join(map(repr, keepers))}: the per-source-key state that retracts a changed or deleted "
+                f"row's old contribution, and the recompute of the touched groups, live in {titles} "
+                f"(apply_grouped); the other sinks' views of it are mirrors of the {titles} view. Use sinks = "
+                f"({keepers[0]!r}, {', '.join(map(repr, other))})"
             )
 
     def view_of(self, plan: Plan, rows: DataFrame) -> ViewSpec:
@@ -202,7 +214,7 @@ class GroupedStrategy(DeclarativeStrategy):
                     inputs.append(agg.column)
         state_names = list(spec.key) + inputs
         types = {f.name: f.dataType for f in rows.schema.fields}
-        plan.state_columns = tuple(ViewColumn(n, types[n]) for n in state_names)
+        plan.compiled = tuple(ViewColumn(n, types[n]) for n in state_names)  # the state columns
         for out_name, agg in fold.aggregates:
             if agg.column is not None:
                 _check_agg_type(where, out_name, agg, types[agg.column])
@@ -212,7 +224,7 @@ class GroupedStrategy(DeclarativeStrategy):
         ]
         group = {
             "group_by": list(spec.key),
-            "state_columns": [{"name": c.name, "pg_type": pg_type(c.type)} for c in plan.state_columns],
+            "state_columns": [{"name": c.name, "pg_type": pg_type(c.type)} for c in _state_columns(plan)],
             "aggregates": [
                 {
                     "name": n,
@@ -248,9 +260,10 @@ class GroupedStrategy(DeclarativeStrategy):
 
     def mirror_source(self, spec: ProjectionSpec, sink: str) -> str | None:
         """A sink that keeps no keyed state mirrors the projection's one that does."""
-        if sink in STATE_SINKS:
+        keepers = _state_sinks()
+        if sink in keepers:
             return None
-        return next((s for s in spec.sinks if s in STATE_SINKS), None)
+        return next((s for s in spec.sinks if s in keepers), None)
 
 
 def _state_keeper(plan: Plan, sink: Sink) -> Any:
@@ -302,4 +315,4 @@ def _spark_agg(agg: Aggregate) -> SparkColumn:
     raise ConfigError(f"unsupported aggregate {agg!r}")
 
 
-__all__ = ["STATE_SINKS", "STRATEGY", "GroupedStrategy", "group_view_rows", "state_changes", "state_rows"]
+__all__ = ["STRATEGY", "GroupedStrategy", "group_view_rows", "state_changes", "state_rows"]

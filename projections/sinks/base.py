@@ -27,8 +27,9 @@ Capabilities the engine asks for (never a sink's ``kind``): ``positions_with_row
 (the keyed state and group recompute a grouped fold needs, ``GroupedStateStore``).
 
 Sinks are opened on the driver and, for replays and custom folds, inside Spark
-executors: ``Sink.config()`` returns a small picklable object whose ``open()`` makes
-an equivalent sink in another process. ``kappaflow.projections.sinks.testing`` holds
+executors: ``Sink.config()`` returns a small picklable `SinkConfig` (the kind, its registered
+settings model and constructor arguments) whose ``open()`` makes an equivalent sink in another
+process. ``kappaflow.projections.sinks.testing`` holds
 the contract test suite every sink runs.
 """
 
@@ -36,10 +37,11 @@ from __future__ import annotations
 
 import abc
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, ClassVar, Protocol
 
 import pyarrow as pa
+from pydantic import BaseModel
 from pyspark.sql.types import DataType
 
 from kappaflow.errors import ConfigError, SinkError
@@ -239,11 +241,37 @@ class GroupedStateStore(Protocol):
         ...
 
 
-class SinkConfig(abc.ABC):
-    """Picklable recipe for opening a sink in another process (Spark executors)."""
+@dataclass(frozen=True)
+class SinkConfig:
+    """Picklable recipe for opening a sink in another process (Spark executors).
 
-    @abc.abstractmethod
-    def open(self) -> Sink: ...
+    One shape for every sink, so that a sink is configured by its registered settings model only
+    (``[views.<kind>]``, see ``sinks/registry.py``): the kind, its settings (a pydantic model, hence
+    picklable, holding what locates the store), the sink's constructor arguments beyond them (its
+    per-sink options, client options, default schema) and the projections whose writes it fences.
+    """
+
+    kind: str
+    settings: BaseModel
+    args: Mapping[str, Any] = field(default_factory=dict)
+    fences: Mapping[str, str] = field(default_factory=dict)  # projection -> the lock holder's token
+
+    def open(self) -> Sink:
+        """An equivalent sink, opened by the registry's opener for ``kind``."""
+        from kappaflow.projections.sinks.registry import sink_kind
+
+        sink = sink_kind(self.kind).open(self.settings, **self.args)
+        for projection, token in self.fences.items():
+            sink.fence(projection, token)
+        return sink
+
+    def for_worker(self) -> SinkConfig:
+        """As a Spark worker opens it: with the kind's registered ``worker_args`` (e.g. PostgreSQL's
+        ``migrate=False``: the driver ran the migrations, a worker never does)."""
+        from kappaflow.projections.sinks.registry import sink_kind
+
+        extra = sink_kind(self.kind).worker_args
+        return replace(self, args={**self.args, **extra}) if extra else self
 
 
 class Sink(abc.ABC):

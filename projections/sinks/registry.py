@@ -6,7 +6,10 @@ One entry per kind names
 - its **options** model: what a projection may set per view (``sink_options = {"<kind>": {...}}``,
   stored under ``view.options[<kind>]``), the option aliases it accepts and the options that change
   the stored view's shape (part of the definition's fingerprint);
-- its **opener**: settings -> an open :class:`~kappaflow.projections.sinks.base.Sink`.
+- its **opener**: settings -> an open :class:`~kappaflow.projections.sinks.base.Sink` (also what a
+  Spark executor opens: ``Sink.config()`` is the kind, its settings and constructor arguments);
+- its **capabilities** the planner asks before a sink is open: ``grouped_state`` (it keeps a grouped
+  view's keyed state) and the ``worker_args`` executors open it with.
 
 Settings models are plain pydantic (``<kind>/settings.py``), read by ``kappaflow.config`` without
 loading any sink; options models and sinks are imported when first used. A new sink kind adds its
@@ -56,6 +59,11 @@ class SinkKind:
     no_options_hint: str = ""
     option_aliases: Mapping[str, str] = field(default_factory=dict)
     shape_options: tuple[str, ...] = ()
+    worker_args: Mapping[str, Any] = field(default_factory=dict)
+    """Constructor arguments a Spark worker opens the sink with (``SinkConfig.for_worker``)."""
+    grouped_state: bool = False
+    """The sink keeps a grouped view's keyed state (``Sink.grouped_state()``); a grouped projection's
+    view in any other sink mirrors the one in such a sink."""
 
     @property
     def setting_key(self) -> str:
@@ -69,8 +77,9 @@ class SinkKind:
     def configured(self, settings: BaseModel | None) -> bool:
         return settings is not None and bool(getattr(settings, self.setting, None))
 
-    def open(self, settings: BaseModel) -> Sink:
-        sink: Sink = _load(self.opener)(settings)
+    def open(self, settings: BaseModel, **kwargs: Any) -> Sink:
+        """The sink at ``settings``; ``kwargs`` go to the sink's constructor (see ``SinkConfig``)."""
+        sink: Sink = _load(self.opener)(settings, **kwargs)
         return sink
 
     def parse_options(self, options: Mapping[str, Any], where: str) -> BaseModel:
@@ -110,6 +119,8 @@ register(SinkKind(
     "postgres", "PostgreSQL", PostgresSettings, "dsn",
     "kappaflow.projections.sinks.postgres.sink:PostgresSink.from_settings",
     no_options_hint="the table name is 'view' and the schema 'namespace'",
+    worker_args={"migrate": False},
+    grouped_state=True,
 ))
 register(SinkKind(
     "search", "search", SearchSettings, "url", "kappaflow.projections.sinks.search.sink:SearchSink.from_settings",

@@ -1,109 +1,113 @@
-"""kill -9 the ledger capture process at seeded moments while appends go on.
+"""kill -9 the ledger capture process at seeded moments while appends go on: the shipped capture
+contract suite (``kappaflow.connectors.testing``) with a ledger source driver.
 
 The capture runs as a real process (``python -m kappaflow.cli.capture NAME --config ...``,
-source kind ``ledger``). The first trials kill it during the snapshot (at a seeded writer step
-of a seeded snapshot batch), the others while streaming; each time it is started again. At the
-end, with the writer stopped and one clean ``--until-caught-up`` run, every ledger event is in
-the log exactly once, as the very record `to_log_record` defines (same topic, partition, key,
-value, headers).
+source kind ``ledger``), killed during the snapshot (at a seeded writer step of a seeded snapshot
+batch) and while streaming, and started again. Checked after one clean ``--until-caught-up`` run:
+per stream, every ledger event is in the log once, in position order; and each is the very record
+`to_log_record` defines (same topic, partition, key, value, headers, timestamp).
 """
 
 from __future__ import annotations
 
 import os
 import random
-import sys
 import time
-from collections import Counter
-from pathlib import Path
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
+from kappaflow.connectors.testing import KafkaCaptureContract, SourceDriver
 from kappaflow.ledger import Ledger, NewEvent, StreamAppend
 from kappaflow.ledger.logmap import to_log_record
 from kappaflow.ledger.relay import record_position
+from kappaflow.log.base import Log
 from kappaflow.log.partitioner import partition_for
-from tests._kill import BackgroundWriter, kill_trials, open_for_check, run_until_caught_up
 
-pytestmark = [pytest.mark.integration, pytest.mark.slow]
+pytestmark = [pytest.mark.integration]
 
 PARTITIONS = 3
 
 
-class Appender(BackgroundWriter):
-    """Atomic two-stream appends (an account and an audit stream) until stopped."""
+class LedgerDriver(SourceDriver):
+    """Atomic two-stream appends (an account and an audit stream)."""
 
-    def __init__(self, ledger: Ledger, seed: int) -> None:
-        super().__init__(seed)
-        self.ledger = ledger
+    # 12,000 events before the first start: 80 snapshot batches, two kills at 2..30 land inside
+    snapshot_batches = (2, 30)
 
-    def write_one(self, session: Any) -> None:
-        i = self.rng.randint(0, 40)
-        self.ledger.append_many([StreamAppend(f"account-{i}", [NewEvent("Moved", {"i": self.commits})]),
+    def __init__(self, ledger: Ledger, dsn: str) -> None:
+        self.ledger, self.dsn = ledger, dsn
+        self.name = "lk" + os.urandom(4).hex()
+        self.appended = 0
+
+    def source_config(self) -> str:
+        return f'kind = "ledger"\ndsn = "{self.dsn}"\nsnapshot_chunk_rows = 150\nheartbeat_interval_s = 0.5\n'
+
+    def prepare(self) -> None:
+        for b in range(12):
+            self.ledger.append(f"account-{b}", [NewEvent("Opened", {"n": k}) for k in range(1000)])
+
+    def write_one(self, session: Any, rng: random.Random) -> None:
+        i = rng.randint(0, 40)
+        self.ledger.append_many([StreamAppend(f"account-{i}", [NewEvent("Moved", {"i": self.appended})]),
                                  StreamAppend(f"audit-{i % 3}", [NewEvent("Seen", {"i": i})])])
+        self.appended += 1
         time.sleep(0.002)
 
+    def _want(self) -> dict[int, tuple[Any, ...]]:
+        """Global position -> the log record the ledger event must be (topic, partition, key, ...)."""
+        want = {}
+        for e in self.ledger.iter_all(decode=False, hashes=True):
+            topic, rec = to_log_record(self.name, e)
+            want[e.position] = (topic, partition_for(rec.key, PARTITIONS), rec.key, rec.value, rec.headers,
+                                rec.timestamp_ms)
+        return want
 
-def trials(tmp_path: Path, ledger: Ledger, dsn: str, name: str, log_url: str, *, kafka: bool, kills: int,
-           seed: int, client: str | None = None) -> None:
-    rng = random.Random(seed)
-    for b in range(12):  # 12,000 events before the first start: 80 snapshot batches, two kills at 2..30 land inside
-        ledger.append(f"account-{b}", [NewEvent("Opened", {"n": k}) for k in range(1000)])
-    config = tmp_path / "kappaflow.toml"
-    config.write_text(f'[log]\nurl = "{log_url}"\npartitions = {PARTITIONS}\n\n'
-                      f'[sources.{name}]\nkind = "ledger"\ndsn = "{dsn}"\n'
-                      "snapshot_chunk_rows = 150\nheartbeat_interval_s = 0.5\n"
-                      + (f'\n[log.kafka]\nclient = "{client}"\n' if client else ""))
-    cmd = [sys.executable, "-m", "kappaflow.cli.capture", name, "--config", str(config), "--no-progress"]
-    writer = Appender(ledger, seed)
-    writer.start()
-    try:
-        phases = kill_trials(cmd, tmp_path, log_url, name, kafka=kafka, kills=kills, snapshot_kills=2, rng=rng,
-                             streaming_pause=(0.05, 0.5), snapshot_batches=(2, 30))
-    finally:
-        writer.stop()
-    assert writer.error is None, writer.error
-    assert writer.commits > 20
-    assert "snapshot" in phases and "streaming" in phases, phases
-    run_until_caught_up(cmd, tmp_path)
+    def expected(self, offset: Any) -> dict[bytes, list[int]]:
+        """Per stream (the record key), the positions of its events, in commit (= position) order."""
+        out: dict[bytes, list[int]] = {}
+        for pos, (_topic, _p, key, *_rest) in sorted(self._want().items()):
+            out.setdefault(key, []).append(pos)
+        return out
 
-    want = {}
-    for e in ledger.iter_all(decode=False, hashes=True):
-        topic, rec = to_log_record(name, e)
-        want[e.position] = (topic, partition_for(rec.key, PARTITIONS), rec.key, rec.value, rec.headers,
-                            rec.timestamp_ms)
-    log = open_for_check(log_url, kafka)
-    try:
-        got: dict[int, tuple[Any, ...]] = {}
-        seen: Counter[int] = Counter()
+    def _records(self, log: Log) -> Iterator[tuple[str, int, Any]]:
         for topic, cfg in log.list_topics().items():
-            if not topic.startswith(name + "."):
-                continue
-            for p in range(cfg.partitions):
-                last = 0
-                for r in log.iter_partition(topic, p):
-                    pos = record_position(r)
-                    assert pos is not None and pos > last, f"{topic}[{p}] offset {r.offset}: out of order"
-                    last = pos
-                    seen[pos] += 1
-                    got[pos] = (topic, p, r.key, r.value, r.headers, r.timestamp_ms)
-        twice = [p for p, n in seen.items() if n > 1]
-        assert not twice, f"written twice: {twice[:10]}"
-        missing = sorted(set(want) - set(got))
-        assert not missing, f"{len(missing)} events missing from the log, first {missing[:10]}"
-        assert got == want
-    finally:
-        log.close()
+            if topic.startswith(self.name + "."):
+                for p in range(cfg.partitions):
+                    for r in log.iter_partition(topic, p):
+                        yield topic, p, r
+
+    def logged(self, log: Log) -> dict[bytes, list[int]]:
+        out: dict[bytes, list[int]] = {}
+        for topic, p, r in self._records(log):
+            pos = record_position(r)
+            assert pos is not None, f"{topic}[{p}] offset {r.offset}: a record without a ledger position"
+            out.setdefault(r.key, []).append(pos)
+        return out
+
+    def check_log(self, log: Log) -> None:
+        got: dict[int | None, tuple[Any, ...]] = {}
+        last: dict[tuple[str, int], int] = {}
+        for topic, p, r in self._records(log):
+            pos = record_position(r)
+            assert pos is not None and pos > last.get((topic, p), 0), f"{topic}[{p}] offset {r.offset}: out of order"
+            last[(topic, p)] = pos
+            got[pos] = (topic, p, r.key, r.value, r.headers, r.timestamp_ms)
+        assert got == self._want()
 
 
-def test_kill_9_ledger_capture_embedded(tmp_path: Path, ledger: Ledger, ledger_dsn: str) -> None:
-    trials(tmp_path, ledger, ledger_dsn, "lk" + os.urandom(4).hex(), str(tmp_path / "log"), kafka=False,
-           kills=5, seed=2024)
+class TestLedgerCapture(KafkaCaptureContract):
+    kills = 5
+    snapshot_kills = 2
+    kafka_kills = 3
+    kafka_snapshot_kills = 2
+    seed = 2024
 
+    @pytest.fixture
+    def driver(self, ledger: Ledger, ledger_dsn: str) -> LedgerDriver:
+        return LedgerDriver(ledger, ledger_dsn)
 
-@pytest.mark.parametrize("client", ["confluent", "kafka-python"])  # capture with each Kafka client
-def test_kill_9_ledger_capture_kafka(tmp_path: Path, ledger: Ledger, ledger_dsn: str, kafka_broker: Any,
-                                     client: str) -> None:
-    trials(tmp_path, ledger, ledger_dsn, "lk" + os.urandom(4).hex(), f"kafka://{kafka_broker.bootstrap}",
-           kafka=True, kills=3, seed=77, client=client)
+    @pytest.fixture
+    def kafka_bootstrap(self, kafka_broker: Any) -> str:
+        return str(kafka_broker.bootstrap)

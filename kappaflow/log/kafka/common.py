@@ -10,6 +10,8 @@ the same input with the same message and put every record in the same partition.
 from __future__ import annotations
 
 import re
+import threading
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from operator import attrgetter
@@ -17,21 +19,35 @@ from typing import Any
 
 from kafka.record.default_records import DefaultRecordBatchBuilder
 
-from kappaflow.errors import ConfigError, RecordTooLargeError, ValidationError
-from kappaflow.log.base import CleanupPolicy, Record, TopicConfig, check_partition
+from kappaflow.errors import (
+    ConfigError,
+    LogError,
+    LogUnavailableError,
+    RecordTooLargeError,
+    UnknownTopicError,
+    ValidationError,
+)
+from kappaflow.log.base import CleanupPolicy, Record, TopicConfig, check_partition, validate_topic_name
 from kappaflow.log.partitioner import partition_for
 
 __all__ = [
     "BATCH_FRAMING",
     "KafkaOptions",
     "KafkaSecurity",
+    "cached_topic",
+    "check_new_topic",
     "check_number",
     "checked_append",
     "creation_configs",
     "describe_key",
+    "existing_topic",
+    "keep_topic",
     "parse_bootstrap",
     "partitions_of",
     "topic_config_from",
+    "topic_rejected",
+    "topic_undescribed",
+    "wait_deleted",
 ]
 
 # Upper bound of the v2 framing of a batch holding one record without headers: the 61-byte
@@ -297,3 +313,69 @@ def _check_sizes(topic: str, config: TopicConfig, records: Sequence[Record],
                     f"is {size} bytes, over the topic's max.message.bytes of {limit + BATCH_FRAMING} (record key "
                     f"{describe_key(k)}); nothing of this append was written"
                 )
+
+
+# --- topic administration: the rules both clients' describe / create / delete follow ----------------
+Describe = Callable[[list[str] | None], dict[str, TopicConfig]]
+
+
+def cached_topic(cache: dict[str, TopicConfig], lock: threading.Lock, name: str, describe: Describe) -> TopicConfig:
+    """The topic's config from `cache`, else described (and kept: topic configs are fixed at creation);
+    UnknownTopicError when the broker does not have it."""
+    config = cache.get(name)
+    if config is None:
+        validate_topic_name(name)
+        config = describe([name]).get(name)
+        if config is None:
+            raise UnknownTopicError(name)
+        keep_topic(cache, lock, name, config)
+    return config
+
+
+def keep_topic(cache: dict[str, TopicConfig], lock: threading.Lock, name: str, config: TopicConfig) -> TopicConfig:
+    """`config` kept in `cache` as `name`'s (returned): a topic's config is fixed once it exists."""
+    with lock:
+        cache[name] = config
+    return config
+
+
+def check_new_topic(name: str, config: object) -> None:
+    """A create request's name and config, checked before the broker is asked."""
+    validate_topic_name(name)
+    if config is not None and not isinstance(config, TopicConfig):
+        raise ConfigError(f"topic {name!r} config: expected a TopicConfig, got {type(config).__name__}")
+
+
+def existing_topic(name: str, config: TopicConfig | None, existing: TopicConfig, *, exist_ok: bool) -> TopicConfig:
+    """`existing` when a create request for it may find it there: refused when `exist_ok` is false
+    or the request asked for another config (Kafka cannot change partitions or policy in place)."""
+    if not exist_ok:
+        raise ConfigError(f"topic {name!r} already exists")
+    if config is not None and config != existing:
+        raise ConfigError(
+            f"topic {name!r} already exists with a different config: existing {existing}, requested {config}"
+        )
+    return existing
+
+
+def topic_undescribed(name: str) -> LogError:
+    """A create found the topic existing, but a describe right after does not show it."""
+    return LogError(f"topic {name!r}: the broker says it exists but does not describe it (being deleted?); retry",
+                    retry=None)
+
+
+def topic_rejected(name: str, wanted: TopicConfig, replication_factor: int, detail: object) -> ConfigError:
+    """The broker refused the topic's config (replication factor, partitions, a config value)."""
+    return ConfigError(f"topic {name!r}: the broker rejected the topic config {wanted} "
+                       f"(replication_factor={replication_factor}): {detail}")
+
+
+def wait_deleted(name: str, describe: Describe, timeout_s: float) -> None:
+    """Deletion is asynchronous on Kafka: wait (bounded) until metadata no longer shows the topic."""
+    deadline = time.monotonic() + timeout_s
+    while name in describe([name]):
+        if time.monotonic() > deadline:
+            raise LogUnavailableError(
+                f"topic {name!r} still listed {timeout_s:.0f}s after deletion (a client still "
+                "using it may have recreated it through auto topic creation)")
+        time.sleep(0.05)

@@ -10,7 +10,9 @@
 ``from kappaflow.projections.sinks.postgres import PostgresSink`` stays the import to use.
 """
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from kappaflow.projections.sinks.exports import lazy_exports
 
 if TYPE_CHECKING:
     from kappaflow.projections.sinks.postgres.copy import csv_bytes
@@ -24,34 +26,16 @@ if TYPE_CHECKING:
     )
     from kappaflow.projections.sinks.postgres.groups import aggregate_sql_of
     from kappaflow.projections.sinks.postgres.settings import PostgresSettings
-    from kappaflow.projections.sinks.postgres.sink import TOMBSTONE_RETENTION_S, PostgresSink, PostgresSinkConfig
+    from kappaflow.projections.sinks.postgres.sink import TOMBSTONE_RETENTION_S, PostgresSink
 
 # Imported on first use, so that reading the settings (``settings.py``) does not load the sink.
-_EXPORTS = {
-    "PostgresSettings": "kappaflow.projections.sinks.postgres.settings",
-    "csv_bytes": "kappaflow.projections.sinks.postgres.copy",
-    "KF_SCHEMA": "kappaflow.projections.sinks.postgres.ddl",
-    "STATE_KEY": "kappaflow.projections.sinks.postgres.ddl",
-    "STATE_TOPIC": "kappaflow.projections.sinks.postgres.ddl",
-    "ensure_migrated": "kappaflow.projections.sinks.postgres.ddl",
-    "pg_type": "kappaflow.projections.sinks.postgres.ddl",
-    "physical_name": "kappaflow.projections.sinks.postgres.ddl",
-    "aggregate_sql_of": "kappaflow.projections.sinks.postgres.groups",
-    "TOMBSTONE_RETENTION_S": "kappaflow.projections.sinks.postgres.sink",
-    "PostgresSink": "kappaflow.projections.sinks.postgres.sink",
-    "PostgresSinkConfig": "kappaflow.projections.sinks.postgres.sink",
-}
-
-
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    import importlib
-
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_exports(__name__, {
+    ".settings": ("PostgresSettings",),
+    ".copy": ("csv_bytes",),
+    ".ddl": ("KF_SCHEMA", "STATE_KEY", "STATE_TOPIC", "ensure_migrated", "pg_type", "physical_name"),
+    ".groups": ("aggregate_sql_of",),
+    ".sink": ("TOMBSTONE_RETENTION_S", "PostgresSink"),
+})
 
 
 __all__ = [
@@ -61,7 +45,6 @@ __all__ = [
     "TOMBSTONE_RETENTION_S",
     "PostgresSettings",
     "PostgresSink",
-    "PostgresSinkConfig",
     "aggregate_sql_of",
     "csv_bytes",
     "ensure_migrated",

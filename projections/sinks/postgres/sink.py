@@ -37,7 +37,6 @@ import hashlib
 import logging
 import time
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import pyarrow as pa
@@ -81,16 +80,6 @@ TOMBSTONE_PRUNE_EVERY_S = 60.0
 log = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
-class PostgresSinkConfig(SinkConfig):
-    dsn: str
-    schema: str = "public"
-    migrate: bool = True
-
-    def open(self) -> PostgresSink:
-        return PostgresSink(self.dsn, schema=self.schema, migrate=self.migrate)
-
-
 class PostgresSink(GroupedState, Sink):
     """Views as PostgreSQL tables (see the module docstring)."""
 
@@ -106,8 +95,9 @@ class PostgresSink(GroupedState, Sink):
         """From ``[views.postgres]`` (``dsn``, ``password_env``); the sink registry's opener."""
         return cls(settings.connect_dsn(), **kwargs)
 
-    def config(self) -> PostgresSinkConfig:
-        return PostgresSinkConfig(self.dsn, self.default_schema)
+    def config(self) -> SinkConfig:
+        # the DSN as connected (its password resolved here: an executor has no password_env)
+        return SinkConfig(self.kind, PostgresSettings(dsn=self.dsn), {"schema": self.default_schema})
 
     # --- names ----------------------------------------------------------------------------
     def deleted_table(self, target: Target) -> str:
@@ -610,4 +600,4 @@ class PostgresSink(GroupedState, Sink):
         return bool(row and row[0])
 
 
-__all__ = ["TOMBSTONE_RETENTION_S", "PostgresSink", "PostgresSinkConfig"]
+__all__ = ["TOMBSTONE_RETENTION_S", "PostgresSink"]

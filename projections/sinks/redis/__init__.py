@@ -12,43 +12,30 @@
 ``from kappaflow.projections.sinks.redis import RedisSink, get`` stays the import to use.
 """
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from kappaflow.projections.sinks.exports import lazy_exports
 
 if TYPE_CHECKING:
     from kappaflow.projections.sinks.errors import SinkStateLostError
     from kappaflow.projections.sinks.redis.options import RedisSinkOptions, _parse_options
     from kappaflow.projections.sinks.redis.read import get, get_many
     from kappaflow.projections.sinks.redis.settings import RedisSettings
-    from kappaflow.projections.sinks.redis.sink import RedisSink, RedisSinkConfig
+    from kappaflow.projections.sinks.redis.sink import RedisSink
 
 # Imported on first use, so that reading the settings (``settings.py``) does not load the sink.
-_EXPORTS = {
-    "RedisSettings": "kappaflow.projections.sinks.redis.settings",
-    "SinkStateLostError": "kappaflow.projections.sinks.errors",
-    "RedisSinkOptions": "kappaflow.projections.sinks.redis.options",
-    "_parse_options": "kappaflow.projections.sinks.redis.options",
-    "get": "kappaflow.projections.sinks.redis.read",
-    "get_many": "kappaflow.projections.sinks.redis.read",
-    "RedisSink": "kappaflow.projections.sinks.redis.sink",
-    "RedisSinkConfig": "kappaflow.projections.sinks.redis.sink",
-}
-
-
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    import importlib
-
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_exports(__name__, {
+    ".settings": ("RedisSettings",),
+    "..errors": ("SinkStateLostError",),
+    ".options": ("RedisSinkOptions", "_parse_options"),
+    ".read": ("get", "get_many"),
+    ".sink": ("RedisSink",),
+})
 
 
 __all__ = [
     "RedisSettings",
     "RedisSink",
-    "RedisSinkConfig",
     "RedisSinkOptions",
     "SinkStateLostError",
     "_parse_options",

@@ -69,8 +69,7 @@ from __future__ import annotations
 import functools
 import logging
 from collections import deque
-from collections.abc import Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import orjson
@@ -98,21 +97,6 @@ from kappaflow.projections.sinks.redis.scripts import _SCRIPTS, _SHAS, _fenced
 from kappaflow.projections.sinks.redis.settings import RedisSettings
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class RedisSinkConfig(SinkConfig):
-    """Picklable recipe for a RedisSink in another process (Spark executors)."""
-
-    url: str
-    options: Mapping[str, Any] = field(default_factory=dict)
-    fences: Mapping[str, str] = field(default_factory=dict)  # projection -> the lock holder's token
-
-    def open(self) -> RedisSink:
-        sink = RedisSink(self.url, options=dict(self.options))
-        for projection, token in self.fences.items():
-            sink.fence(projection, token)
-        return sink
 
 
 def _script_error(exc: Exception, loaded: bool) -> bool:
@@ -152,10 +136,11 @@ class RedisSink(RedisNamespaces):
         """From `kappaflow.config.ViewsConfig` (its ``redis`` settings)."""
         return cls.from_settings(views.redis, **kwargs)
 
-    def config(self) -> RedisSinkConfig:
+    def config(self) -> SinkConfig:
         if self._url is None:
             raise SinkError("redis sink: config() needs a sink opened from a URL, not a client object")
-        return RedisSinkConfig(self._url, self.options.model_dump(), dict(self._fences))
+        return SinkConfig(self.kind, RedisSettings(url=self._url), {"options": self.options.model_dump()},
+                          dict(self._fences))
 
 
 

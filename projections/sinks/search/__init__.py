@@ -12,7 +12,9 @@
 ``from kappaflow.projections.sinks.search import SearchSink`` stays the import to use.
 """
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from kappaflow.projections.sinks.exports import lazy_exports
 
 if TYPE_CHECKING:
     from kappaflow.projections.sinks.errors import SinkStateLostError
@@ -21,37 +23,18 @@ if TYPE_CHECKING:
     from kappaflow.projections.sinks.search.mapping import derive_mapping
     from kappaflow.projections.sinks.search.options import SearchSinkOptions, _parse_options
     from kappaflow.projections.sinks.search.settings import SearchSettings
-    from kappaflow.projections.sinks.search.sink import SearchSink, SearchSinkConfig
+    from kappaflow.projections.sinks.search.sink import SearchSink
 
 # Imported on first use, so that reading the settings (``settings.py``) does not load the sink.
-_EXPORTS = {
-    "SearchSettings": "kappaflow.projections.sinks.search.settings",
-    "SinkStateLostError": "kappaflow.projections.sinks.errors",
-    "ElasticsearchClient": "kappaflow.projections.sinks.search.adapters",
-    "OpenSearchClient": "kappaflow.projections.sinks.search.adapters",
-    "connect": "kappaflow.projections.sinks.search.adapters",
-    "wrap_client": "kappaflow.projections.sinks.search.adapters",
-    "Flavor": "kappaflow.projections.sinks.search.client",
-    "SearchClient": "kappaflow.projections.sinks.search.client",
-    "_HttpError": "kappaflow.projections.sinks.search.client",
-    "_Unavailable": "kappaflow.projections.sinks.search.client",
-    "derive_mapping": "kappaflow.projections.sinks.search.mapping",
-    "SearchSinkOptions": "kappaflow.projections.sinks.search.options",
-    "_parse_options": "kappaflow.projections.sinks.search.options",
-    "SearchSink": "kappaflow.projections.sinks.search.sink",
-    "SearchSinkConfig": "kappaflow.projections.sinks.search.sink",
-}
-
-
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    import importlib
-
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_exports(__name__, {
+    ".settings": ("SearchSettings",),
+    "..errors": ("SinkStateLostError",),
+    ".adapters": ("ElasticsearchClient", "OpenSearchClient", "connect", "wrap_client"),
+    ".client": ("Flavor", "SearchClient", "_HttpError", "_Unavailable"),
+    ".mapping": ("derive_mapping",),
+    ".options": ("SearchSinkOptions", "_parse_options"),
+    ".sink": ("SearchSink",),
+})
 
 
 __all__ = [
@@ -61,7 +44,6 @@ __all__ = [
     "SearchClient",
     "SearchSettings",
     "SearchSink",
-    "SearchSinkConfig",
     "SearchSinkOptions",
     "SinkStateLostError",
     "_HttpError",

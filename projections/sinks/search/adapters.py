@@ -228,8 +228,9 @@ def connect(url: str | Sequence[str], flavor: Flavor = "opensearch", *, timeout_
             **client_options: Any) -> SearchClient:
     """A client for `flavor`. Client-level retries are off: the sink retries with its own backoff
     (it must look at every bulk item, and notice a server that lost its data). `client_options` go to
-    the client's constructor as given (auth, TLS, ``timeout`` / ``request_timeout``, ...)."""
-    hosts = [url] if isinstance(url, str) else list(url)
+    the client's constructor as given (auth, TLS, ``timeout`` / ``request_timeout``, ...). Several servers:
+    a sequence of URLs or one comma-separated string (as ``views.search.url`` holds them)."""
+    hosts = [u.strip() for u in url.split(",") if u.strip()] if isinstance(url, str) else list(url)
     if flavor == "opensearch":
         try:
             from opensearchpy import OpenSearch

@@ -67,8 +67,7 @@ code but the client calls in :class:`ElasticsearchClient` / :class:`OpenSearchCl
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from kappaflow.errors import ConfigError, Retry, SinkError
@@ -80,26 +79,8 @@ from kappaflow.projections.sinks.base import (
 from kappaflow.projections.sinks.codec import RowDecoder
 from kappaflow.projections.sinks.keys import key_str, sort_key
 from kappaflow.projections.sinks.search.bulk import BulkWriter
-from kappaflow.projections.sinks.search.client import Flavor, _HttpError, _IndexGone
+from kappaflow.projections.sinks.search.client import _HttpError, _IndexGone
 from kappaflow.projections.sinks.search.settings import SearchSettings
-
-
-@dataclass(frozen=True)
-class SearchSinkConfig(SinkConfig):
-    """Picklable recipe for a SearchSink in another process (Spark executors)."""
-
-    url: str | tuple[str, ...]
-    flavor: Flavor = "opensearch"
-    options: Mapping[str, Any] = field(default_factory=dict)
-    client_options: Mapping[str, Any] = field(default_factory=dict)
-    fences: Mapping[str, str] = field(default_factory=dict)  # projection -> the lock holder's token
-
-    def open(self) -> SearchSink:
-        sink = SearchSink(self.url, flavor=self.flavor, options=dict(self.options),
-                          client_options=dict(self.client_options))
-        for projection, token in self.fences.items():
-            sink.fence(projection, token)
-        return sink
 
 
 class SearchSink(BulkWriter):
@@ -120,11 +101,13 @@ class SearchSink(BulkWriter):
         """From `kappaflow.config.ViewsConfig` (its ``search`` settings)."""
         return cls.from_settings(views.search, **kwargs)
 
-    def config(self) -> SearchSinkConfig:
+    def config(self) -> SinkConfig:
         if self._url is None:
             raise SinkError("search sink: config() needs a sink opened from a URL, not a client object")
-        return SearchSinkConfig(self._url, self.flavor, self.options.model_dump(), self._client_options,
-                                dict(self._fences))
+        url = self._url if isinstance(self._url, str) else ",".join(self._url)
+        return SinkConfig(self.kind, SearchSettings(url=url, flavor=self.flavor),
+                          {"options": self.options.model_dump(), "client_options": dict(self._client_options)},
+                          dict(self._fences))
 
     # --- the projection lock (one replay or follow at a time) ---------------------------
     # --- per-view settings ---------------------------------------------------

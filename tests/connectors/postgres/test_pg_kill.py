@@ -1,15 +1,11 @@
-"""kill -9 the capture process at seeded moments while a writer runs; then check exactness.
+"""kill -9 the PostgreSQL capture at seeded moments while a writer runs: the shipped capture
+contract suite (``kappaflow.connectors.testing``) with a PostgreSQL source driver; and SIGTERM.
 
-The capture runs as a real process (``python -m kappaflow.cli.capture NAME --config ...``).
-Each trial kills it during the snapshot (first trials: at a seeded writer step of a seeded
-snapshot batch) or while streaming (after a seeded pause), and starts it again. At the end,
-with the writer stopped and one clean ``--until-caught-up`` run:
-
-* the compacted log equals the tables, row for row;
-* no record was written twice (positions are unique per topic);
-* every committed change is present exactly once: per transaction and table, the log
-  holds as many streamed events as an independent slot (created before the capture's)
-  decodes from the WAL.
+The suite kills the capture during the snapshot (at a seeded writer step of a seeded snapshot
+batch) and while streaming, restarts it, and checks that per key every change an independent
+slot (created before the capture's) decodes from the WAL is in the log once, in commit order.
+The driver also checks that the compacted log equals the tables, row for row, and that no
+record (snapshot reads included) was written twice.
 """
 
 from __future__ import annotations
@@ -19,55 +15,74 @@ import signal
 import subprocess
 import sys
 from collections import Counter
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import orjson
 import psycopg
 import pytest
-from pg_helpers import compacted, positions, table_state
+from pg_helpers import compacted, positions, records, table_state
 
+from kappaflow.connectors.base import record_position
 from kappaflow.connectors.postgres.decoder import Begin, Delete, Insert, PgOutputDecoder, Update
 from kappaflow.connectors.postgres.source_info import PgPosition
+from kappaflow.connectors.testing import KafkaCaptureContract, SourceDriver, stored_offset, wait_for
 from kappaflow.log import open_log
-from tests._kill import BackgroundWriter, kill_trials, open_for_check, run_until_caught_up, stored_offset, wait_for
+from kappaflow.log.base import Log
 
-pytestmark = [pytest.mark.integration, pytest.mark.slow]
+pytestmark = [pytest.mark.integration]
 
 TABLES = ["public.acct", "public.audit"]
+Key = tuple[str, int]  # (table, id)
+Change = tuple[int, str]  # (commit LSN, op)
 
 
-def _write_config(tmp: Path, name: str, dsn: str, log_url: str, client: str | None = None,
-                  chunk_rows: int = 250) -> Path:
+def _write_config(tmp: Path, name: str, dsn: str, log_url: str) -> Path:
     path = tmp / "kappaflow.toml"
-    path.write_text(
-        # every streamed event is counted below: the capture's background compaction stays off
-        f'[log]\nurl = "{log_url}"\npartitions = 3\ncompact_interval_s = 0\n\n'
-        f'[sources.{name}]\nkind = "postgres"\ndsn = "{dsn}"\ntables = {orjson.dumps(TABLES).decode()}\n'
-        f"snapshot_chunk_rows = {chunk_rows}\nheartbeat_interval_s = 0.5\n"
-        + (f'\n[log.kafka]\nclient = "{client}"\n' if client else "")
-    )
+    path.write_text(f'[log]\nurl = "{log_url}"\npartitions = 3\ncompact_interval_s = 0\n\n'
+                    f"[sources.{name}]\n{_source_config(dsn, 250)}")
     return path
+
+
+def _source_config(dsn: str, chunk_rows: int) -> str:
+    return (f'kind = "postgres"\ndsn = "{dsn}"\ntables = {orjson.dumps(TABLES).decode()}\n'
+            f"snapshot_chunk_rows = {chunk_rows}\nheartbeat_interval_s = 0.5\n")
 
 
 def _capture_cmd(config: Path, name: str) -> list[str]:
     return [sys.executable, "-m", "kappaflow.cli.capture", name, "--config", str(config), "--no-progress"]
 
 
-class Writer(BackgroundWriter):
-    """Random transactions: transfers with an audit row, new accounts, closures, renumbering."""
+class PostgresDriver(SourceDriver):
+    """Two tables; random transactions: transfers with an audit row, new accounts, closures and
+    renumbering (a key change: a delete of the old key and a create of the new one)."""
 
-    def __init__(self, dsn: str, seed: int) -> None:
-        super().__init__(seed)
-        self.dsn = dsn
+    # 50-row chunks: a snapshot of 120+ batches, so kills at batches 2..30 all land inside it
+    snapshot_batches = (2, 30)
+    min_commits = 50
+
+    def __init__(self, dsn: str, name: str) -> None:
+        self.dsn, self.name = dsn, name
         self.next_id = 100_000
+
+    def source_config(self) -> str:
+        return _source_config(self.dsn, 50)
+
+    def prepare(self) -> None:
+        with psycopg.connect(self.dsn, autocommit=True) as conn:
+            conn.execute("CREATE TABLE acct (id int PRIMARY KEY, balance int NOT NULL, note text)")
+            conn.execute("CREATE TABLE audit (id bigserial PRIMARY KEY, src int, dst int, amount int)")
+            conn.execute("INSERT INTO acct SELECT i, 1000, repeat('x', i % 50) FROM generate_series(1, 6000) i")
+            conn.execute(f'CREATE PUBLICATION "kappaflow_{self.name}" FOR TABLE acct, audit')
+            conn.execute("SELECT pg_create_logical_replication_slot('verify', 'pgoutput')")
 
     def session(self) -> psycopg.Connection[Any]:
         return psycopg.connect(self.dsn, autocommit=True)
 
-    def write_one(self, conn: psycopg.Connection[Any]) -> None:
-        r = self.rng.random()
-        a, b = self.rng.randint(1, 6000), self.rng.randint(1, 6000)
+    def write_one(self, conn: psycopg.Connection[Any], rng: random.Random) -> None:
+        r = rng.random()
+        a, b = rng.randint(1, 6000), rng.randint(1, 6000)
         with conn.transaction():
             if r < 0.7:
                 conn.execute("UPDATE acct SET balance = balance - 1 WHERE id = %s", (a,))
@@ -82,82 +97,80 @@ class Writer(BackgroundWriter):
                 conn.execute("UPDATE acct SET id = %s WHERE id = %s", (self.next_id, a))
                 self.next_id += 1
 
+    def expected(self, offset: Any) -> dict[Key, list[Change]]:
+        """Per (table, id), the changes an independent slot decodes from the WAL at or after the
+        snapshot's LSN, in commit order."""
+        dec = PgOutputDecoder()
+        out: dict[Key, list[Change]] = {}
+        commit = 0
+        with psycopg.connect(self.dsn) as conn:
+            rows = conn.execute(
+                "SELECT data FROM pg_logical_slot_peek_binary_changes('verify', NULL, NULL, 'proto_version', '1', "
+                "'publication_names', %s)", (f"kappaflow_{self.name}",)).fetchall()
+        for (data,) in rows:
+            msg = dec.decode(bytes(data))
+            if isinstance(msg, Begin):
+                commit = msg.final_lsn
+            elif isinstance(msg, Insert | Update | Delete) and commit >= offset["snapshot"]["lsn"]:
+                table = dec.relations[msg.relid].name
+                if isinstance(msg, Insert):
+                    out.setdefault((table, int(msg.new[0])), []).append((commit, "c"))
+                elif isinstance(msg, Delete):
+                    out.setdefault((table, int(msg.old[0])), []).append((commit, "d"))
+                elif msg.old_kind == "K":  # the key changed: a delete of the old key, a create of the new
+                    assert msg.old is not None
+                    out.setdefault((table, int(msg.old[0])), []).append((commit, "d"))
+                    out.setdefault((table, int(msg.new[0])), []).append((commit, "c"))
+                else:
+                    out.setdefault((table, int(msg.new[0])), []).append((commit, "u"))
+        return out
 
-def _expected_streamed(dsn: str, slot: str, publication: str, from_lsn: int) -> Counter[tuple[str, int]]:
-    """(table, commit LSN) -> change events, decoded from an independent slot's WAL."""
-    dec = PgOutputDecoder()
-    expected: Counter[tuple[str, int]] = Counter()
-    commit = 0
-    with psycopg.connect(dsn) as conn:
-        rows = conn.execute(
-            "SELECT data FROM pg_logical_slot_peek_binary_changes(%s, NULL, NULL, 'proto_version', '1', "
-            "'publication_names', %s)", (slot, publication)).fetchall()
-    for (data,) in rows:
-        msg = dec.decode(bytes(data))
-        if isinstance(msg, Begin):
-            commit = msg.final_lsn
-        elif isinstance(msg, Insert | Update | Delete) and commit >= from_lsn:
-            table = dec.relations[msg.relid].name
-            key_change = isinstance(msg, Update) and msg.old_kind == "K"
-            expected[(table, commit)] += 2 if key_change else 1
-    return expected
-
-
-def _trials(tmp_path: Path, dsn: str, name: str, log_url: str, kafka: bool, kills: int, seed: int,
-            client: str | None = None) -> None:
-    rng = random.Random(seed)
-    with psycopg.connect(dsn, autocommit=True) as conn:
-        conn.execute("CREATE TABLE acct (id int PRIMARY KEY, balance int NOT NULL, note text)")
-        conn.execute("CREATE TABLE audit (id bigserial PRIMARY KEY, src int, dst int, amount int)")
-        conn.execute("INSERT INTO acct SELECT i, 1000, repeat('x', i % 50) FROM generate_series(1, 6000) i")
-        conn.execute(f'CREATE PUBLICATION "kappaflow_{name}" FOR TABLE acct, audit')
-        conn.execute("SELECT pg_create_logical_replication_slot('verify', 'pgoutput')")
-    # 50-row chunks: a snapshot of 120+ batches, so three kills at batches 2..30 all land inside it
-    config = _write_config(tmp_path, name, dsn, log_url, client, chunk_rows=50)
-    cmd = _capture_cmd(config, name)
-    writer = Writer(dsn, seed)
-    writer.start()
-    try:
-        phases = kill_trials(cmd, tmp_path, log_url, name, kafka=kafka, kills=kills, snapshot_kills=3, rng=rng,
-                             streaming_pause=(0.05, 0.6), snapshot_batches=(2, 30))
-    finally:
-        writer.stop()
-    assert writer.error is None, writer.error
-    assert writer.commits > 50
-    assert "snapshot" in phases and "streaming" in phases, phases
-    run_until_caught_up(cmd, tmp_path)
-
-    log = open_for_check(log_url, kafka)
-    try:
-        final = stored_offset(log_url, name, kafka)
-        assert final is not None and final["snapshot"]["completed"]
-        seen: Counter[tuple[str, int]] = Counter()
+    def logged(self, log: Log) -> dict[Key, list[Change]]:
+        """Per (table, id), the streamed change events of the log, partition by partition."""
+        out: dict[Key, list[Change]] = {}
         for table in ("acct", "audit"):
-            topic = f"{name}.public.{table}"
-            assert compacted(log, topic) == table_state(dsn, f"public.{table}", name), f"{table} differs"
-            pos = positions(log, topic)
-            twice = [p for p, n in Counter(pos).items() if n > 1]
+            for rec in records(log, f"{self.name}.public.{table}"):
+                if rec.value is None:
+                    continue  # a tombstone after a delete
+                pos = record_position(rec)
+                assert isinstance(pos, PgPosition), f"record without a PostgreSQL position: {rec}"
+                if pos.snapshot:
+                    continue
+                doc = orjson.loads(rec.value)
+                row = doc["after"] if doc["after"] is not None else doc["before"]
+                out.setdefault((table, int(row["id"])), []).append((pos.lsn, doc["op"]))
+        return out
+
+    def check_log(self, log: Log) -> None:
+        for table in ("acct", "audit"):
+            topic = f"{self.name}.public.{table}"
+            assert compacted(log, topic) == table_state(self.dsn, f"public.{table}", self.name), f"{table} differs"
+            twice = [p for p, n in Counter(positions(log, topic)).items() if n > 1]
             assert not twice, f"written twice in {topic}: {twice[:5]}"
-            for p, tomb in pos:
-                assert isinstance(p, PgPosition)
-                if not tomb and not p.snapshot:
-                    seen[(table, p.lsn)] += 1
-        expected = _expected_streamed(dsn, "verify", f"kappaflow_{name}", final["snapshot"]["lsn"])
-        assert seen == expected
-    finally:
-        log.close()
-        with psycopg.connect(dsn, autocommit=True) as conn:
-            conn.execute("SELECT pg_drop_replication_slot('verify')")
+
+    def close(self) -> None:
+        with psycopg.connect(self.dsn, autocommit=True) as conn:
+            conn.execute("SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots "
+                         "WHERE slot_name = 'verify' AND database = current_database()")
 
 
-def test_kill_9_during_snapshot_and_streaming_embedded(tmp_path: Path, pg_dsn: str, source_name: str) -> None:
-    _trials(tmp_path, pg_dsn, source_name, str(tmp_path / "log"), kafka=False, kills=11, seed=1234)
+class TestPostgresCapture(KafkaCaptureContract):
+    kills = 11
+    snapshot_kills = 3
+    kafka_kills = 5
+    kafka_snapshot_kills = 3
+    seed = 1234
+    streaming_pause = (0.05, 0.6)
 
+    @pytest.fixture
+    def driver(self, pg_dsn: str, source_name: str) -> Iterator[PostgresDriver]:
+        driver = PostgresDriver(pg_dsn, source_name)
+        yield driver
+        driver.close()
 
-@pytest.mark.parametrize("client", ["confluent", "kafka-python"])  # capture with each Kafka client
-def test_kill_9_kafka(tmp_path: Path, pg_dsn: str, source_name: str, kafka_broker: Any, client: str) -> None:
-    _trials(tmp_path, pg_dsn, source_name, f"kafka://{kafka_broker.bootstrap}", kafka=True, kills=5, seed=99,
-            client=client)
+    @pytest.fixture
+    def kafka_bootstrap(self, kafka_broker: Any) -> str:
+        return str(kafka_broker.bootstrap)
 
 
 def test_sigterm_stops_cleanly_and_acknowledges(tmp_path: Path, pg_dsn: str, source_name: str) -> None:

@@ -15,9 +15,19 @@ from typing import Any
 from confluent_kafka import KafkaError, KafkaException
 from confluent_kafka.admin import AdminClient, ConfigResource, NewTopic
 
-from kappaflow.errors import ConfigError, LogError, LogUnavailableError, UnknownTopicError
+from kappaflow.errors import LogError, LogUnavailableError
 from kappaflow.log.base import TopicConfig, validate_topic_name
-from kappaflow.log.kafka.common import creation_configs, topic_config_from
+from kappaflow.log.kafka.common import (
+    cached_topic,
+    check_new_topic,
+    creation_configs,
+    existing_topic,
+    keep_topic,
+    topic_config_from,
+    topic_rejected,
+    topic_undescribed,
+    wait_deleted,
+)
 from kappaflow.log.kafka.confluent.clients import error_of, map_error
 
 __all__ = ["TopicAdmin"]
@@ -85,15 +95,7 @@ class TopicAdmin:
 
     def config(self, name: str) -> TopicConfig:
         """The topic's config, cached for the life of this object (topic configs are fixed)."""
-        config = self._cache.get(name)
-        if config is None:
-            validate_topic_name(name)
-            config = self.describe([name]).get(name)
-            if config is None:
-                raise UnknownTopicError(name)
-            with self._lock:
-                self._cache[name] = config
-        return config
+        return cached_topic(self._cache, self._lock, name, self.describe)
 
     def list(self) -> dict[str, TopicConfig]:
         topics = self.describe(None)
@@ -103,9 +105,7 @@ class TopicAdmin:
 
     # --- create / delete -----------------------------------------------------------------------
     def create(self, name: str, config: TopicConfig | None, *, exist_ok: bool) -> TopicConfig:
-        validate_topic_name(name)
-        if config is not None and not isinstance(config, TopicConfig):
-            raise ConfigError(f"topic {name!r} config: expected a TopicConfig, got {type(config).__name__}")
+        check_new_topic(name, config)
         existing = self.describe([name]).get(name)
         if existing is None:
             wanted = config or TopicConfig()
@@ -120,27 +120,15 @@ class TopicAdmin:
                 if err.code() == KafkaError.TOPIC_ALREADY_EXISTS:
                     existing = self.describe([name]).get(name)  # created concurrently: compare below
                     if existing is None:
-                        raise LogError(f"topic {name!r}: the broker says it exists but does not describe it "
-                                       "(being deleted?); retry", retry=None) from None
+                        raise topic_undescribed(name) from None
                 elif err.code() in _REJECTED_CONFIG:
-                    raise ConfigError(f"topic {name!r}: the broker rejected the topic config {wanted} "
-                                      f"(replication_factor={self._replication_factor}): {err.str()}") from None
+                    raise topic_rejected(name, wanted, self._replication_factor, err.str()) from None
                 else:
                     raise self.fail(exc, f"creating topic {name!r}") from None
             else:
                 self._wait_listed(name)
-                with self._lock:
-                    self._cache[name] = wanted
-                return wanted
-        if not exist_ok:
-            raise ConfigError(f"topic {name!r} already exists")
-        if config is not None and config != existing:
-            raise ConfigError(
-                f"topic {name!r} already exists with a different config: existing {existing}, requested {config}"
-            )
-        with self._lock:
-            self._cache[name] = existing
-        return existing
+                return keep_topic(self._cache, self._lock, name, wanted)
+        return keep_topic(self._cache, self._lock, name, existing_topic(name, config, existing, exist_ok=exist_ok))
 
     def _wait_listed(self, name: str) -> None:
         """Creation is asynchronous on Kafka: wait (bounded) until metadata shows the topic's partitions."""
@@ -158,14 +146,7 @@ class TopicAdmin:
         except KafkaException as exc:
             raise self.fail(exc, f"deleting topic {name!r}", topic=name) from None
         self.forget(name)
-        # Deletion is asynchronous on Kafka: wait (bounded) until metadata no longer shows it.
-        deadline = time.monotonic() + self._timeout_s
-        while name in self.describe([name]):
-            if time.monotonic() > deadline:
-                raise LogUnavailableError(
-                    f"topic {name!r} still listed {self._timeout_s:.0f}s after deletion (a client still "
-                    "using it may have recreated it through auto topic creation)")
-            time.sleep(0.05)
+        wait_deleted(name, self.describe, self._timeout_s)
 
     def check_gone(self, name: str) -> bool:
         """True when the broker no longer has `name` (a failure on a deleted topic looks like a timeout)."""

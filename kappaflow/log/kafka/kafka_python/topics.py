@@ -2,16 +2,24 @@
 
 from __future__ import annotations
 
-import time
 from collections.abc import Mapping
 from typing import Any
 
 from kafka import errors as kerr
 from kafka.admin import ConfigResource, ConfigResourceType
 
-from kappaflow.errors import ConfigError, LogError, LogUnavailableError, UnknownTopicError
 from kappaflow.log.base import TopicConfig, validate_topic_name
-from kappaflow.log.kafka.common import creation_configs, topic_config_from
+from kappaflow.log.kafka.common import (
+    cached_topic,
+    check_new_topic,
+    creation_configs,
+    existing_topic,
+    keep_topic,
+    topic_config_from,
+    topic_rejected,
+    topic_undescribed,
+    wait_deleted,
+)
 from kappaflow.log.kafka.kafka_python.connection import KafkaConnection
 
 __all__ = ["KafkaTopics"]
@@ -44,21 +52,11 @@ class KafkaTopics(KafkaConnection):
 
     def _topic(self, name: str) -> TopicConfig:
         """The topic's config, cached for the life of this object (topic configs are fixed)."""
-        config = self._topics.get(name)
-        if config is None:
-            validate_topic_name(name)
-            config = self._describe([name]).get(name)
-            if config is None:
-                raise UnknownTopicError(name)
-            with self._lock:
-                self._topics[name] = config
-        return config
+        return cached_topic(self._topics, self._lock, name, self._describe)
 
     def create_topic(self, name: str, config: TopicConfig | None = None, *, exist_ok: bool = True) -> TopicConfig:
         self._require_writer(f"creating topic {name!r}")
-        validate_topic_name(name)
-        if config is not None and not isinstance(config, TopicConfig):
-            raise ConfigError(f"topic {name!r} config: expected a TopicConfig, got {type(config).__name__}")
+        check_new_topic(name, config)
         existing = self._describe([name]).get(name)
         if existing is None:
             wanted = config or TopicConfig()
@@ -74,27 +72,15 @@ class KafkaTopics(KafkaConnection):
             except kerr.TopicAlreadyExistsError:
                 existing = self._describe([name]).get(name)  # created concurrently: compare below
                 if existing is None:
-                    raise LogError(f"topic {name!r}: the broker says it exists but does not describe it "
-                                   "(being deleted?); retry", retry=None) from None
+                    raise topic_undescribed(name) from None
             except (kerr.InvalidReplicationFactorError, kerr.InvalidConfigurationError,
                     kerr.PolicyViolationError, kerr.InvalidPartitionsError, kerr.InvalidTopicError) as exc:
-                raise ConfigError(f"topic {name!r}: the broker rejected the topic config {wanted} "
-                                  f"(replication_factor={self._replication_factor}): {exc}") from None
+                raise topic_rejected(name, wanted, self._replication_factor, exc) from None
             except kerr.KafkaError as exc:
                 raise self._fail(exc, f"creating topic {name!r}") from None
             else:
-                with self._lock:
-                    self._topics[name] = wanted
-                return wanted
-        if not exist_ok:
-            raise ConfigError(f"topic {name!r} already exists")
-        if config is not None and config != existing:
-            raise ConfigError(
-                f"topic {name!r} already exists with a different config: existing {existing}, requested {config}"
-            )
-        with self._lock:
-            self._topics[name] = existing
-        return existing
+                return keep_topic(self._topics, self._lock, name, wanted)
+        return keep_topic(self._topics, self._lock, name, existing_topic(name, config, existing, exist_ok=exist_ok))
 
     def delete_topic(self, name: str) -> None:
         self._require_writer(f"deleting topic {name!r}")
@@ -118,14 +104,7 @@ class KafkaTopics(KafkaConnection):
             self._topics.pop(name, None)
             for tp in [tp for tp in self._highwater if tp.topic == name]:
                 del self._highwater[tp]
-        # Deletion is asynchronous on Kafka: wait (bounded) until metadata no longer shows it.
-        deadline = time.monotonic() + self._timeout_s
-        while name in self._describe([name]):
-            if time.monotonic() > deadline:
-                raise LogUnavailableError(
-                    f"topic {name!r} still listed {self._timeout_s:.0f}s after deletion (a client still "
-                    "using it may have recreated it through auto topic creation)")
-            time.sleep(0.05)
+        wait_deleted(name, self._describe, self._timeout_s)
 
     def list_topics(self) -> dict[str, TopicConfig]:
         topics = self._describe(None)
