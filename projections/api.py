@@ -588,13 +588,6 @@ class ProjectionSpec:
                     f"{where}: 'lookups': lookups feed the folds over current rows (latest-row and grouped "
                     f"views); a {spec.kind} fold over joined rows is not supported yet"
                 )
-            folded_elsewhere = [s for s in sinks if s != "postgres" and strategy.mirror_source(spec, s) is None]
-            if folded_elsewhere:
-                raise ConfigError(
-                    f"{where}: 'sinks': a projection with lookups keeps its join state in the PostgreSQL views "
-                    f"database, in the transaction of the view rows; it cannot fold into {folded_elsewhere} "
-                    "(a grouped view's search/Redis mirrors are fine)"
-                )
         return spec
 
 

@@ -173,10 +173,11 @@ def apply_batch(
     declarative folds; for custom folds any non-None value means offset order per
     partition, which allows folding in place); None: arbitrary partitioning.
 
-    A projection with lookups runs the whole batch in one transaction of the PostgreSQL sink:
-    join state, view rows and positions commit together (``joins.stage``)."""
+    A projection with lookups updates its join state in the batch (``joins.stage``): in the
+    PostgreSQL sink's transaction (join state, view rows and positions commit together), or beside
+    a search/Redis view, committed before its rows and positions are written."""
     sink = sink or rt.sink
-    with join_stage.transaction(plan.join, sink):
+    with join_stage.transaction(plan.join, rt, sink, target):
         return _apply_batch(plan, rt, target, raws, before, known_end, sink, deduped_input)
 
 
@@ -233,9 +234,11 @@ def _apply_batch(
     # log records consumed (read), not offsets passed: compaction leaves gaps in the offsets
     res.events = sum(int(o.get.get("rows") or 0) + int(o.get.get("superseded") or 0) for o in observations)
     wm = watermark(after)
-    if plan.join is not None and batch.table.num_rows:  # a joined row's version is the batch's watermark
+    if plan.join is not None:  # a joined row's version is the batch's watermark, not a change's offset
         t = batch.table
         batch.table = t.set_column(t.schema.get_field_index(VERSION), VERSION, pa.array([wm] * t.num_rows, pa.int64()))
+        batch.where_in_log = None
+        join_stage.before_write(after)  # state kept beside a search/Redis view commits before its rows
     # Sinks without transactions (search, Redis) may refuse single rows: the positions are stored
     # only after the refused rows are in the dead-letter topic, so a crash between the two
     # re-runs the batch (the version guard skips what was written) and loses no dead letter.

@@ -190,13 +190,13 @@ def rebuild(
     except BaseException:
         for name, shadow in shadows.items():
             try:
+                join_drop(plan.join, rt, sinks[name], shadow)
                 sinks[name].drop(shadow)
-                join_drop(plan.join, sinks[name], shadow)
             except Exception:
                 pass
         raise
     for name, sink in sinks.items():
-        join_swap(plan.join, sink, shadows[name])  # plain sink.swap without lookups
+        join_swap(plan.join, rt, sink, shadows[name])  # plain sink.swap without lookups
         live = sink.live(plan.view)
         out[name].rows = sink.count(live) if live is not None else 0
     if mirrors:

@@ -126,8 +126,8 @@ def verify(
             end = new_end
         raise AssertionError("unreachable")
     finally:
+        join_drop(plan.join, rt, sink_, scratch)
         sink_.drop(scratch)
-        join_drop(plan.join, sink_, scratch)
 
 
 def _verify_mirror(

@@ -2,8 +2,9 @@
 
 - ``projections``: ``CustomerTotals`` (orders grouped by customer: count, sum, last order,
   retraction-aware), ``Customers`` (latest row per customer), ``CustomerActivity`` (a
-  custom Python fold); ``ProductSearch`` and ``OrderSearch`` (search indexes),
-  ``CustomerCache`` (Redis);
+  custom Python fold); ``ProductSearch``, ``OrderSearch`` and ``OrderDocuments`` (search
+  indexes; the last joins orders with customers and products), ``CategoryRevenue`` (revenue per
+  product category over a join), ``CustomerCache`` (Redis);
 - ``demo``: ``run_demo()`` runs the whole flow: a PostgreSQL (a private one when none is
   configured), the shop tables with data, ``source add``, ``capture --until-caught-up``,
   ``replay``, and prints the view.
@@ -12,19 +13,23 @@
 """
 
 from examples.shop.projections import (
+    CategoryRevenue,
     CustomerActivity,
     CustomerCache,
     Customers,
     CustomerTotals,
+    OrderDocuments,
     OrderSearch,
     ProductSearch,
 )
 
 __all__ = [
+    "CategoryRevenue",
     "CustomerActivity",
     "CustomerCache",
     "CustomerTotals",
     "Customers",
+    "OrderDocuments",
     "OrderSearch",
     "ProductSearch",
     "run_demo",

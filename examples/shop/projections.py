@@ -7,6 +7,12 @@ Redis caches of the same tables, each declaring its sink (``sinks``) and that si
 - ``ProductSearch`` (search alias ``product_search``): the catalogue, full text on name and
   description (English stemming: "boot" finds "boots"), exact ``category``;
 - ``OrderSearch`` (alias ``order_search``): every order with status, amount and customer;
+- ``OrderDocuments`` (alias ``order_documents``): every order joined with its customer's name and
+  city and its product's name and category (lookups), full text on the product name; a renamed
+  customer or product rewrites every document that carries it;
+- ``CategoryRevenue`` (PostgreSQL view ``category_revenue``): orders and revenue per product
+  category, grouped over orders joined with products (an order whose product moves category
+  moves its revenue);
 - ``CustomerCache`` (Redis view ``customer_cache``, one hash per customer): what a service
   reads with ``kappaflow.projections.sinks.redis.get(client, "customer_cache", 42)``;
 - ``CustomerTotalsCache`` (PostgreSQL view and Redis hashes ``customer_totals_cache``): the
@@ -24,7 +30,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar
 
-from kappaflow.projections import Count, Event, Max, Projection, Sum
+from kappaflow.projections import Count, Event, Lookup, Max, Projection, Sum
 
 
 class CustomerTotals(Projection):
@@ -100,6 +106,49 @@ class OrderSearch(Projection):
     columns = ["id", "customer_id", "product_id", "amount", "status", "created_at"]
     sinks: ClassVar[Sequence[str]] = ("search",)
     sink_options: ClassVar[Mapping[str, Mapping[str, Any]]] = {"search": {"fields": {"status": "keyword"}}}
+
+
+class OrderDocuments(Projection):
+    """Orders as denormalised search documents: the order with its customer's name and city and its
+    product's name and category, always as those rows are now (lookups into customers and products;
+    the join state lives in the PostgreSQL views database, one per index build)."""
+
+    name = "order_documents"
+    sources = ["shop.public.orders"]
+    key = ["id"]
+    columns = ["id", "status", "amount", "created_at", "customer_id", "customer_name", "customer_city",
+               "product_id", "product_name", "product_category"]
+    lookups: ClassVar[Sequence[Lookup]] = [
+        Lookup("customer", "shop.public.customers", on={"customer_id": "id"}, columns=["name", "city"]),
+        Lookup("product", "shop.public.products", on={"product_id": "id"}, columns=["name", "category"]),
+    ]
+    sinks: ClassVar[Sequence[str]] = ("search",)
+    sink_options: ClassVar[Mapping[str, Mapping[str, Any]]] = {
+        "search": {
+            "fields": {
+                "product_name": "text+keyword",  # full text on the product name, exact match on .keyword
+                "customer_name": "text+keyword",
+                "customer_city": "keyword",
+                "product_category": "keyword",
+                "status": "keyword",
+            },
+        },
+    }
+
+
+class CategoryRevenue(Projection):
+    """Orders and revenue per product category (cancelled orders excluded): grouped over orders joined
+    with products, so an order moved to another product, or a product moved to another category,
+    moves its revenue."""
+
+    name = "category_revenue"
+    sources = ["shop.public.orders"]
+    key = ["product_category"]
+    where = "status <> 'cancelled'"
+    lookups: ClassVar[Sequence[Lookup]] = [
+        Lookup("product", "shop.public.products", on={"product_id": "id"}, columns=["category"], how="inner"),
+    ]
+    aggregates = {"orders": Count(), "revenue": Sum("amount")}
 
 
 # --- Redis caches ---------------------------------------------------------------------------------

@@ -73,12 +73,18 @@ class DeclarativeStrategy(FoldStrategy):
         raws = {t: job.counted(df, t) for t, df in raws.items()}
         ev = plan.all_events(raws).observe(obs, F.count(F.when(F.col("_kf_bad"), 1)).alias("bad"))
         latest = plan.latest(ev, deduped=deduped)
+        lookup_dead: list[dict[str, Any]] = []
         if plan.join is not None:  # joined rows as of the end; the target's join state is loaded too
+            positions = {(t, p): o for t, parts in job.end.items() for p, o in parts.items()}
             latest = join_stage.build_stage(
-                plan.join, job.sink, job.target, latest, raws, deduped=deduped, version=job.version
+                plan.join, rt, job.sink, job.target, latest, raws, deduped=deduped, version=job.version,
+                positions=positions, dead=lookup_dead,
             )
         out, located_by = self.load(job, plan.rows(latest))
-        built = Built(loaded=sum(r["_kf_loaded"] or 0 for r in out), dead=dead_rows(out), rows=located_by)
+        if plan.join is not None:
+            located_by = None  # a joined row's version is the build's watermark, not its change's offset
+        built = Built(loaded=sum(r["_kf_loaded"] or 0 for r in out), dead=dead_rows(out) + lookup_dead,
+                      rows=located_by)
         if obs.get.get("bad"):
             built.dead += collect_bad(plan, raws)
         return built
@@ -91,10 +97,12 @@ class DeclarativeStrategy(FoldStrategy):
         bad_metric = plan.cached("bad_metric", lambda: F.count(F.when(F.col("_kf_bad"), 1)).alias("bad"))
         ev = plan.all_events(raws).observe(bad, bad_metric)
         latest = plan.latest(ev, deduped=bool(deduped_input))
+        lookup_dead: list[dict[str, Any]] = []
         if plan.join is not None:  # the batch goes into the join state; the affected joined rows come out
             latest = join_stage.follow_stage(plan.join, rt.spark, sink, target, latest, raws,
-                                             deduped=bool(deduped_input))
+                                             deduped=bool(deduped_input), dead=lookup_dead)
         batch = self.changes(plan, plan.rows(latest))
+        batch.dead += lookup_dead
         batch.bad = bad
         return batch
 

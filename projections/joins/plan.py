@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pyspark.sql import Column as SparkColumn
-from pyspark.sql import DataFrame
+from pyspark.sql import DataFrame, Observation
 from pyspark.sql import functions as F
 from pyspark.sql.types import (
     ByteType,
@@ -236,11 +236,23 @@ class JoinPlan:
         fks = [c for j in ts.children for c in self.lookups[j].fk]
         return list(dict.fromkeys([*ts.columns, *fks]))
 
-    def table_latest(self, ts: TopicState, raw: DataFrame, *, deduped: bool) -> DataFrame:
+    def _bad(self, ts: TopicState) -> SparkColumn:
+        j = F.from_json(F.col("value").cast("string"), envelope_struct(ts.schema))
+        op = F.coalesce(j["payload"]["op"], j["op"])
+        return F.col("value").isNotNull() & (op.isNull() | ~op.isin(*VALID_OPS))
+
+    def bad_records(self, ts: TopicState, raw: DataFrame) -> DataFrame:
+        """A looked-up table's records whose value is not a change event (for the dead letters)."""
+        return raw.where(self._bad(ts)).select("topic", "partition", "offset", "key")
+
+    def table_latest(
+        self, ts: TopicState, raw: DataFrame, *, deduped: bool, observe: Observation | None = None
+    ) -> DataFrame:
         """Latest record per key of a looked-up table: ``k, kb, p, off, deleted, row`` (+ ``fk<j>``).
 
         Same rules as ``Plan.latest``: a tombstone, delete, missing row or malformed latest record
-        means the row is absent."""
+        means the row is absent; `observe` counts the malformed records (``bad``), which the
+        caller sends to the dead letters (``bad_records``)."""
         schema = ts.schema
         j = F.from_json(F.col("value").cast("string"), envelope_struct(schema))
         after = F.coalesce(j["payload"]["after"], j["after"])
@@ -253,8 +265,12 @@ class JoinPlan:
             F.col("partition").alias("p"),
             F.col("offset").alias("off"),
             (tomb | (op == "d") | after.isNull() | bad).alias("deleted"),
+            bad.alias("bad"),
             converted_row(after, schema, self.needed(ts)).alias("full"),
-        ).where(F.col("k").isNotNull())
+        )
+        if observe is not None:
+            ev = ev.observe(observe, F.count(F.when(F.col("bad"), 1)).alias("bad"))
+        ev = ev.where(F.col("k").isNotNull()).drop("bad")
         if not deduped:
             agg = ev.groupBy("k").agg(
                 F.max_by(F.struct("kb", "p", "off", "deleted", "full"), "off").alias("_l")

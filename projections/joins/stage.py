@@ -17,45 +17,327 @@ watermark of the end offsets), as grouped and custom views do.
 from __future__ import annotations
 
 import contextlib
+import contextvars
+import time
+import weakref
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 from typing import Any
 
 import pyarrow as pa
-from pyspark.sql import DataFrame
+from pyspark.sql import DataFrame, Observation
 from pyspark.sql import functions as F
 from pyspark.sql.types import BinaryType, IntegerType, StringType, StructField, StructType
 
 from kappaflow.errors import ConfigError, SinkError
+from kappaflow.projections.folds.base import BAD_REASON
 from kappaflow.projections.joins.plan import JoinPlan
-from kappaflow.projections.joins.state import JoinState
-from kappaflow.projections.sinks.base import Target
+from kappaflow.projections.joins.state import BuildCatalog, JoinState, base_for_target, behind
+from kappaflow.projections.sinks.base import Positions, Target, ViewSpec
+from kappaflow.projections.sinks.errors import SinkStateLostError
 
 
-def _needs_postgres(jp: JoinPlan, sink: Any) -> None:
-    if getattr(sink, "kind", None) != "postgres" or not hasattr(sink, "conn"):
+# --- where a target's join state lives -------------------------------------------------------------
+class StateHome:
+    """Where the join state of a sink's targets lives, and how its commits line up with the sink's
+    (two homes, picked by the sink's capabilities, never its kind):
+
+    - ``InSinkTransaction``: the sink has a views-database transaction covering its own rows and
+      positions (``Sink.state_connection``: PostgreSQL). State, rows and positions commit together.
+    - ``BesideBuilds``: a store with builds (``Sink.build_of``: search indexes, Redis namespaces)
+      and no transaction shared with PostgreSQL. The state lives in the views database, one per
+      build (``state.BuildCatalog``), and commits BEFORE the store's rows and positions are
+      written. A crash in between leaves the state ahead of the store: the batch is read again
+      from the store's positions, its state changes are no-ops (each state row is guarded by the
+      offset of its change), the same driving keys are affected (the batch's own and the fan-out
+      of its looked-up changes, found under the state) and their joined rows come from that state,
+      so the re-run writes what the first run would have, and the store converges (its writes are
+      version-guarded). A swap moves the state with the build; a lost build loses its state."""
+
+    def __init__(self, jp: JoinPlan, sink: Any) -> None:
+        self.jp = jp
+        self.sink = sink
+
+    def begin_build(self, target: Target, positions: Positions) -> JoinState:
+        """Fresh, empty state for a build of `target` folded up to `positions` (inside ``build``)."""
+        raise NotImplementedError
+
+    def build(self) -> contextlib.AbstractContextManager[Any]:
+        """The transaction a replay's state load runs in."""
+        raise NotImplementedError
+
+    def follow_state(self, target: Target, before: Positions) -> JoinState:
+        """The state a batch of `target` starting at `before` folds into (created for a new view;
+        inside the batch's transaction)."""
+        raise NotImplementedError
+
+    @contextlib.contextmanager
+    def batch(self) -> Iterator[None]:
+        yield
+
+    def before_write(self, target: Target, after: Positions) -> None:
+        """The batch's state changes are final: called before the sink writes rows and positions."""
+
+    def swap(self, shadow: Target) -> Target:
+        raise NotImplementedError
+
+    def drop(self, target: Target) -> None:
+        raise NotImplementedError
+
+
+class InSinkTransaction(StateHome):
+    """The state in the sink's own transaction (``Sink.state_connection``), named per target table."""
+
+    def __init__(self, jp: JoinPlan, sink: Any, conn: Any) -> None:
+        super().__init__(jp, sink)
+        self.conn = conn
+
+    def state(self, target: Target) -> JoinState:
+        schema = str(target.view.namespace or getattr(self.sink, "default_schema", "public"))
+        return JoinState(self.conn, base_for_target(schema, target), self.jp)
+
+    def build(self) -> contextlib.AbstractContextManager[Any]:
+        return self.conn.transaction()
+
+    def begin_build(self, target: Target, positions: Positions) -> JoinState:
+        state = self.state(target)
+        state.create()
+        return state
+
+    @contextlib.contextmanager
+    def batch(self) -> Iterator[None]:
+        with self.conn.transaction():  # the sink's write becomes a savepoint in it
+            yield
+
+    def follow_state(self, target: Target, before: Positions) -> JoinState:
+        state = self.state(target)
+        if not state.exists():
+            if any(before.values()):
+                raise SinkError(
+                    f"view {target.view.name!r} has stored positions but no join state "
+                    f"({state.table(0)} ... in schema kappaflow): rebuild it with `kappaflow replay`"
+                )
+            state.create()
+        elif not any(before.values()):
+            state.truncate()  # a new, empty view folds the log from its start: so does its state
+        return state
+
+    def swap(self, shadow: Target) -> Target:
+        live = Target(shadow.view, shadow.view.name)
+        with self.conn.transaction():
+            out = self.sink.swap(shadow)
+            self.state(live).replace(self.state(shadow))
+        return out
+
+    def drop(self, target: Target) -> None:
+        with self.conn.transaction():
+            self.state(target).drop()
+
+
+_CONNECTIONS: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
+
+
+class BesideBuilds(StateHome):
+    """The state in the views database beside a store with builds (see ``StateHome``)."""
+
+    def __init__(self, jp: JoinPlan, sink: Any, dsn: str) -> None:
+        super().__init__(jp, sink)
+        self.conn = self._connection(sink, dsn)
+        self.catalog = BuildCatalog(self.conn)
+        self.catalog.ensure()
+        self._tx: contextlib.ExitStack | None = None
+
+    @staticmethod
+    def _connection(sink: Any, dsn: str) -> Any:
+        """One connection per sink object (a follower's batches run on their own sink), closed with it."""
+        import psycopg
+
+        conn = _CONNECTIONS.get(sink)
+        if conn is None or conn.closed or conn.broken:
+            try:
+                conn = psycopg.connect(dsn, autocommit=True)
+            except psycopg.Error as exc:
+                raise SinkError(f"join state: connecting to the views database: {exc}".splitlines()[0]) from None
+            _CONNECTIONS[sink] = conn
+            weakref.finalize(sink, conn.close)
+        return conn
+
+    def _build(self, target: Target) -> str:
+        build = self.sink.build_of(target)
+        if build is None:
+            raise SinkStateLostError(
+                f"{self.sink.kind} sink: view {target.view.name!r} has no build (lost?); its join state goes with "
+                "it: rebuilding from the log"
+            )
+        return str(build)
+
+    def build(self) -> contextlib.AbstractContextManager[Any]:
+        return self.conn.transaction()
+
+    def begin_build(self, target: Target, positions: Positions) -> JoinState:
+        self.cleanup(target.view)
+        build = self._build(target)
+        state = JoinState(self.conn, self.catalog.register(self.sink.kind, target.view.name, build), self.jp)
+        state.create()
+        self.catalog.set_positions(self.sink.kind, target.view.name, build, dict(positions))
+        return state
+
+    @contextlib.contextmanager
+    def batch(self) -> Iterator[None]:
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(self.conn.transaction())
+            self._tx = stack
+            try:
+                yield
+            finally:
+                self._tx = None
+
+    def follow_state(self, target: Target, before: Positions) -> JoinState:
+        kind, view, build = self.sink.kind, target.view.name, self._build(target)
+        entry = self.catalog.get(kind, view, build)
+        if entry is None:
+            if any(before.values()):
+                raise SinkStateLostError(
+                    f"{kind} sink: view {view!r} (build {build}) has stored positions but no join state in the "
+                    "views database: rebuilding it from the log"
+                )
+            self.cleanup(target.view)
+            state = JoinState(self.conn, self.catalog.register(kind, view, build), self.jp)
+            state.create()
+            return state
+        base, folded = entry
+        state = JoinState(self.conn, base, self.jp)
+        if not state.exists():
+            raise SinkStateLostError(
+                f"{kind} sink: view {view!r} (build {build}): its join state tables are gone: rebuilding from the log"
+            )
+        if not any(before.values()):
+            state.truncate()  # the build starts from the log's start: so does its state
+            self.catalog.set_positions(kind, view, build, {})
+            return state
+        lag = behind(folded, dict(before))
+        if lag:
+            raise SinkStateLostError(
+                f"{kind} sink: view {view!r} (build {build}): the join state is behind the view's positions "
+                f"({'; '.join(lag[:3])}; restored from an older backup?): rebuilding from the log"
+            )
+        return state
+
+    def before_write(self, target: Target, after: Positions) -> None:
+        """Record the state's positions and commit it: rows and positions of the store come after."""
+        kind, view, build = self.sink.kind, target.view.name, self._build(target)
+        entry = self.catalog.get(kind, view, build)
+        folded = dict(entry[1]) if entry else {}
+        for tp, o in after.items():
+            folded[tp] = max(folded.get(tp, 0), o)
+        self.catalog.set_positions(kind, view, build, folded)
+        if self._tx is not None:
+            tx, self._tx = self._tx, None
+            tx.close()  # commits
+
+    def swap(self, shadow: Target) -> Target:
+        out = self.sink.swap(shadow)  # the state belongs to the build: it moves with it
+        self.cleanup(shadow.view)
+        return out
+
+    def drop(self, target: Target) -> None:
+        build = self.sink.build_of(target)
+        if build is not None:
+            self._forget(target.view.name, str(build))
+
+    def _forget(self, view: str, build: str) -> None:
+        entry = self.catalog.get(self.sink.kind, view, build)
+        with self.conn.transaction():
+            if entry is not None:
+                JoinState(self.conn, entry[0], self.jp).drop()
+            self.catalog.forget(self.sink.kind, view, build)
+
+    def cleanup(self, view: ViewSpec) -> None:
+        """Drop the state of builds the store no longer holds (swapped out, lost, a killed verify's).
+        The catalog is read before the store's builds: a build registered meanwhile is not touched."""
+        entries = self.catalog.entries(self.sink.kind, view.name)
+        if not entries:
+            return
+        alive = self.sink.builds(view) or set()
+        for build, _ in entries:
+            if build not in alive:
+                self._forget(view.name, build)
+
+
+def home_for(jp: JoinPlan, rt: Any, sink: Any, view: ViewSpec) -> StateHome:
+    """The home of `sink`'s join state (by its capabilities)."""
+    conn = sink.state_connection()
+    if conn is not None:
+        return InSinkTransaction(jp, sink, conn)
+    if sink.builds(view) is None:
         raise ConfigError(
-            f"projection {jp.projection!r}: a projection with lookups keeps its join state in the PostgreSQL "
-            f"views database, in the transaction of the view rows; it cannot be folded into the "
-            f"{getattr(sink, 'kind', sink)!r} sink"
+            f"projection {jp.projection!r}: the {sink.kind} sink has neither a transaction shared with the views "
+            "database nor builds to key join state by; a projection with lookups cannot be folded into it"
         )
+    dsn = getattr(rt, "dsn", None)
+    if not dsn:
+        raise ConfigError(
+            f"projection {jp.projection!r}: a projection with lookups keeps its join state in the PostgreSQL views "
+            f"database, also for its {sink.kind} view: set views.postgres.dsn (kappaflow.toml [views.postgres] or "
+            "KAPPAFLOW_VIEWS__POSTGRES__DSN)"
+        )
+    return BesideBuilds(jp, sink, dsn)
 
 
-def state_for(jp: JoinPlan, sink: Any, target: Target) -> JoinState:
-    _needs_postgres(jp, sink)
-    schema = target.view.namespace or sink.default_schema
-    return JoinState(sink.conn, schema, target, jp)
+@dataclass
+class _Batch:
+    home: StateHome
+    target: Target
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+_ACTIVE: contextvars.ContextVar[_Batch | None] = contextvars.ContextVar("kappaflow_join_batch", default=None)
 
 
 @contextlib.contextmanager
-def transaction(jp: JoinPlan | None, sink: Any) -> Iterator[None]:
-    """One transaction around a batch's join-state update and the sink's write (whose own
-    transaction becomes a savepoint in it), so state, view rows and positions commit together."""
+def transaction(jp: JoinPlan | None, rt: Any, sink: Any, target: Target) -> Iterator[None]:
+    """The join state's transaction around a batch (``engine.apply_batch``): with the sink's own
+    (PostgreSQL: state, view rows and positions commit together), or the state's, committed by
+    ``before_write`` before the sink writes (search, Redis)."""
     if jp is None:
         yield
         return
-    _needs_postgres(jp, sink)
-    with sink.conn.transaction():
-        yield
+    home = home_for(jp, rt, sink, target.view)
+    with home.batch():
+        token = _ACTIVE.set(_Batch(home, target))
+        try:
+            yield
+        finally:
+            _ACTIVE.reset(token)
+
+
+def before_write(after: Positions) -> None:
+    """The batch's positions are known and its rows are about to be written (``engine``)."""
+    b = _ACTIVE.get()
+    if b is not None:
+        b.home.before_write(b.target, after)
+
+
+def _observers(jp: JoinPlan, raws: dict[str, DataFrame]) -> dict[int, Observation]:
+    return {ts.index: Observation(f"kf_jbad_{jp.projection}_{ts.index}_{time.monotonic_ns()}")
+            for ts in jp.topics[1:] if ts.topic in raws}
+
+
+def _dead_letters(jp: JoinPlan, raws: dict[str, DataFrame], observed: dict[int, Observation]) -> list[dict[str, Any]]:
+    """Malformed records of the looked-up tables (the join counts them as deletes of their row, as the
+    folds do for the driving table's): dead letters with the reason and their position."""
+    out: list[dict[str, Any]] = []
+    for ti, obs in observed.items():
+        if not obs.get.get("bad"):
+            continue
+        ts = jp.topics[ti]
+        names = [lp.name for lp in jp.lookups if lp.topic_index == ti]
+        reason = (f"{BAD_REASON}; a record of {ts.topic}, looked up by {names}: the join counts it as a delete "
+                  "of that row")
+        for r in jp.bad_records(ts, raws[ts.topic]).collect():
+            out.append({"topic": r["topic"], "partition": r["partition"], "offset": r["offset"], "key": r["key"],
+                        "reason": reason})
+    return out
 
 
 def _head(version: Any) -> list[Any]:
@@ -65,6 +347,7 @@ def _head(version: Any) -> list[Any]:
 # --- replay --------------------------------------------------------------------------------------
 def build_stage(
     jp: JoinPlan,
+    rt: Any,
     sink: Any,
     target: Target,
     latest: DataFrame,
@@ -72,16 +355,21 @@ def build_stage(
     *,
     deduped: bool,
     version: int,
+    positions: Positions,
+    dead: list[dict[str, Any]],
 ) -> DataFrame:
-    """Joined rows as of the replay's end; fills the target's join state from the same frames."""
+    """Joined rows as of the replay's end (`positions`); fills the target's join state from the same
+    frames, committed before the rows are loaded. Malformed looked-up records go to `dead`."""
+    observed = _observers(jp, raws)
     tables = {
-        ts.index: jp.table_latest(ts, raws[ts.topic], deduped=deduped).where(~F.col("deleted"))
+        ts.index: jp.table_latest(ts, raws[ts.topic], deduped=deduped, observe=observed[ts.index])
+        .where(~F.col("deleted"))
         for ts in jp.topics[1:]
     }
-    state = state_for(jp, sink, target)
+    home = home_for(jp, rt, sink, target.view)
     try:
-        with sink.conn.transaction():
-            state.create()
+        with home.build():
+            state = home.begin_build(target, positions)
             drv = jp.driving_latest(latest).where(~F.col("deleted"))
             for ts in jp.topics:
                 frame = drv if ts.index == 0 else tables[ts.index]
@@ -94,6 +382,7 @@ def build_stage(
         if isinstance(exc, (SinkError, ConfigError)):
             raise
         raise SinkError(f"loading the join state of view {target.view.name!r}: {exc}") from None
+    dead += _dead_letters(jp, raws, observed)
     df = latest.select(
         "*", *[jp.fk_column(lp, F.col("_kf_row")).alias(f"_kf_fk{lp.index}") for lp in jp.lookups if lp.parent is None]
     )
@@ -116,24 +405,19 @@ def build_stage(
     )
 
 
-def swap(jp: JoinPlan | None, sink: Any, shadow: Target) -> Target:
-    """``sink.swap(shadow)`` and, for a join, the shadow's join state becomes the live one in the
-    same transaction."""
+def swap(jp: JoinPlan | None, rt: Any, sink: Any, shadow: Target) -> Target:
+    """``sink.swap(shadow)`` and, for a join, the shadow's join state becomes the live one (in the
+    same transaction, or by belonging to the build the swap makes live)."""
     if jp is None:
         return sink.swap(shadow)
-    live = Target(shadow.view, shadow.view.name)
-    with sink.conn.transaction():
-        out = sink.swap(shadow)
-        state_for(jp, sink, live).replace(state_for(jp, sink, shadow))
-    return out
+    return home_for(jp, rt, sink, shadow.view).swap(shadow)
 
 
-def drop(jp: JoinPlan | None, sink: Any, target: Target) -> None:
+def drop(jp: JoinPlan | None, rt: Any, sink: Any, target: Target) -> None:
     """Drop a target's join state (a shadow or verify scratch that is dropped itself)."""
-    if jp is None or getattr(sink, "kind", None) != "postgres":
+    if jp is None:
         return
-    with sink.conn.transaction():
-        state_for(jp, sink, target).drop()
+    home_for(jp, rt, sink, target.view).drop(target)
 
 
 # --- follow --------------------------------------------------------------------------------------
@@ -149,21 +433,16 @@ def follow_stage(
     raws: dict[str, DataFrame],
     *,
     deduped: bool,
+    dead: list[dict[str, Any]],
 ) -> DataFrame:
     """Apply the batch to the join state and return the joined rows of every affected driving key.
-    Must run inside ``transaction``."""
-    state = state_for(jp, sink, target)
-    before = sink.read_positions(target)
-    if not state.exists():
-        if any(before.values()):
-            raise SinkError(
-                f"view {target.view.name!r} has stored positions but no join state "
-                f"({state.table(0)} ... in schema kappaflow): rebuild it with `kappaflow replay`"
-            )
-        state.create()
-    elif not any(before.values()):
-        state.truncate()  # a new, empty view folds the log from its start: so does its state
+    Must run inside ``transaction``. Malformed looked-up records go to `dead`."""
+    b = _ACTIVE.get()
+    if b is None:
+        raise SinkError(f"projection {jp.projection!r}: a join batch runs inside joins.stage.transaction()")
+    state = b.home.follow_state(target, sink.read_positions(target))
     n = len(jp.lookups)
+    observed = _observers(jp, raws)
     frames = []
     for ts in jp.topics:
         raw = raws.get(ts.topic)
@@ -172,7 +451,7 @@ def follow_stage(
         elif raw is None:
             continue
         else:
-            base = jp.table_latest(ts, raw, deduped=deduped)
+            base = jp.table_latest(ts, raw, deduped=deduped, observe=observed[ts.index])
         frames.append(
             base.select(
                 F.lit(ts.index).alias("ti"), "k", "kb", "p", "off", "deleted",
@@ -187,6 +466,7 @@ def follow_stage(
     for f in frames[1:]:
         changes = changes.unionByName(f)
     tbl = changes.toArrow()
+    dead += _dead_letters(jp, raws, observed)
     joined = state.apply(tbl)
     schema = StructType(
         [StructField("k", StringType()), StructField("kb", BinaryType()), StructField("p", IntegerType()),
@@ -217,4 +497,7 @@ def _arrow(schema: StructType) -> pa.Schema:
     return pa.schema([pa.field(f.name, kinds[f.dataType.simpleString()]) for f in schema.fields])
 
 
-__all__ = ["build_stage", "drop", "follow_stage", "state_for", "swap", "transaction"]
+__all__ = [
+    "BesideBuilds", "InSinkTransaction", "StateHome", "before_write", "build_stage", "drop", "follow_stage",
+    "home_for", "swap", "transaction",
+]

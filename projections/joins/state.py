@@ -38,8 +38,7 @@ def _q(name: str) -> Any:
     return sql.Identifier(name)
 
 
-def _table_name(schema: str, target: Target, index: int) -> str:
-    base = f"join__{schema}__{target.name}"
+def _table_name(base: str, index: int) -> str:
     suffix = f"__t{index}"
     name = base + suffix
     if len(name.encode()) <= _MAX_IDENT:
@@ -49,17 +48,21 @@ def _table_name(schema: str, target: Target, index: int) -> str:
     return base.encode()[:keep].decode(errors="ignore") + "_" + digest + suffix
 
 
-class JoinState:
-    """The join state tables of one view target on one psycopg connection (the sink's)."""
+def base_for_target(schema: str, target: Target) -> str:
+    """Table name base of the state kept in a PostgreSQL sink's transaction: per (schema, target table)."""
+    return f"join__{schema}__{target.name}"
 
-    def __init__(self, conn: Any, schema: str, target: Target, jp: JoinPlan) -> None:
+
+class JoinState:
+    """The join state tables of one view target (named from `base`) on one psycopg connection."""
+
+    def __init__(self, conn: Any, base: str, jp: JoinPlan) -> None:
         self.conn = conn
-        self.schema = schema
-        self.target = target
+        self.base = base
         self.jp = jp
 
     def table(self, ts: TopicState | int) -> str:
-        return _table_name(self.schema, self.target, ts if isinstance(ts, int) else ts.index)
+        return _table_name(self.base, ts if isinstance(ts, int) else ts.index)
 
     def rel(self, ts: TopicState | int) -> Any:
         from psycopg import sql
@@ -247,4 +250,94 @@ class JoinState:
         return list(reversed(out))
 
 
-__all__ = ["JoinState"]
+
+
+# --- state beside a store without a shared transaction (search, Redis) ------------------------------
+CATALOG = "join_builds"
+
+
+class BuildCatalog:
+    """Which join state belongs to which build of a document store, and up to where it is folded.
+
+    ``kappaflow.join_builds`` (sink kind, view, build) -> the state tables' name base and the
+    positions the state has folded (``[[topic, partition, next offset], ...]``), updated in the
+    state's transaction. A store without a transaction shared with PostgreSQL gets its rows and
+    positions written AFTER the state commits, so the state is never behind the store's positions
+    unless something lost it (a restored backup): ``behind`` tells, and the view is rebuilt."""
+
+    def __init__(self, conn: Any) -> None:
+        self.conn = conn
+
+    def _rel(self) -> Any:
+        from psycopg import sql
+
+        return sql.SQL("{}.{}").format(_q(KF_SCHEMA), _q(CATALOG))
+
+    def ensure(self) -> None:
+        from psycopg import sql
+
+        with self.conn.transaction():  # concurrent first uses: one creates, the others wait for it
+            self.conn.execute("SELECT pg_advisory_xact_lock(hashtext('kappaflow.join_builds'))")
+            self.conn.execute(sql.SQL("CREATE SCHEMA IF NOT EXISTS {}").format(_q(KF_SCHEMA)))
+            self.conn.execute(sql.SQL(
+                "CREATE TABLE IF NOT EXISTS {} (sink text NOT NULL, view text NOT NULL, build text NOT NULL, "
+                "base text NOT NULL, positions jsonb NOT NULL DEFAULT '[]', PRIMARY KEY (sink, view, build))"
+            ).format(self._rel()))
+
+    def get(self, sink: str, view: str, build: str) -> tuple[str, dict[tuple[str, int], int]] | None:
+        from psycopg import sql
+
+        row = self.conn.execute(
+            sql.SQL("SELECT base, positions FROM {} WHERE sink = %s AND view = %s AND build = %s").format(self._rel()),
+            (sink, view, build),
+        ).fetchone()
+        if row is None:
+            return None
+        return row[0], {(t, int(p)): int(o) for t, p, o in row[1]}
+
+    def register(self, sink: str, view: str, build: str) -> str:
+        """The state base of a new build (positions empty); an entry left for the build is reset."""
+        from psycopg import sql
+
+        base = f"join__{sink}__{view}__{build}"
+        self.conn.execute(
+            sql.SQL("INSERT INTO {} (sink, view, build, base) VALUES (%s, %s, %s, %s) ON CONFLICT (sink, view, build) "
+                    "DO UPDATE SET base = excluded.base, positions = '[]'").format(self._rel()),
+            (sink, view, build, base),
+        )
+        return base
+
+    def set_positions(self, sink: str, view: str, build: str, positions: dict[tuple[str, int], int]) -> None:
+        from psycopg import sql
+        from psycopg.types.json import Jsonb
+
+        value = Jsonb([[t, p, o] for (t, p), o in sorted(positions.items())])
+        self.conn.execute(
+            sql.SQL("UPDATE {} SET positions = %s WHERE sink = %s AND view = %s AND build = %s").format(self._rel()),
+            (value, sink, view, build),
+        )
+
+    def entries(self, sink: str, view: str) -> list[tuple[str, str]]:
+        from psycopg import sql
+
+        return [(r[0], r[1]) for r in self.conn.execute(
+            sql.SQL("SELECT build, base FROM {} WHERE sink = %s AND view = %s ORDER BY build").format(self._rel()),
+            (sink, view),
+        ).fetchall()]
+
+    def forget(self, sink: str, view: str, build: str) -> None:
+        from psycopg import sql
+
+        self.conn.execute(
+            sql.SQL("DELETE FROM {} WHERE sink = %s AND view = %s AND build = %s").format(self._rel()),
+            (sink, view, build),
+        )
+
+
+def behind(state: dict[tuple[str, int], int], store: dict[tuple[str, int], int]) -> list[str]:
+    """Partitions where the store's positions are past what the state has folded ("topic[p]: a < b")."""
+    return [f"{t}[{p}]: state {state.get((t, p), 0)} < view {o}" for (t, p), o in sorted(store.items())
+            if o > state.get((t, p), 0)]
+
+
+__all__ = ["CATALOG", "BuildCatalog", "JoinState", "base_for_target", "behind"]

@@ -23,8 +23,12 @@ Every sink keeps the same guarantees:
    ``ViewSchemaMismatch`` (naming the columns) otherwise.
 
 Capabilities the engine asks for (never a sink's ``kind``): ``positions_with_rows``,
-``load_batches`` (a bulk load that reports the rows it refused) and ``grouped_state``
-(the keyed state and group recompute a grouped fold needs, ``GroupedStateStore``).
+``load_batches`` (a bulk load that reports the rows it refused), ``grouped_state``
+(the keyed state and group recompute a grouped fold needs, ``GroupedStateStore``),
+``state_connection`` (a views-database connection whose transaction covers the sink's own
+writes: state kept there commits with the rows) and ``build_of`` / ``builds`` (the physical
+build a target lives in, for state kept beside a store without such a transaction; the
+join stage, ``kappaflow.projections.joins``, uses these two).
 
 Sinks are opened on the driver and, for replays and custom folds, inside Spark
 executors: ``Sink.config()`` returns a small picklable `SinkConfig` (the kind, its registered
@@ -287,6 +291,24 @@ class Sink(abc.ABC):
     def grouped_state(self) -> GroupedStateStore | None:
         """The keyed-state capability a grouped fold needs (``GroupedStateStore``), None when the store
         has none (its view of a grouped projection is then a mirror)."""
+        return None
+
+    def state_connection(self) -> Any | None:
+        """A psycopg connection to the views database whose transaction also covers this sink's rows and
+        positions (PostgreSQL: the sink's own), so state a fold keeps there commits with them; None for
+        stores without one (their state lives beside them, per build: ``build_of``)."""
+        return None
+
+    def build_of(self, target: Target) -> str | None:
+        """The build (one physical copy of a view: an index, a key namespace) `target` writes to now;
+        it changes only when a swap replaces it or the store lost it. None: the store has no builds, or
+        the target's build is gone. State kept outside the store is keyed by it, so a swap moves the
+        state with the rows and positions, and a lost build loses its state too."""
+        return None
+
+    def builds(self, view: ViewSpec) -> set[str] | None:
+        """Every build of `view` the store holds now (live, shadows, verify scratches); None when the
+        store has no builds. State of a build not listed belongs to nothing and may be dropped."""
         return None
 
     # --- configuration ------------------------------------------------------------------

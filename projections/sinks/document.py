@@ -182,6 +182,10 @@ class DocumentSink(Sink):
     def _write_positions(self, view: ViewSpec, home: str, positions: Positions) -> None:
         """Store `positions` at the build, never moving one back."""
 
+    def build_of(self, target: Target) -> str | None:
+        """The build a target writes to (where its positions live): state kept beside the store is keyed by it."""
+        return self._positions_home(target)
+
     def read_positions(self, target: Target) -> dict[TopicPartition, int]:
         """Stored next offsets of the target's build; {} when there is none (or it was lost), which
         makes the runner replay from the start of the log."""

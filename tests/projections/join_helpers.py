@@ -28,11 +28,12 @@ def schemas(source: str) -> dict[str, TableSchema]:
     }
 
 
-def order_docs(source: str, how: str = "left", name: str | None = None) -> type[Projection]:
+def order_docs(source: str, how: str = "left", name: str | None = None,
+               sinks: tuple[str, ...] = ("postgres",)) -> type[Projection]:
     """Orders + customer name/city + product title + the product's category name (a chain)."""
     t = f"{source}.public."
     return type("OrderDocs", (Projection,), {
-        "name": name or "jd_" + uuid.uuid4().hex[:8], "sources": [t + "orders"], "key": ["id"],
+        "name": name or "jd_" + uuid.uuid4().hex[:8], "sources": [t + "orders"], "key": ["id"], "sinks": sinks,
         "derive": {"label": "concat_ws(' / ', customer_name, product_title)"},
         "lookups": [
             Lookup("customer", t + "customers", on={"customer_id": "id"}, columns=["name", "city"], how=how),

@@ -79,9 +79,10 @@ def _norm(v: Any) -> Any:
     return v
 
 
-def _view(rt: Runtime, proj: type[Projection], cols: tuple[str, ...]) -> dict[tuple[Any, ...], Any]:
+def _view(rt: Runtime, proj: type[Projection], cols: tuple[str, ...], sink_name: str | None = None,
+          ) -> dict[tuple[Any, ...], Any]:
     spec = as_spec(proj)
-    sink = rt.sink
+    sink = rt.sinks[sink_name] if sink_name else rt.sink
     live = sink.live(prepare(spec, rt).view)
     assert live is not None, f"{spec.name}: no live view"
     return {tuple(r[k] for k in spec.key): {c: _norm(r.get(c)) for c in cols} for r in sink.scan(live)}
@@ -391,3 +392,51 @@ def test_follower_killed_with_sigkill_during_fan_out_equals_a_fresh_replay(jrt: 
     assert followed == _want(ref_docs(shop.rows), DOC_COLS), _diff(followed, _want(ref_docs(shop.rows), DOC_COLS))
     replay(proj, rt)
     assert _view(rt, proj, DOC_COLS) == followed
+
+
+# --- malformed records of looked-up tables -------------------------------------------------------------
+def test_malformed_looked_up_records_go_to_the_dead_letters_with_their_position(jrt: Any) -> None:
+    """A looked-up table's record that is not a change event counts as a delete of its row (the rule of
+    the driving table) and goes to the dead-letter topic with the reason and its position, in replay
+    and in follow."""
+    from kappaflow.log.base import Record
+    from kappaflow.projections.deadletter import read_dead_letters
+    from kappaflow.projections.engine import apply_range, nest
+
+    rt, log = jrt
+    source = "m" + uuid.uuid4().hex[:7]
+    shop = Shop(log, source)
+    _seed(shop)
+    cw = shop.w["customers"]
+
+    def malformed(cid: int) -> None:
+        kb = cw.codec.encode_key({"id": cid}, cw.schema)
+        log.append(cw.topic, [Record(kb, b'{"op": "x", "after": {"id": 1}}')])
+        cw.rows.pop((cid,))  # the join counts it as a delete
+
+    malformed(1)
+    docs = order_docs(source)
+    res = replay(docs, rt)
+    assert res.dead_letters == 1
+    assert _view(rt, docs, DOC_COLS) == _want(ref_docs(shop.rows), DOC_COLS)
+    malformed(2)
+    shop.w["orders"].update((1,), {"status": "paid"})
+    shop.flush()
+    spec = as_spec(docs)
+    plan = prepare(spec, rt)
+    live = rt.sink.live(plan.view)
+    assert live is not None
+    parts = {t: log.partitions(t) for t in spec.topics}
+    batch = apply_range(plan, rt, live, nest(rt.sink.read_positions(live), spec.topics, parts),
+                        rt.end_offsets(spec.topics))
+    assert batch.dead_letters == 1
+    assert _view(rt, docs, DOC_COLS) == _want(ref_docs(shop.rows), DOC_COLS)
+    dead = read_dead_letters(rt.log_url, {}, spec.name)
+    assert len(dead) == 2, dead
+    keys = set()
+    for d in dead:
+        assert d["topic"] == cw.topic and "not a change event" in d["reason"] and "['customer']" in d["reason"], d
+        rec = log.read(cw.topic, d["partition"], d["offset"], 1)[0]  # the position names the record exactly
+        assert rec.offset == d["offset"] and rec.value.startswith(b'{"op": "x"')
+        keys.add(rec.key)
+    assert keys == {cw.codec.encode_key({"id": cid}, cw.schema) for cid in (1, 2)}

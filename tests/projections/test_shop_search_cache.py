@@ -28,7 +28,14 @@ import pytest
 from psycopg.rows import dict_row
 
 from examples.shop.demo import SHOP_TABLES, seed
-from examples.shop.projections import CustomerCache, CustomerTotalsCache, OrderSearch, ProductSearch
+from examples.shop.projections import (
+    CategoryRevenue,
+    CustomerCache,
+    CustomerTotalsCache,
+    OrderDocuments,
+    OrderSearch,
+    ProductSearch,
+)
 from kappaflow.config import LogConfig, PostgresSourceConfig, Settings, SparkConfig, ViewsConfig
 from kappaflow.connectors.base import StopSignal
 from kappaflow.connectors.postgres import PostgresConnector
@@ -121,7 +128,7 @@ def shop(pg_server: Any, spark: Any, search_server: Any, redis_server: Any, tmp_
     world = Shop(source_dsn, tmp_path / "log", slot=f"kf_shop_{suffix}", rt=rt, config=tmp_path / "kappaflow.toml")
     try:
         assert sorted(rt.sinks) == ["postgres", "redis", "search"]
-        for cls in (ProductSearch, OrderSearch, CustomerCache, CustomerTotalsCache):
+        for cls in (ProductSearch, OrderSearch, CustomerCache, CustomerTotalsCache, OrderDocuments, CategoryRevenue):
             world.projections[cls.__name__] = _unique(cls, suffix)
         yield world
     finally:
@@ -336,3 +343,68 @@ def test_shop_customer_totals_reach_redis(shop: Shop, redis_server: Any, tmp_pat
     after = _check_totals(shop, redis_server)
     assert 2 in before and 2 not in after
     assert after[4]["orders"] == before[4]["orders"] + 1
+
+
+DOC_COLUMNS = ("id", "status", "amount", "created_at", "customer_id", "customer_name", "customer_city", "product_id",
+               "product_name", "product_category")
+
+
+def _check_joins(shop: Shop) -> None:
+    """OrderDocuments (search) and CategoryRevenue (PostgreSQL) equal SQL joins of the source tables."""
+    with psycopg.connect(shop.source_dsn, row_factory=dict_row) as conn:
+        docs = {r["id"]: r for r in conn.execute(
+            "SELECT o.id, o.status, o.amount, o.created_at, o.customer_id, c.name AS customer_name, "
+            "c.city AS customer_city, o.product_id, p.name AS product_name, p.category AS product_category "
+            "FROM public.orders o LEFT JOIN public.customers c ON c.id = o.customer_id "
+            "LEFT JOIN public.products p ON p.id = o.product_id").fetchall()}
+        revenue = {r["product_category"]: r for r in conn.execute(
+            "SELECT p.category AS product_category, count(*) AS orders, sum(o.amount) AS revenue "
+            "FROM public.orders o JOIN public.products p ON p.id = o.product_id WHERE o.status <> 'cancelled' "
+            "GROUP BY p.category").fetchall()}
+    sink, target = shop.live("OrderDocuments")
+    assert _view_rows(sink, target) == docs
+    pg = shop.rt.sinks["postgres"]
+    view = prepare(as_spec(shop.projections["CategoryRevenue"]), shop.rt).view
+    live = pg.live(view)
+    assert live is not None
+    assert _view_rows(pg, live, "product_category") == revenue
+
+
+def test_shop_order_documents_and_category_revenue_join_the_tables(shop: Shop, search_server: Any,
+                                                                   tmp_path: Path) -> None:
+    seed(shop.source_dsn, customers=6, orders=40)
+    with psycopg.connect(shop.source_dsn) as conn:  # at least one order of the boots
+        conn.execute("INSERT INTO public.orders (id, customer_id, product_id, amount) "
+                     "SELECT 1000, 3, id, price FROM public.products WHERE name = 'Leather boots'")
+    shop.capture()
+    for name in ("OrderDocuments", "CategoryRevenue"):
+        replay(shop.projections[name], shop.rt)
+    _check_joins(shop)
+    alias = _alias(shop, "OrderDocuments")
+    boots = _search(search_server, alias, {"match": {"product_name": "boots"}})  # full text on the product name
+    assert boots and {h["product_name"] for h in boots} == {"Leather boots"}
+
+    with psycopg.connect(shop.source_dsn) as conn:
+        conn.execute("UPDATE public.customers SET name = 'Ada Lovelace', city = 'London' WHERE id = 1")  # fan-out
+        conn.execute("UPDATE public.products SET name = 'Leather hiking boots', category = 'footwear' "
+                     "WHERE name = 'Leather boots'")  # fan-out; revenue moves category
+        conn.execute("UPDATE public.orders SET customer_id = 1 WHERE id IN (SELECT max(id) FROM public.orders)")
+        conn.execute("DELETE FROM public.orders WHERE customer_id = 2")
+        conn.execute("DELETE FROM public.customers WHERE id = 2")
+    assert shop.capture() > 0
+    group = [Follower(shop.projections[n], shop.rt, trigger="0.2s", checkpoint=str(tmp_path / f"follow-{n}"))
+             for n in ("OrderDocuments", "CategoryRevenue")]
+    try:
+        for f in group:
+            f.start()
+        for f in group:
+            assert f.wait_for(lambda _s, f=f: f.caught_up(), timeout=180), f"{f.spec.name}: not caught up in 180 s"
+    finally:
+        for f in group:
+            f.stop()
+    _check_joins(shop)
+    hits = _search(search_server, alias, {"match": {"product_name": "hiking"}})
+    assert hits and {(h["product_name"], h["product_category"]) for h in hits} == {
+        ("Leather hiking boots", "footwear")}
+    ada = _search(search_server, alias, {"term": {"customer_city": "London"}})
+    assert ada and {h["customer_name"] for h in ada} == {"Ada Lovelace"}

@@ -90,6 +90,10 @@ class PostgresSink(GroupedState, Sink):
         """PostgreSQL keeps a grouped view's keyed state (``load_state``, ``apply_grouped``, ``read_for_mirror``)."""
         return self
 
+    def state_connection(self) -> Any:
+        """The sink's connection: state written in its transaction commits with the view rows and positions."""
+        return self.conn
+
     @classmethod
     def from_settings(cls, settings: PostgresSettings, **kwargs: Any) -> PostgresSink:
         """From ``[views.postgres]`` (``dsn``, ``password_env``); the sink registry's opener."""

@@ -239,6 +239,10 @@ class RedisNamespaces(DocumentSink):
                 + "; ".join(problems) + ". Rebuild it with `kappaflow replay` (a new namespace is built and the "
                 "pointer switched).")
 
+    def builds(self, view: ViewSpec) -> set[str]:
+        """Every build of the view (the registry set: live, shadows, verify scratches)."""
+        return {_s(b) for b in self._retrying("list builds", lambda: self.client.smembers(self._registry(view)))}
+
     def begin_shadow(self, view: ViewSpec, label: str = "shadow") -> Target:
         if not _LABEL_RE.match(label):
             raise ConfigError(f"redis sink: shadow label {label!r}: expected 1-20 lowercase letters or digits")

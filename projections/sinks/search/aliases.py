@@ -171,6 +171,10 @@ class AliasLifecycle(PositionsIndex):
                 self._drop_index(index)
         return Target(view, self._create_index(view, label, live=False), shadow=True)
 
+    def builds(self, view: ViewSpec) -> set[str]:
+        """Every index of the view (live, shadows, verify scratches): one index per build."""
+        return set(self._indexes(view, "*"))
+
     def _indexes(self, view: ViewSpec, label: str) -> list[str]:
         pattern = f"{self._index_prefix(view)}{label}_*"
         return sorted(i for i in self._call("list indexes", lambda: self.client.get_alias(index=pattern))
