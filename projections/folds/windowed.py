@@ -443,7 +443,7 @@ class WindowedStrategy(DeclarativeStrategy):
         shape = Shape(values, tt, _event_columns(plan, values, tt))
         plan._memo["window_shape"] = shape
         group_by = (*spec.key, WINDOW_START, WINDOW_END)
-        plan.state_columns = (*values, ViewColumn(WINDOW_START, tt), ViewColumn(WINDOW_END, tt),
+        plan.compiled = (*values, ViewColumn(WINDOW_START, tt), ViewColumn(WINDOW_END, tt),
                               ViewColumn(WM_MAX, LongType()), ViewColumn(WM_LATE, LongType()))
         empty = rows.select(*[F.col(c.name) for c in values], F.col(fold.column).alias(WINDOW_START),
                             F.col(fold.column).alias(WINDOW_END))
@@ -454,7 +454,7 @@ class WindowedStrategy(DeclarativeStrategy):
         we = '"' + WINDOW_END + '"'
         group = {
             "group_by": list(group_by),
-            "state_columns": [{"name": c.name, "pg_type": pg_type(c.type)} for c in plan.state_columns],
+            "state_columns": [{"name": c.name, "pg_type": pg_type(c.type)} for c in plan.compiled],
             "aggregates": [
                 *[{"name": n, "sql": aggregate_sql_of(a, types.get(a.column) if a.column else None),
                    "pg_type": pg_type(next(c.type for c in cols if c.name == n))} for n, a in fold.aggregates],
@@ -498,7 +498,7 @@ class WindowedStrategy(DeclarativeStrategy):
             loaded = view.mapInArrow(make_loader(cfg, job.target), LOAD_RESULT_DDL).collect()
             if not rule.update and w_all is not None:
                 state = state.where(F.unix_micros(F.col(WINDOW_END).cast("timestamp")) > w_all - rule.lateness)
-            state_cols = [STATE_TOPIC, STATE_KEY, VERSION, *[c.name for c in plan.state_columns]]
+            state_cols = [STATE_TOPIC, STATE_KEY, VERSION, *[c.name for c in plan.compiled]]
             state.select(*state_cols).mapInArrow(make_loader(cfg, job.target, state=True), LOAD_RESULT_DDL).collect()
             keeper = _keeper(plan, job.sink)
             end = {(t, p): o for t, parts in job.end.items() for p, o in parts.items()}
@@ -692,7 +692,7 @@ def _read_state(
 
     if not keys:
         return {}
-    names = [c.name for c in plan.state_columns if c.name not in (WM_MAX, WM_LATE)]
+    names = [c.name for c in plan.compiled if c.name not in (WM_MAX, WM_LATE)]
     rows = keeper.conn.execute(
         sql.SQL("SELECT s.{t}, s.{k}, {cols} FROM {}.{} s JOIN unnest(%s::text[], %s::bytea[], %s::bytea[]) "
                 "AS q(t, lo, hi) ON s.{t} = q.t AND s.{k} >= q.lo AND s.{k} < q.hi").format(
