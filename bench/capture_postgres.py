@@ -21,7 +21,11 @@ backlog), then measures:
   value sizes with the same one ``kf.op`` header every captured record carries (the ceiling
   for anything writing these records to that broker from Python);
   ``kafka_raw_produce_no_headers_per_s`` is the same without the header (for reference:
-  kafka-python spends ~20% more per record with a header).
+  kafka-python spends ~20% more per record with a header);
+* ``kafka_fast_raw_produce_per_s``: plain confluent-kafka producing the same records (acks=all,
+  idempotent), nothing else running: the ceiling of ``kafka_fast_changes_per_s`` on this broker and
+  machine. ``kafka_fast_raw_vs_embedded`` is the highest ``kafka_fast_vs_embedded`` the broker allows;
+  ``kafka_fast_vs_raw_produce`` is how close capture comes to it.
 
 Usage: ``python bench/capture_postgres.py [--changes 1000000] [--skip-kafka]``.
 The last line printed is one JSON object.
@@ -182,6 +186,40 @@ def kafka_raw_produce(bootstrap: str, n: int, key_size: int, value_size: int, *,
     return n / dt
 
 
+def kafka_fast_raw_produce(bootstrap: str, n: int, key_size: int, value_size: int) -> float:
+    """confluent-kafka alone: n records of the captured records' key/value sizes with their one
+    ``kf.op`` header, acks=all and idempotence on, no PostgreSQL and no decoding. The ceiling of
+    ``kafka_fast_changes_per_s`` on this broker and machine: capture cannot append faster than the
+    client and broker take the same records with nothing else to do."""
+    from confluent_kafka import Producer
+    from confluent_kafka.admin import AdminClient, NewTopic
+
+    topic = "raw-produce-bench-fast"
+    admin = AdminClient({"bootstrap.servers": bootstrap})
+    for fut in admin.create_topics([NewTopic(topic, num_partitions=4, replication_factor=1)]).values():
+        fut.result(30)
+    producer = Producer({"bootstrap.servers": bootstrap, "acks": "all", "enable.idempotence": True,
+                         "linger.ms": 20, "batch.size": 1024 * 1024, "queue.buffering.max.messages": 1_000_000,
+                         "queue.buffering.max.kbytes": 1024 * 1024, "compression.type": "none"})
+    value = b"v" * value_size
+    keys = [(b"%0*d" % (key_size, i))[-key_size:] for i in range(n)]
+    hdr = [("kf.op", b"c")]
+    produce, poll = producer.produce, producer.poll
+    t0 = time.perf_counter()
+    for i, k in enumerate(keys):
+        while True:
+            try:
+                produce(topic, value, k, i % 4, headers=hdr)
+                break
+            except BufferError:
+                poll(0.01)
+        if not i % 10_000:
+            poll(0)
+    if producer.flush(120):
+        raise RuntimeError("confluent raw produce: records still queued after 120 s")
+    return n / (time.perf_counter() - t0)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--changes", type=int, default=1_000_000)
@@ -249,6 +287,10 @@ def main() -> None:
                     result["kafka_fast_changes_per_s"] = round(rate)
                 finally:
                     flog.close()
+            if kafka_client("confluent").installed:
+                log("raw confluent-kafka produce ...")
+                result["kafka_fast_raw_produce_per_s"] = round(
+                    kafka_fast_raw_produce(broker.bootstrap, n, key_size, value_size))
             log("raw kafka-python produce ...")
             result["kafka_raw_produce_per_s"] = round(
                 kafka_raw_produce(broker.bootstrap, n, key_size, value_size, headers=True))
@@ -261,6 +303,13 @@ def main() -> None:
         if "kafka_fast_changes_per_s" in result and "embedded_changes_per_s" in result:
             result["kafka_fast_vs_embedded"] = round(
                 result["kafka_fast_changes_per_s"] / result["embedded_changes_per_s"], 3)  # type: ignore[operator]
+        if "kafka_fast_raw_produce_per_s" in result:
+            fast_raw = result["kafka_fast_raw_produce_per_s"]
+            result["kafka_fast_vs_raw_produce"] = round(
+                result.get("kafka_fast_changes_per_s", 0) / fast_raw, 3)  # type: ignore[operator]
+            if "embedded_changes_per_s" in result:  # the highest kafka_fast_vs_embedded this broker allows
+                result["kafka_fast_raw_vs_embedded"] = round(
+                    fast_raw / result["embedded_changes_per_s"], 3)  # type: ignore[operator]
         if "kafka_changes_per_s" in result:
             result["kafka_vs_raw_produce"] = round(
                 result["kafka_changes_per_s"] / result["kafka_raw_produce_per_s"], 3)  # type: ignore[operator]
