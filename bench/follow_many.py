@@ -350,7 +350,8 @@ def main() -> None:
         data.changes(args.initial)
         b = Bench(work, dsn, data, args.trigger)
         out: dict[str, Any] = {"load_average_1m": round(os.getloadavg()[0], 2), "cpus": os.cpu_count(),
-                               "initial": args.initial, "catchup": args.catchup, "pending": args.pending, "trigger": args.trigger}
+                               "initial": args.initial, "catchup": args.catchup, "pending": args.pending,
+                               "trigger": args.trigger}
 
         try:
             log("one projection: start, catch up, idle")
