@@ -30,8 +30,8 @@ from kappaflow.errors import (
 from kappaflow.log import open_log
 from kappaflow.log.base import CleanupPolicy, LogRecord, Record, TopicConfig
 from kappaflow.log.embedded import EmbeddedLog, RecordColumns
-from kappaflow.log.embedded.codec import decode_headers, murmur2_many, partitions_for
-from kappaflow.log.partitioner import murmur2, partition_for
+from kappaflow.log.embedded.codec import decode_headers
+from kappaflow.log.partitioner import murmur2, murmur2_many, partition_for, partitions_for
 from kappaflow.log.testing import KAFKA_MURMUR2_VECTORS, read_all
 
 COMPACT = CleanupPolicy.COMPACT

@@ -13,9 +13,10 @@ import numpy as np
 
 from kappaflow.errors import RecordTooLargeError, ValidationError
 from kappaflow.log.base import Appended, Record
-from kappaflow.log.embedded.codec import Batch, build, encode, encode_headers, lengths, partitions_for
+from kappaflow.log.embedded.codec import Batch, build, encode, encode_headers, lengths
 from kappaflow.log.embedded.files import _now_ms, _Topic
 from kappaflow.log.embedded.topics import EmbeddedTopics
+from kappaflow.log.partitioner import partitions_for
 
 __all__ = ["EmbeddedAppend"]
 

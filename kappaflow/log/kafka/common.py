@@ -28,7 +28,7 @@ from kappaflow.errors import (
     ValidationError,
 )
 from kappaflow.log.base import CleanupPolicy, Record, TopicConfig, check_partition, validate_topic_name
-from kappaflow.log.partitioner import partition_for
+from kappaflow.log.partitioner import partitions_for
 
 __all__ = [
     "BATCH_FRAMING",
@@ -282,18 +282,39 @@ def partitions_of(keys: list[bytes | None], partitions: int, partition: int | No
     n = len(keys)
     if partition is not None:
         return [partition] * n
-    if partitions == 1:
-        return [0] * n
-    return [0 if k is None else partition_for(k, partitions) for k in keys]
+    return partitions_for(keys, partitions)  # keyless: 0; vectorised for large appends
+
+
+# The most a record's own framing adds to key + value + header names and values (Kafka's record
+# format v2: length, attributes, timestamp delta, offset delta, key length, value length, header
+# count as varints; two varint lengths per header): an upper bound, so a batch under it needs no
+# exact per-record size.
+_RECORD_FRAMING_MAX = 5 + 1 + 10 + 5 + 5 + 5 + 5
+_HEADER_FRAMING_MAX = 10
+
+
+def _fits(records: Sequence[Record], keys: list[bytes | None], values: list[bytes | None], limit: int) -> bool:
+    """Whether every record is certainly within `limit` (largest key + largest value + largest headers
+    with their framing bounds): the common case, decided in C loops over the batch. Records carry few
+    distinct header sets (capture repeats one ``kf.op`` tuple), so headers are sized once per set."""
+    try:
+        header_sets = set(map(_headers_of, records))
+    except TypeError:  # unhashable headers (lists): size each record exactly
+        return False
+    most = 0
+    for headers in header_sets:
+        if headers:
+            most = max(most, sum(len(hk.encode()) + (len(hv) if hv else 0) + _HEADER_FRAMING_MAX
+                                  for hk, hv in headers))
+    bound = max(map(len, keys)) + max(map(len, values)) + most + _RECORD_FRAMING_MAX  # type: ignore[arg-type]
+    return bound <= limit
 
 
 def _check_sizes(topic: str, config: TopicConfig, records: Sequence[Record],
                  keys: list[bytes | None], values: list[bytes | None]) -> None:
     """Reject the whole append up front if one record is over the topic's size limit."""
     limit = config.max_record_bytes
-    with_headers = any(map(_headers_of, records))
-    if (not with_headers and None not in keys and None not in values
-            and max(map(len, keys)) + max(map(len, values)) <= limit):  # type: ignore[arg-type]
+    if None not in keys and None not in values and _fits(records, keys, values, limit):
         return
     for i, rec in enumerate(records):
         k, v, headers = keys[i], values[i], rec.headers

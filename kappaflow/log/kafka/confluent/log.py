@@ -173,14 +173,21 @@ class ConfluentKafkaLog(Log):
     def _reader_client(self) -> Consumer:
         return self._client("reader", Consumer, self._consumer_conf_for("reader", {
             "fetch.wait.max.ms": 50, "max.partition.fetch.bytes": 8 * 1024 * 1024,
-            "fetch.max.bytes": 64 * 1024 * 1024}))
+            "fetch.max.bytes": 64 * 1024 * 1024,
+            # A full prefetch queue postpones the next fetch by this long (1 s by default), which a
+            # reader draining the queue faster than that then waits out (see the probe below).
+            "fetch.queue.backoff.ms": 10}))
 
     def _probe_client(self) -> Consumer:
         # Only reads high watermarks: tiny fetches, 1 ms broker wait (0 makes tansu answer with
-        # no partitions at all), next to no prefetch.
+        # no partitions at all), next to no prefetch. With so small a queue every fetch answer
+        # "exceeds" it, and librdkafka then postpones the partition's next fetch by
+        # fetch.queue.backoff.ms (1 s by default): an end-offset probe of a second partition
+        # waited that second. 1 ms keeps a probe one round trip.
         return self._client("probe", Consumer, self._consumer_conf_for("probe", {
             "fetch.wait.max.ms": 1, "max.partition.fetch.bytes": 1, "fetch.max.bytes": 1000,
-            "queued.min.messages": 1, "queued.max.messages.kbytes": 1, "message.max.bytes": 1000}))
+            "queued.min.messages": 1, "queued.max.messages.kbytes": 1, "message.max.bytes": 1000,
+            "fetch.queue.backoff.ms": 1}))
 
     def _drop_producer(self) -> None:
         with self._lock:
