@@ -223,7 +223,8 @@ def log_and_url(backend: str, request: pytest.FixtureRequest) -> tuple[Any, str]
 
 
 @pytest.mark.parametrize(("kind", "backend", "batches"),
-                         [("pg", "embedded", 12), ("pg", "kafka", 12), ("mariadb", "embedded", 6)])
+                         [("pg", "embedded", 12), ("pg", "kafka", 12), ("mariadb", "embedded", 6),
+                          ("mariadb", "kafka", 6)])
 def test_no_half_transfer_is_ever_visible(kind: str, backend: str, batches: int, pg_server: Any, spark: Any,
                                           tmp_path: Path, request: pytest.FixtureRequest) -> None:
     bank: Bank = request.getfixturevalue(f"{kind}_bank")
