@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
+from kappaflow.connectors.outbox import append_only_topics
 from kappaflow.connectors.registry import SourceKind
 
 if TYPE_CHECKING:
@@ -21,8 +22,10 @@ __all__ = ["KIND"]
 def _connector(config: Any, log: Log, *, partitions: int, progress: bool | None, log_kafka: Any,
                fault: FaultHook | None = None) -> Connector:
     from kappaflow.connectors.postgres.connector import PostgresConnector
+    from kappaflow.connectors.postgres.outbox import outbox_mappers
 
-    return PostgresConnector(config, log, partitions=partitions, progress=progress, fault=fault)
+    return PostgresConnector(config, log, partitions=partitions, progress=progress, fault=fault,
+                             mappers=outbox_mappers(config))
 
 
 def _status(config: Any, log: Log) -> dict[str, Any]:
@@ -68,7 +71,7 @@ KIND = SourceKind(
     tables=_tables,
     release=_release,
     probe=_probe,
-    append_only_topics=transaction_topic,
+    append_only_topics=append_only_topics,
     captured=lambda config: list(config.tables) or ["(all)"],
     postgres_slot=True,
     fault_hook=True,
