@@ -22,10 +22,8 @@ __all__ = ["KIND"]
 def _connector(config: Any, log: Log, *, partitions: int, progress: bool | None, log_kafka: Any,
                fault: FaultHook | None = None) -> Connector:
     from kappaflow.connectors.postgres.connector import PostgresConnector
-    from kappaflow.connectors.postgres.outbox import outbox_mappers
 
-    return PostgresConnector(config, log, partitions=partitions, progress=progress, fault=fault,
-                             mappers=outbox_mappers(config))
+    return PostgresConnector(config, log, partitions=partitions, progress=progress, fault=fault)
 
 
 def _status(config: Any, log: Log) -> dict[str, Any]:
