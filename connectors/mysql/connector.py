@@ -208,7 +208,8 @@ class MySQLConnector(Connector):
         if self.outbox_config is not None:
             attach_outbox(engine, self.outbox_config, self.args.database, tables)
         for db, t in tables:
-            engine.writer.ensure_topic(tracker.topic(db, t))
+            if engine.writer.outbox is None or f"{db}.{t}" not in engine.writer.outbox.tables:
+                engine.writer.ensure_topic(tracker.topic(db, t))  # an outbox table's rows go to event topics
             engine.refresh_hints(db, t)  # what the binlog cannot tell (MariaDB JSON columns)
         self.engine = engine
         try:
