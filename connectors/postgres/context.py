@@ -86,9 +86,13 @@ class PgCapture:
         if unknown:
             raise SourceError(f"record mapper(s) for {unknown}, which are not among the captured tables "
                               f"{sorted(self.tables)}")
-        for qualified, mapper in self.mappers.items():
-            if qualified in self.tables:
-                mapper.bind_table(self.tables[qualified])
+        try:
+            for qualified, mapper in self.mappers.items():
+                if qualified in self.tables:
+                    mapper.bind_table(self.tables[qualified])  # an outbox checks its columns here
+        except Exception:
+            self.conn.close()
+            raise
         self.mapped_tails: dict[tuple[str, int], int] = {}  # (topic, partition) -> last order in the log
         self.mapped_max_tail: int | None = None  # orders above it need no duplicate check
         self.topic_cfg = TopicConfig(partitions=partitions, cleanup_policy=CleanupPolicy.COMPACT)

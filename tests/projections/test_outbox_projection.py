@@ -2,12 +2,17 @@
 
 The outbox rows are captured from a real PostgreSQL (inserted and deleted in the same
 transaction, the usual outbox pattern), routed to ``outbox.event.order`` like Debezium's outbox
-event router does, and folded by ``Source(topic, events=True)``.
+event router does, and folded by ``Source(topic, events=True)``. The README's "Outbox tables"
+example (its SQL and its projection) runs here as written.
 """
 
 from __future__ import annotations
 
+import re
+import sys
+import types
 import uuid
+from pathlib import Path
 from typing import Any
 
 import orjson
@@ -21,6 +26,16 @@ from kappaflow.projections.replay import replay
 from tests.projections.pj_helpers import view_rows
 
 pytestmark = pytest.mark.integration
+
+README = Path(__file__).resolve().parents[2] / "README.md"
+MARK = "tests/projections/test_outbox_projection.py"
+
+
+def readme_block(lang: str) -> str:
+    blocks = [b for b in re.findall(rf"^```{lang}\n(.*?)^```", README.read_text(), re.S | re.M)
+              if MARK in b.splitlines()[0]]
+    assert len(blocks) == 1, f"README.md: expected one ```{lang} block marked {MARK!r}, found {len(blocks)}"
+    return blocks[0]
 
 
 class OrderStatus(Projection):
@@ -62,3 +77,28 @@ def test_a_custom_fold_folds_an_outbox_topic_into_a_view(rt: Any, embedded_log: 
     replay(OrderStatus, rt)
     assert view_rows(pg_dsn, "outbox_order_status", "order_id, status, events, total") == [
         (1, "SHIPPED", 3, 12), (2, "SHIPPED", 2, 6)]
+
+
+def test_the_readmes_outbox_example(rt: Any, embedded_log: Any, pg_dsn: str) -> None:
+    sql = readme_block("sql")
+    create, _, writes = sql.partition(";\n")
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        conn.execute(create)
+    name = f"s{uuid.uuid4().hex[:8]}"
+    cfg = PostgresSourceConfig(name=name, dsn=pg_dsn, tables=["public.outbox"], heartbeat_interval_s=0.5,
+                               outbox={"tables": ["public.outbox"]})
+    PostgresConnector(cfg, embedded_log, partitions=3, progress=False).run(until_caught_up=True)
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        conn.execute(writes)
+    PostgresConnector(cfg, embedded_log, partitions=3, progress=False).run(until_caught_up=True)
+    module = types.ModuleType(f"readme_outbox_{uuid.uuid4().hex[:8]}")
+    sys.modules[module.__name__] = module
+    try:
+        exec(compile(readme_block("python"), "README.md", "exec"), module.__dict__)  # the README's own code
+        replay(module.OrderStatus, rt)
+    finally:
+        sys.modules.pop(module.__name__, None)
+    assert view_rows(pg_dsn, "order_status", "order_id, status, events, total") == [
+        (1, "PAID", 2, 10), (2, "CREATED", 1, 5)]
+    with psycopg.connect(pg_dsn) as conn:
+        assert conn.execute("SELECT count(*) FROM outbox").fetchone() == (1,)  # order 2's row was kept
