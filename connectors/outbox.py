@@ -393,25 +393,26 @@ class OutboxRouter:
         routed_by = text(s.route_by_field, row.get(s.route_by_field))
         if routed_by is None:
             return self.dead_letter(f"{s.route_by_field} (route_by_field) is NULL", row, table, where, position,
-                              text)
+                                    text)
         key_value = text(s.table_field_event_key, row.get(s.table_field_event_key))
         if key_value is None:
             return self.dead_letter(f"{s.table_field_event_key} (table_field_event_key) is NULL", row, table, where,
-                              position, text)
+                                    position, text)
         try:
             routed_str = routed_by.decode()
             key_str = key_value.decode()
         except UnicodeDecodeError:
             return self.dead_letter("the routed-by or key value is not UTF-8 text", row, table, where, position,
-                              text)
+                                    text)
         topic = self.topic_for(routed_str)
         if topic is None:
             return self.dead_letter(f"{s.route_by_field} value {routed_str!r} does not match route_topic_regex "
-                              f"{s.route_topic_regex!r}", row, table, where, position, text)
+                                    f"{s.route_topic_regex!r}", row, table, where, position, text)
         if not _TOPIC_OK.match(topic) or topic.startswith("kf.") or topic.startswith(f"{self.source}."):
-            return self.dead_letter(f"{s.route_by_field} value {routed_str!r} gives topic {topic!r}, not a legal "
-                              "event topic (letters, digits, '.', '_', '-'; not kf.* nor the source's own "
-                              "table topics)", row, table, where, position, text)
+            return self.dead_letter(
+                f"{s.route_by_field} value {routed_str!r} gives topic {topic!r}, not a legal event topic (letters, "
+                f"digits, '.', '_', '-'; not kf.* nor under {self.source}., where the source's table topics live)",
+                row, table, where, position, text)
         headers: list[tuple[str, bytes]] = []
         event_id = text(s.table_field_event_id, row.get(s.table_field_event_id))
         if event_id is not None:
@@ -427,7 +428,7 @@ class OutboxRouter:
         if payload is None or (s.route_tombstone_on_empty_payload and not payload.strip()):
             value = None
         elif self.envelope:
-            env: dict[str, Any] = {"payload": self._json_oras_bytes(value)}
+            env: dict[str, Any] = {"payload": self._json_or_text(value)}
             for p in self.envelope:
                 v = row.get(p.column)
                 env[p.alias] = v.decode(errors="replace") if isinstance(v, bytes) else v
@@ -456,7 +457,7 @@ class OutboxRouter:
         return payload
 
     @staticmethod
-    def _json_oras_bytes(value: bytes | None) -> Any:
+    def _json_or_text(value: bytes | None) -> Any:
         if value is None:
             return None
         try:
