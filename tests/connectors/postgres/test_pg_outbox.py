@@ -155,7 +155,7 @@ def test_logical_messages_as_an_outbox_without_a_table(pg_dsn: str, sql: Any, so
         with conn.transaction():  # rolled back: never decoded
             conn.execute("SELECT pg_logical_emit_message(true, 'outbox', %s)",
                          (orjson.dumps({**msg, "id": "m-x"}).decode(),))
-            conn.rollback()
+            raise psycopg.Rollback()
         conn.execute("SELECT pg_logical_emit_message(true, 'someone-else', 'ignored')")
         conn.execute("SELECT pg_logical_emit_message(true, 'outbox', 'not json')")
     capture(cfg, embedded_log)
