@@ -206,7 +206,11 @@ class MySQLConnector(Connector):
                                transaction_metadata=self.provide_transaction_metadata)
         engine.writer.writer.summary = summary  # transactions and source lag, counted per batch
         if self.outbox_config is not None:
-            attach_outbox(engine, self.outbox_config, self.args.database, tables)
+            try:  # checks the outbox tables' columns: a bad config stops here, before anything is read
+                attach_outbox(engine, self.outbox_config, self.args.database, tables)
+            except BaseException:
+                engine.close()
+                raise
         for db, t in tables:
             if engine.writer.outbox is None or f"{db}.{t}" not in engine.writer.outbox.tables:
                 engine.writer.ensure_topic(tracker.topic(db, t))  # an outbox table's rows go to event topics
