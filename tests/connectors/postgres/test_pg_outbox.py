@@ -191,7 +191,9 @@ def test_an_update_is_fatal_when_configured(pg_dsn: str, sql: Any, source_name: 
         conn.execute("UPDATE outbox SET type = 'x' WHERE id = %s", (eid,))
     with pytest.raises(SourceError, match=r"UPDATE of outbox table public\.outbox"):
         capture(cfg, embedded_log)
-    assert len(events(embedded_log, "outbox.event.order")) == 1  # the insert before it is in the log
+    # nothing was acknowledged past the update: with the behaviour relaxed, the insert comes once
+    capture(outbox_config(pg_dsn, source_name, table_op_invalid_behavior="warn"), embedded_log)
+    assert [headers(r)["id"].decode() for r in events(embedded_log, "outbox.event.order")] == [eid]
 
 
 # -- concurrent writers, kill -9 -------------------------------------------------------------------
@@ -288,8 +290,10 @@ def test_restart_after_a_crash_before_the_offset_skips_what_the_log_holds(pg_dsn
     crashing = PostgresConnector(cfg, embedded_log, partitions=3, progress=False, fault=fault)
     with pytest.raises(Crash):
         crashing.run(until_caught_up=True)
-    assert len(events(embedded_log, "outbox.event.order")) == 20  # records in, offset not
-    capture(cfg, embedded_log)
+    partial = len(events(embedded_log, "outbox.event.order"))  # the first batch's records are in, its offset not
+    assert 0 < partial <= 20
+    again = capture(cfg, embedded_log)
+    assert again.duplicates_skipped == partial  # re-read from the old offset, found in the log, not re-appended
     got = events(embedded_log, "outbox.event.order")
     assert len(got) == 20
     assert sorted(orjson.loads(r.value)["i"] for r in got) == list(range(20))
