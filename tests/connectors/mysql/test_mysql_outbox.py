@@ -17,6 +17,7 @@ from typing import Any
 
 import orjson
 import pytest
+from pydantic import ValidationError
 
 from kappaflow.config import MySQLSourceConfig
 from kappaflow.connectors.mysql.connector import MySQLConnector
@@ -127,7 +128,7 @@ def test_a_missing_column_stops_the_capture_at_its_start(mariadb_server: Any, ma
                            "aggregateid VARCHAR(50), type VARCHAR(50))", db=db)
     with pytest.raises(ConfigError, match=rf"outbox table {db}\.outbox has no column 'payload'"):
         run(cfg_for(mh, mariadb_server, db), embedded_log)
-    with pytest.raises(ConfigError, match="message_prefix"):
+    with pytest.raises(ValidationError, match="message_prefix"):
         MySQLSourceConfig(name="x", dsn=mh.dsn(mariadb_server, db), outbox={"message_prefix": "outbox"})
 
 
