@@ -23,6 +23,7 @@ from urllib.parse import quote, urlsplit, urlunsplit
 import pydantic
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 
+from kappaflow.connectors.outbox import OutboxSettings, check_outbox_tables
 from kappaflow.errors import ConfigError
 from kappaflow.projections.sinks.postgres.settings import PostgresSettings
 from kappaflow.projections.sinks.redis.settings import RedisSettings
@@ -250,11 +251,28 @@ class PostgresSourceConfig(_PgLogicalSource):
     kind: Literal["postgres"] = "postgres"
     # Debezium's xmin.fetch.interval.ms: how often the slot's xmin (source.xmin) is read; 0 = never (null)
     xmin_fetch_interval_s: float = Field(0.0, ge=0)
+    # outbox tables / logical messages routed like Debezium's outbox event router (connectors/outbox.py)
+    outbox: OutboxSettings | None = None
+
+    @model_validator(mode="after")
+    def _outbox_tables(self) -> PostgresSourceConfig:
+        check_outbox_tables(self.name, self.tables, self.outbox)
+        return self
 
 
 class MySQLSourceConfig(_DbSource):
     kind: Literal["mysql"] = "mysql"
     server_id: int = Field(5401, ge=1, le=2**32 - 1)
+    # outbox tables routed like Debezium's outbox event router (connectors/outbox.py)
+    outbox: OutboxSettings | None = None
+
+    @model_validator(mode="after")
+    def _outbox_tables(self) -> MySQLSourceConfig:
+        if self.outbox is not None and self.outbox.message_prefix:
+            raise ValueError("outbox.message_prefix: logical messages are a PostgreSQL feature "
+                             "(pg_logical_emit_message); MySQL/MariaDB outboxes are tables")
+        check_outbox_tables(self.name, self.tables, self.outbox)
+        return self
 
     @field_validator("dsn")
     @classmethod

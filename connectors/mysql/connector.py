@@ -47,6 +47,7 @@ from kappaflow.connectors.base import (
 )
 from kappaflow.connectors.mysql.engine import CaptureEngine
 from kappaflow.connectors.mysql.offset import MySQLOffset, SnapshotProgress
+from kappaflow.connectors.mysql.outbox import attach_outbox
 from kappaflow.connectors.mysql.preflight import check_tables
 from kappaflow.connectors.mysql.schema_tracking import SchemaTracker
 from kappaflow.connectors.mysql.server import (
@@ -102,16 +103,21 @@ class MySQLConnector(Connector):
         self.fault = fault
         self.progress = progress  # snapshot progress bar on stderr (None: when stderr is a terminal)
         self.summary = CaptureSummary(source=name, connector="mysql")
+        self.outbox_config: Any = None  # the source config, when it has outbox tables (connectors/outbox.py)
 
     @classmethod
     def from_config(cls, cfg: Any, log: Log, **options: Any) -> MySQLConnector:
         """From a ``kappaflow.config.MySQLSourceConfig`` (+ options such as ``partitions``)."""
-        return cls(name=cfg.name, log=log, dsn=cfg.dsn, password=cfg.resolved_password(), tables=list(cfg.tables),
-                   key_columns=dict(cfg.key_columns), server_id=cfg.server_id,
-                   snapshot_mode=getattr(cfg.snapshot_mode, "value", cfg.snapshot_mode),
-                   snapshot_chunk_rows=cfg.snapshot_chunk_rows, heartbeat_interval_s=cfg.heartbeat_interval_s,
-                   decimal_mode=cfg.decimal_mode,
-                   provide_transaction_metadata=getattr(cfg, "provide_transaction_metadata", False), **options)
+        connector = cls(name=cfg.name, log=log, dsn=cfg.dsn, password=cfg.resolved_password(),
+                        tables=list(cfg.tables), key_columns=dict(cfg.key_columns), server_id=cfg.server_id,
+                        snapshot_mode=getattr(cfg.snapshot_mode, "value", cfg.snapshot_mode),
+                        snapshot_chunk_rows=cfg.snapshot_chunk_rows, heartbeat_interval_s=cfg.heartbeat_interval_s,
+                        decimal_mode=cfg.decimal_mode,
+                        provide_transaction_metadata=getattr(cfg, "provide_transaction_metadata", False),
+                        **options)
+        if getattr(cfg, "outbox", None) is not None:
+            connector.outbox_config = cfg
+        return connector
 
     def live_summary(self) -> CaptureSummary | None:
         """This run's summary with the writer's running counts and the binlog position (progress lines)."""
@@ -199,8 +205,15 @@ class MySQLConnector(Connector):
                                offsets=offsets, threaded=self.threaded_writer, fault=self.fault,
                                transaction_metadata=self.provide_transaction_metadata)
         engine.writer.writer.summary = summary  # transactions and source lag, counted per batch
+        if self.outbox_config is not None:
+            try:  # checks the outbox tables' columns: a bad config stops here, before anything is read
+                attach_outbox(engine, self.outbox_config, self.args.database, tables)
+            except BaseException:
+                engine.close()
+                raise
         for db, t in tables:
-            engine.writer.ensure_topic(tracker.topic(db, t))
+            if engine.writer.outbox is None or f"{db}.{t}" not in engine.writer.outbox.tables:
+                engine.writer.ensure_topic(tracker.topic(db, t))  # an outbox table's rows go to event topics
             engine.refresh_hints(db, t)  # what the binlog cannot tell (MariaDB JSON columns)
         self.engine = engine
         try:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
-from kappaflow.connectors.postgres.kind import transaction_topic
+from kappaflow.connectors.outbox import append_only_topics
 from kappaflow.connectors.registry import SourceKind
 
 if TYPE_CHECKING:
@@ -56,7 +56,7 @@ KIND = SourceKind(
     tables=_tables,
     release=_release,
     probe=_probe,
-    append_only_topics=transaction_topic,
+    append_only_topics=append_only_topics,
     captured=lambda config: list(config.tables) or ["(all)"],
     fault_hook=True,
 )

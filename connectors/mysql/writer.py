@@ -78,6 +78,7 @@ class ChangeBatcher:
         self._tx_key: tuple[str, int] | None = None
         self.tx_counts: dict[str, int] = {}
         self.transaction_topic: str | None = None  # connectors/transactions.py, when enabled
+        self.outbox: Any = None  # connectors/mysql/outbox.MySQLOutbox: its tables' rows are routed there
 
     # -- topics ------------------------------------------------------------------------
     def ensure_topic(self, topic: str) -> int:
@@ -133,6 +134,9 @@ class ChangeBatcher:
 
     def add_event(self, state: TableState, event: ChangeEvent, pos: Position) -> None:
         """One change event (+ its tombstone for deletes)."""
+        if self.outbox is not None and state.qualified in self.outbox.tables:
+            self.outbox.add_event(self, state, event, pos)
+            return
         schema = state.schema
         codec = self.codec
         key = codec.encode_key(event.key, schema) if event.key is not None else None
@@ -162,6 +166,9 @@ class ChangeBatcher:
         Python, so every microsecond per change here is a few percent of the budget.
         ``touched`` collects the JSON-form key tuples (for the watermark snapshot).
         """
+        if self.outbox is not None and state.qualified in self.outbox.tables:
+            return int(self.outbox.add_rows(self, state, op, rows, file, tpos, index, gtid, server_id, json_rows,
+                                            touched))
         if not json_rows:
             rows = _library_rows_to_json(state.json_converter(self.codec.decimal_mode), op, rows)
         topic = state.topic
@@ -315,7 +322,10 @@ class ChangeBatcher:
         live key, per partition (``connectors/truncate.py``).
 
         The caller must have flushed and drained first: the rows are read from the log.
+        An outbox table's TRUNCATE is skipped (``connectors/outbox.py``).
         """
+        if self.outbox is not None and state.qualified in self.outbox.tables:
+            return
         topic = state.topic
         n = self.ensure_topic(topic)
         value = self.codec.encode_value(event, state.schema)

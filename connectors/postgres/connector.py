@@ -37,6 +37,7 @@ from kappaflow.connectors.postgres import slots
 from kappaflow.connectors.postgres.context import PgCapture, schema_topic
 from kappaflow.connectors.postgres.mapping import RecordMapper
 from kappaflow.connectors.postgres.offset import PgOffset, SnapshotProgress
+from kappaflow.connectors.postgres.outbox import outbox_mappers
 from kappaflow.connectors.postgres.replication import ReplicationConnection, _classify, lsn_str, redact_dsn
 from kappaflow.connectors.postgres.snapshot import PgSnapshotSource
 from kappaflow.connectors.postgres.streaming import PgStreamingSource
@@ -100,7 +101,8 @@ class PostgresConnector(Connector):
         self.status_interval_s = status_interval_s
         self.writer_threaded = writer_threaded
         self.fault = fault
-        self.mappers = dict(mappers or {})
+        # an outbox (connectors/postgres/outbox.py) maps its tables' rows and its logical messages
+        self.mappers = {**outbox_mappers(config), **(mappers or {})}
         self.summary: CaptureSummary | None = None
 
     def run(self, stop: StopSignal | None = None, *, until_caught_up: bool = False) -> CaptureSummary:

@@ -19,7 +19,7 @@ import psycopg
 from kappaflow.connectors.base import CaptureSummary, TrustedRecord, tail_positions
 from kappaflow.connectors.offsets import OffsetStore, find_last
 from kappaflow.connectors.postgres import slots
-from kappaflow.connectors.postgres.mapping import RecordMapper
+from kappaflow.connectors.postgres.mapping import MappedRecord, RecordMapper
 from kappaflow.connectors.postgres.offset import PgOffset
 from kappaflow.connectors.postgres.rows import TableCodec
 from kappaflow.connectors.postgres.slots import TableInfo, TypeCatalog
@@ -81,10 +81,18 @@ class PgCapture:
         self.codecs: dict[str, TableCodec] = {}
         # "schema.table" -> mapper: those tables' rows become the mapper's records (mapping.py)
         self.mappers: dict[str, RecordMapper] = dict(mappers or {})
-        unknown = sorted(set(self.mappers) - set(self.tables))
+        # "message:<prefix>" keys map pg_logical_emit_message messages (connectors/postgres/outbox.py)
+        unknown = sorted(k for k in set(self.mappers) - set(self.tables) if not k.startswith("message:"))
         if unknown:
             raise SourceError(f"record mapper(s) for {unknown}, which are not among the captured tables "
                               f"{sorted(self.tables)}")
+        try:
+            for qualified, mapper in self.mappers.items():
+                if qualified in self.tables:
+                    mapper.bind_table(self.tables[qualified])  # an outbox checks its columns here
+        except Exception:
+            self.conn.close()
+            raise
         self.mapped_tails: dict[tuple[str, int], int] = {}  # (topic, partition) -> last order in the log
         self.mapped_max_tail: int | None = None  # orders above it need no duplicate check
         self.topic_cfg = TopicConfig(partitions=partitions, cleanup_policy=CleanupPolicy.COMPACT)
@@ -129,8 +137,12 @@ class PgCapture:
         tails = tail_positions(log, [self.topic_of(t) for t in unmapped] + ([tx] if tx is not None else []))
         self.tails = {k: p.sort_key() for k, p in tails.items() if isinstance(p, PgPosition)}
         self.max_tail = max(self.tails.values()) if self.tails else None
+        loaded: list[Any] = []  # mappers sharing one router own the same topics: read their tails once
         for mapper in self.mappers.values():
-            self._load_mapped_tails(mapper)
+            owner = getattr(mapper, "router", mapper)
+            if not any(owner is o for o in loaded):
+                loaded.append(owner)
+                self._load_mapped_tails(mapper)
         self.writer = CaptureWriter(log, self.offsets, self.source, threaded=self._writer_threaded,
                                     fault=self.fault)
         self.writer.summary = self.summary
@@ -223,16 +235,20 @@ class PgCapture:
         return self.max_tail is None or sort_key > self.max_tail
 
     # -- mapped tables ---------------------------------------------------------------------------
-    def emit_mapped(self, tc: TableCodec, row: Mapping[str, bytes | None], where: str) -> bool:
+    def emit_mapped(self, tc: TableCodec, row: Mapping[str, bytes | None], where: str,
+                    position: PgPosition | None = None) -> bool:
         """Add the mapper's record for an inserted row (text values); False when the log already holds it."""
-        m = tc.mapper.map_insert(row, where)
+        return self.emit_record(tc.mapper, tc.mapper.map_insert_at(row, where, position))
+
+    def emit_record(self, mapper: RecordMapper, m: MappedRecord) -> bool:
+        """Add a mapped record (``mapper`` made it); False when the log already holds it."""
         topic = m.topic
         n = self.topic_partitions.get(topic)
         if n is None:
             existing = self._existing.get(topic)
             if existing is None:  # created by the writer thread, before this batch's records
                 self.pending.creates.append(
-                    (topic, TopicConfig(partitions=self.partitions, cleanup_policy=tc.mapper.cleanup_policy)))
+                    (topic, TopicConfig(partitions=self.partitions, cleanup_policy=mapper.cleanup_policy)))
             n = self.topic_partitions[topic] = existing.partitions if existing else self.partitions
         where_to = (topic, partition_for(m.record.key, n))
         if self.mapped_max_tail is not None and m.order <= self.mapped_max_tail:

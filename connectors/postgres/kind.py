@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
+from kappaflow.connectors.outbox import append_only_topics
 from kappaflow.connectors.registry import SourceKind
 
 if TYPE_CHECKING:
@@ -68,7 +69,7 @@ KIND = SourceKind(
     tables=_tables,
     release=_release,
     probe=_probe,
-    append_only_topics=transaction_topic,
+    append_only_topics=append_only_topics,
     captured=lambda config: list(config.tables) or ["(all)"],
     postgres_slot=True,
     fault_hook=True,

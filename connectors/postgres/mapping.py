@@ -30,9 +30,14 @@ from __future__ import annotations
 import abc
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from kappaflow.errors import Retry, SourceError
 from kappaflow.log.base import CleanupPolicy, LogRecord, Record
+
+if TYPE_CHECKING:
+    from kappaflow.connectors.postgres.slots import TableInfo
+    from kappaflow.connectors.postgres.source_info import PgPosition
 
 __all__ = ["MappedRecord", "RecordMapper"]
 
@@ -58,6 +63,21 @@ class RecordMapper(abc.ABC):
 
         ``where`` names the row's place for error messages ("WAL 0/16B3748", "snapshot of ...").
         """
+
+    def map_insert_at(self, row: Mapping[str, bytes | None], where: str,
+                      position: PgPosition | None) -> MappedRecord:
+        """:meth:`map_insert` with the row's source position (None: not known), for mappers whose
+        order is the source position (the outbox router, ``connectors/postgres/outbox.py``)."""
+        return self.map_insert(row, where)
+
+    def bind_table(self, info: TableInfo) -> None:
+        """Called at capture start with the mapped table's catalog entry (to check its columns)."""
+        return None
+
+    def skip_change(self, table: str, op: str, where: str) -> bool:
+        """True: an UPDATE, DELETE or TRUNCATE of the mapped table is skipped rather than refused
+        (:meth:`refuse`); a mapper may raise its own error instead."""
+        return False
 
     @abc.abstractmethod
     def owns_topic(self, topic: str) -> bool:

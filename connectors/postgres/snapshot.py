@@ -236,7 +236,8 @@ class PgSnapshotSource(SnapshotSource):
                 for r in range(take):
                     raw = [None if f == b"\\N" else (_unescape(f) if b"\\" in f else f)
                            for f in lines[r][:-1].split(b"\t")]
-                    if not cap.emit_mapped(tc, dict(zip(tc.names, raw, strict=True)), where):
+                    if not cap.emit_mapped(tc, dict(zip(tc.names, raw, strict=True)), where,
+                                           PgPosition(lsn, snap.next_index + r, True)):
                         skipped += 1
                 snap.next_index += take
             else:

@@ -426,7 +426,22 @@ class PgStreamingSource(StreamingSource):
                         self.cap.summary.source_lag_ms = max(0.0, time.time() * 1000 - sent)
             if marker is not None and msg.content == marker:
                 self.caught_up = True
+        elif isinstance(msg, LogicalMessage) and (mapper := self.cap.mappers.get(f"message:{msg.prefix}")):
+            self._outbox_message(mapper, msg)
         # Origin messages and other applications' logical messages carry nothing kappaflow needs
+
+    def _outbox_message(self, mapper: Any, msg: LogicalMessage) -> None:
+        """A ``pg_logical_emit_message`` routed as an outbox event (``connectors/postgres/outbox.py``):
+        a transactional one at its transaction's position, a non-transactional one at its own LSN."""
+        if msg.transactional and self.in_tx:
+            pos = PgPosition(self.tx_lsn, self.index)
+            self.index += 1
+        else:
+            pos = PgPosition(msg.lsn, 0)
+        if self.cap.emit_record(mapper, mapper.map_message(msg.content, pos, f"WAL {lsn_str(pos.lsn)}")):
+            self.events += 1
+        else:
+            self.duplicates += 1
 
     def _relation(self, rel: Relation) -> None:
         cap = self.cap
@@ -650,12 +665,15 @@ class PgStreamingSource(StreamingSource):
             self._where_lsn, self._where = self.tx_lsn, f"WAL {lsn_str(self.tx_lsn)}"
         where = self._where
         if op != "INSERT":
+            if tc.mapper.skip_change(tc.qualified, op, where):  # an outbox table's DELETEs (outbox.py)
+                return
             raise tc.mapper.refuse(tc.qualified, op, where)
         if m[30] != 78:
             self.decoder.decode(m[25:], _xlog_start(m, 1)[0])  # raises the precise error
         raw, _end = self._tuple(m, 31, "new")
-        self.index += 1
-        if self.cap.emit_mapped(tc, dict(zip(tc.names, raw, strict=True)), where):
+        idx = self.index
+        self.index = idx + 1
+        if self.cap.emit_mapped(tc, dict(zip(tc.names, raw, strict=True)), where, PgPosition(self.tx_lsn, idx)):
             self.events += 1
         else:
             self.duplicates += 1
@@ -676,8 +694,12 @@ class PgStreamingSource(StreamingSource):
         if not codecs:
             return
         for tc in codecs:
-            if tc.mapper is not None:
+            if tc.mapper is not None and not tc.mapper.skip_change(tc.qualified, "TRUNCATE",
+                                                                   f"WAL {lsn_str(self.tx_lsn)}"):
                 raise tc.mapper.refuse(tc.qualified, "TRUNCATE", f"WAL {lsn_str(self.tx_lsn)}")
+        codecs = [tc for tc in codecs if tc.mapper is None]  # an outbox table's TRUNCATE is skipped
+        if not codecs:
+            return
         # everything before the truncate must be in the log before its keys are scanned
         self._count_events()
         cap.flush(self.offset, token=None, cut=not self.in_tx)

@@ -13,6 +13,7 @@ from rich.table import Table
 from kappaflow.cli.common import console, fail, settings
 from kappaflow.config import CONFIG_FILE, SOURCE_MODELS, SnapshotMode, format_validation_error
 from kappaflow.config_file import remove_source, write_source
+from kappaflow.connectors.outbox import outbox_options
 from kappaflow.connectors.registry import source_kind
 from kappaflow.errors import ConfigError, KappaflowError
 
@@ -78,6 +79,15 @@ def add(
         str | None, typer.Option("--password-env", help="Environment variable holding the password")
     ] = None,
     snapshot_mode: Annotated[SnapshotMode, typer.Option("--snapshot-mode")] = SnapshotMode.INITIAL,
+    outbox_table: Annotated[str | None, typer.Option(
+        "--outbox-table", help="Comma list of outbox tables routed like Debezium's outbox event router "
+        "(captured too)")] = None,
+    outbox_message_prefix: Annotated[str | None, typer.Option(
+        "--outbox-message-prefix", help="PostgreSQL: route pg_logical_emit_message messages with this prefix "
+        "as outbox events")] = None,
+    outbox_option: Annotated[list[str] | None, typer.Option(
+        "--outbox-option", help="KEY=VALUE outbox router option, Debezium's name or ours "
+        "(e.g. route.by.field=aggregate_type)")] = None,
     replace: Annotated[bool, typer.Option("--replace", help="Overwrite an existing source of that name")] = False,
     check: Annotated[bool, typer.Option(
         "--check/--no-check", help="Connect and check every table's key before saving (default: check)")] = True,
@@ -110,6 +120,18 @@ def add(
         data["topics"] = _csv(topics)
     if ledger_schema is not None:
         data["schema_name"] = ledger_schema
+    if outbox_table or outbox_message_prefix or outbox_option:
+        if "outbox" not in fields:
+            fail("--outbox-table/--outbox-message-prefix/--outbox-option go with --postgres or --mysql")
+        outbox: dict[str, object] = {"tables": _csv(outbox_table), **outbox_options(outbox_option or [])}
+        if outbox_message_prefix:
+            outbox["message_prefix"] = outbox_message_prefix
+        listed = data["tables"]
+        assert isinstance(listed, list)
+        # an outbox table is captured: added to --tables; without --tables only the outbox tables are
+        # (Debezium: a connector applying the outbox router should capture the outbox table only)
+        listed += [t for t in _csv(outbox_table) if t not in listed]
+        data["outbox"] = outbox
     try:
         src = model.model_validate(data)
     except ValidationError as exc:

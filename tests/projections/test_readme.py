@@ -25,16 +25,19 @@ from psycopg.rows import dict_row
 ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"
 BLOCK = re.compile(r"^```python\n(.*?)^```", re.S | re.M)
+# blocks whose first line names one of these are run there (they need their own database)
+OTHER_RUNNERS = ("tests/ledger/test_readme_ledger.py", "tests/projections/test_outbox_projection.py")
 
 
 def python_blocks() -> list[tuple[int, str]]:
     """Every ```python block but those whose first line names another test that runs them
-    (the ledger's examples need a ledger database: tests/ledger/test_readme_ledger.py)."""
+    (the ledger's examples need a ledger database: tests/ledger/test_readme_ledger.py; the outbox
+    example an outbox table: tests/projections/test_outbox_projection.py)."""
     text = README.read_text()
     return [
         (text[: m.start()].count("\n") + 1, m.group(1))
         for m in BLOCK.finditer(text)
-        if "tests/ledger/test_readme_ledger.py" not in m.group(1).splitlines()[0]
+        if not any(other in m.group(1).splitlines()[0] for other in OTHER_RUNNERS)
     ]
 
 
