@@ -25,7 +25,7 @@ guard (``kappaflow.projections``) applies each record once.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -39,6 +39,8 @@ from kappaflow.log.base import Log, LogRecord
 
 __all__ = [
     "ResnapshotRequest",
+    "delete_value",
+    "last_values",
     "lost_position",
     "resnapshot_hint",
     "stale_keys",
@@ -144,3 +146,35 @@ def vanished_rows(log: Log, topic: str, partition: int,
             except (ValueError, orjson.JSONDecodeError):
                 row = None
         yield key, row if type(row) is dict else None, unavailable if type(unavailable) is list else None
+
+
+def last_values(log: Log, topic: str, partition: int, stale: dict[bytes, int]) -> Iterator[tuple[bytes, bytes | None]]:
+    """(key, the value of its last record) per stale key, in key order."""
+    for key in sorted(stale):
+        recs = log.read(topic, partition, stale[key], 1)
+        yield key, recs[0].value if recs and recs[0].key == key else None
+
+
+def delete_value(last: bytes | None, position: Position, ts_ms: int, source: Mapping[str, Any]) -> bytes | None:
+    """The ``op=d`` event for a vanished key from its last change event: ``before`` is that event's
+    ``after``; its source block gets ``source``, the new position and ``snapshot = "true"``. None when
+    the last value holds no row (only the tombstone is written then)."""
+    if last is None:
+        return None
+    try:
+        head, wrapped = _envelope(last)
+    except (ValueError, orjson.JSONDecodeError):
+        return None
+    row = head.get("after")
+    if type(row) is not dict:
+        return None
+    src = dict(head.get("source") or {})
+    src.update(source)
+    src.update({"snapshot": "true", "ts_ms": ts_ms, "kf_pos": position.to_dict()})
+    payload: dict[str, Any] = {**head, "before": row, "after": None, "source": src, "transaction": None, "op": "d",
+                               "ts_ms": ts_ms, "kf_resnapshot": True}
+    for unit, scale in (("ts_us", 1000), ("ts_ns", 1_000_000)):
+        if unit in payload:
+            payload[unit] = ts_ms * scale
+    msg: Any = payload if wrapped is None else {"schema": wrapped["schema"], "payload": payload}
+    return orjson.dumps(msg)
