@@ -59,6 +59,14 @@ def lost_reason(offset: PgOffset | None, slot: SlotInfo | None, slot_name: str) 
 
 
 def _drop(cap: PgCapture, slot: SlotInfo) -> None:
+    # a capture that just stopped (or was killed) keeps its slot active while its walsender exits
+    deadline = time.monotonic() + slots.RELEASE_WAIT_S
+    while slot.active and time.monotonic() < deadline:
+        time.sleep(0.1)
+        now = slots.slot_info(cap.conn, slot.name)
+        if now is None:
+            return
+        slot = now
     if slot.active:
         raise SourceError(
             f"replication slot {slot.name!r} is in use by another process (PID {slot.active_pid}): stop the "

@@ -51,7 +51,11 @@ def make_connector(source: Any, log: Log, *, partitions: int = 4, progress: bool
 
 
 def attach_resnapshot(connector: Connector, request: ResnapshotRequest, kind: str) -> None:
-    """Hand ``--resnapshot`` to a connector that can lose its position (PostgreSQL, MySQL/MariaDB)."""
+    """Hand ``--resnapshot`` to a connector that can lose its position (PostgreSQL, MySQL/MariaDB, and a
+    ledger through the PostgreSQL connector it wraps)."""
+    inner = getattr(connector, "postgres", None)
+    if "resnapshot" not in dir(type(connector)) and inner is not None and "resnapshot" in dir(type(inner)):
+        connector = inner
     if "resnapshot" not in dir(type(connector)):
         raise ConfigError(f"--resnapshot: a {kind} source has no database position that can be lost (it applies "
                           "to postgres and mysql sources); run `kappaflow capture` without it")
