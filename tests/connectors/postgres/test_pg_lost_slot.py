@@ -170,10 +170,12 @@ class World:
 
 
 @pytest.fixture
-def world(small_wal_pg: Any, tmp_path: Path) -> Iterator[World]:
+def world(small_wal_pg: Any, pg_server: Any, tmp_path: Path) -> Iterator[World]:
+    """The source on the small-WAL server; the views on the shared one (their writes must not make WAL that
+    invalidates the new slot)."""
     tag = uuid.uuid4().hex[:8]
     src_db, views_db = f"lost_src_{tag}", f"lost_views_{tag}"
-    w = World(small_wal_pg, small_wal_pg.create_database(src_db), small_wal_pg.create_database(views_db),
+    w = World(small_wal_pg, small_wal_pg.create_database(src_db), pg_server.create_database(views_db),
               tmp_path / "log", f"ls{tag}")
     try:
         _accounts(w.source_dsn, SCHEMA)
@@ -185,7 +187,7 @@ def world(small_wal_pg: Any, tmp_path: Path) -> Iterator[World]:
             c.execute("SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots "
                       "WHERE slot_name = %s AND NOT active", (w.slot,))
         small_wal_pg.drop_database(src_db)
-        small_wal_pg.drop_database(views_db)
+        pg_server.drop_database(views_db)
 
 
 def test_lost_slot_stops_with_the_recovery_and_resnapshot_converges_the_views(world: World, spark: Any,
@@ -332,8 +334,9 @@ def test_kill_9_during_resnapshot_then_plain_capture_converges(world: World, tmp
     log = open_log(str(w.log_dir), read_only=True)
     try:
         _check_log(log, w.source_dsn, w.source, {i for i in range(10, 411, 10)})
+        c = off["snapshot"]["lsn"]  # the new slot's consistent point
         snap = [p for p, tomb in positions(log, f"{w.source}.public.accounts")
-                if isinstance(p, PgPosition) and p.snapshot and p.lsn == off["lsn"] and not tomb]
+                if isinstance(p, PgPosition) and p.snapshot and p.lsn == c and not tomb]
         assert len(snap) >= 410 - 41 + 30, "every row re-read at the new slot's consistent point"
     finally:
         log.close()
