@@ -58,21 +58,27 @@ def lost_reason(offset: PgOffset | None, slot: SlotInfo | None, slot_name: str) 
     return None
 
 
-def _drop(cap: PgCapture, slot: SlotInfo) -> None:
-    # a capture that just stopped (or was killed) keeps its slot active while its walsender exits
+def _inactive(cap: PgCapture, slot: SlotInfo) -> SlotInfo | None:
+    """``slot`` once no process uses it (None: it is gone); SourceError (transient) if one keeps it.
+
+    A capture that just stopped (or was killed) keeps its slot active while its walsender exits.
+    """
     deadline = time.monotonic() + slots.RELEASE_WAIT_S
-    while slot.active and time.monotonic() < deadline:
+    now: SlotInfo | None = slot
+    while now is not None and now.active and time.monotonic() < deadline:
         time.sleep(0.1)
         now = slots.slot_info(cap.conn, slot.name)
-        if now is None:
-            return
-        slot = now
-    if slot.active:
+    if now is not None and now.active:
         raise SourceError(
-            f"replication slot {slot.name!r} is in use by another process (PID {slot.active_pid}): stop the "
+            f"replication slot {slot.name!r} is in use by another process (PID {now.active_pid}): stop the "
             f"other capture first; the re-snapshot replaces the slot [{redact_dsn(cap.dsn)}]",
             retry=Retry.TRANSIENT)
-    slots.drop_slot(cap.conn, slot.name)
+    return now
+
+
+def _drop(cap: PgCapture, slot: SlotInfo) -> None:
+    if _inactive(cap, slot) is not None:
+        slots.drop_slot(cap.conn, slot.name)
 
 
 def prepare(cap: PgCapture, offset: PgOffset | None, slot: SlotInfo | None, slot_name: str,
@@ -127,6 +133,8 @@ def prepare(cap: PgCapture, offset: PgOffset | None, slot: SlotInfo | None, slot
     if offset is None:
         request.say(f"re-snapshot of {source!r}: nothing captured yet, so this is a first snapshot")
         return offset, slot
+    if slot is not None and _inactive(cap, slot) is None:  # nothing written while another capture holds it
+        slot = None
     # step 1: the request is durable before the old slot goes
     offset.resnapshot = True
     cap.flush(offset)
