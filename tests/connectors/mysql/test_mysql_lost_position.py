@@ -83,7 +83,7 @@ def test_purged_binlog_stops_with_the_recovery_and_resnapshot_converges(purge_se
     server = purge_server
     server.execute("DROP DATABASE IF EXISTS d", "CREATE DATABASE d",
                    "CREATE TABLE d.t (id INT PRIMARY KEY, v INT, note VARCHAR(20))",
-                   "INSERT INTO d.t SELECT seq, seq, CONCAT('n', seq) FROM seq_1_to_200")
+                   "INSERT INTO d.t SELECT seq, seq, CONCAT('n', seq) FROM d.seq_1_to_200")
     topic = "src.d.t"
     with EmbeddedLog(tmp_path / "log") as log:
         mh.connector(server, "d", log, ["d.t"], snapshot_chunk_rows=30).run(until_caught_up=True)
@@ -91,7 +91,7 @@ def test_purged_binlog_stops_with_the_recovery_and_resnapshot_converges(purge_se
 
         # the capture is stopped; meanwhile rows change and the binlogs holding the changes are purged
         server.execute("DELETE FROM d.t WHERE id % 10 = 0", "UPDATE d.t SET v = v + 1000 WHERE id % 7 = 0",
-                       "INSERT INTO d.t SELECT seq, seq, 'late' FROM seq_1001_to_1020")
+                       "INSERT INTO d.t SELECT seq, seq, 'late' FROM d.seq_1001_to_1020")
         _purge_to_current(server)
         with pytest.raises(SourceError) as ei:
             mh.connector(server, "d", log, ["d.t"], snapshot_chunk_rows=30).run(until_caught_up=True)
