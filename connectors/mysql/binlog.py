@@ -313,10 +313,11 @@ class BinlogReader:
             return SourceError(f"binlog stream {where}: missing privilege REPLICATION SLAVE: {msg}; run as an admin: "
                                f"GRANT REPLICATION SLAVE ON *.* TO '{self.args.user}'@'%'", retry=Retry.TERMINAL)
         if code == 1236:  # ER_MASTER_FATAL_ERROR_READING_BINLOG: purged file, unknown GTID, bad position
-            return SourceError(f"binlog stream {where}: the server cannot continue from {self.describe_start()}: "
-                               f"{msg}. The binlog was probably purged; take a new snapshot "
-                               "(snapshot_mode=always re-snapshots and streams from the current position)",
-                               retry=Retry.TERMINAL)
+            from kappaflow.connectors.resnapshot import lost_position
+
+            return lost_position(self.tracker.source, f"the server cannot continue the binlog stream from "
+                                 f"{self.describe_start()}: {msg} (the binlog files or GTIDs it needs were purged)",
+                                 where)
         return source_error(exc, "binlog stream", where)
 
     def reached(self, file: str, pos: int) -> bool:

@@ -32,6 +32,10 @@ yet visible): for those the stream already wrote a newer state. No lock is taken
 privilege beyond SELECT is needed, and progress (table, last key) is in the offset, so a
 crash resumes with the next chunk. Snapshot positions ``(H, snapshot, n)`` order before any
 streaming position at or after ``H``, so positions grow along the log.
+
+Lost position: a resume point whose binlog file and GTIDs were purged stops the capture with an
+error naming ``kappaflow capture NAME --resnapshot``, which streams from the current position,
+snapshots every table and deletes the keys nobody read again (``resnapshot.py``).
 """
 
 from __future__ import annotations
@@ -49,6 +53,7 @@ from kappaflow.connectors.mysql.engine import CaptureEngine
 from kappaflow.connectors.mysql.offset import MySQLOffset, SnapshotProgress
 from kappaflow.connectors.mysql.outbox import attach_outbox
 from kappaflow.connectors.mysql.preflight import check_tables
+from kappaflow.connectors.mysql.resnapshot import ResnapshotSource, prepare
 from kappaflow.connectors.mysql.schema_tracking import SchemaTracker
 from kappaflow.connectors.mysql.server import (
     binlog_files,
@@ -62,6 +67,7 @@ from kappaflow.connectors.mysql.snapshot import MySQLSnapshotSource
 from kappaflow.connectors.mysql.streaming import MySQLStreamingSource
 from kappaflow.connectors.offsets import OffsetStore
 from kappaflow.connectors.preflight import require_capturable
+from kappaflow.connectors.resnapshot import ResnapshotRequest
 from kappaflow.connectors.writer import FaultHook
 from kappaflow.errors import ConfigError, SourceError
 from kappaflow.events import EventCodec
@@ -71,7 +77,12 @@ __all__ = ["CaptureEngine", "MySQLConnector", "MySQLSnapshotSource", "MySQLStrea
 
 
 class MySQLConnector(Connector):
-    """Capture one MySQL/MariaDB source into the log (see the module docstring)."""
+    """Capture one MySQL/MariaDB source into the log (see the module docstring).
+
+    ``resnapshot``: ``kappaflow capture --resnapshot`` (``resnapshot.py``); set by the CLI.
+    """
+
+    resnapshot: ResnapshotRequest | None = None
 
     def __init__(self, *, name: str, log: Log, dsn: str, password: str | None = None,
                  tables: list[str] | None = None, key_columns: dict[str, list[str]] | None = None,
@@ -180,6 +191,7 @@ class MySQLConnector(Connector):
                               f"{server.flavor}; reset the source to capture a different server")
         mode = self.snapshot_mode
         qualified = [f"{db}.{t}" for db, t in tables]
+        offset = prepare(self.name, offset, server, files, qualified, self.resnapshot)
         if offset is None:
             offset = MySQLOffset(server.flavor, server.binlog_file, server.binlog_pos, server.gtid_executed,
                                  phase="streaming", stream_start={"file": server.binlog_file,
@@ -195,6 +207,7 @@ class MySQLConnector(Connector):
                 offset.file, offset.pos, offset.gtid = server.binlog_file, server.binlog_pos, server.gtid_executed
                 offset.stream_start = {"file": server.binlog_file, "pos": server.binlog_pos,
                                        "gtid": server.gtid_executed}
+                offset.resnapshot = dict(offset.stream_start)  # and deletes what it does not read again
         partitions = self.partitions
         if partitions is None:
             partitions = 4
@@ -217,13 +230,16 @@ class MySQLConnector(Connector):
             engine.refresh_hints(db, t)  # what the binlog cannot tell (MariaDB JSON columns)
         self.engine = engine
         try:
+            if offset.resnapshot is not None and offset.phase == "snapshot":
+                engine.checkpoint(force_save=True, drain=True)  # the re-snapshot is durable before it reads
             if offset.phase == "snapshot":
                 from kappaflow.connectors.postgres.snapshot import SnapshotProgressDisplay
 
                 summary.phase = "snapshot"
                 with SnapshotProgressDisplay(self.progress) as display:
-                    snap = MySQLSnapshotSource(engine, chunk_rows=self.chunk_rows, progress_cb=self.progress_cb,
-                                               display=display)
+                    source_cls = ResnapshotSource if offset.resnapshot is not None else MySQLSnapshotSource
+                    snap = source_cls(engine, chunk_rows=self.chunk_rows, progress_cb=self.progress_cb,
+                                      display=display)
                     offset = snap.execute(offset, stop)
                 summary.snapshot_rows += snap.rows_written
                 if offset.phase == "streaming" and mode == "initial_only":

@@ -141,10 +141,11 @@ class CaptureEngine:
             raise source_error(exc, "list binary logs", self.args.where()) from None
         if file not in files:
             if not gtid:
-                raise SourceError(
-                    f"source {self.name!r}: binlog file {file!r} (resume point {file}:{pos}) is no longer on the "
-                    f"server (it has {files[:1]}..{files[-1:]}) and no GTID set was recorded; take a new snapshot "
-                    "(snapshot_mode=always re-snapshots and streams from the current position)")
+                from kappaflow.connectors.resnapshot import lost_position
+
+                raise lost_position(self.name, f"binlog file {file!r} (resume point {file}:{pos}) is no longer on "
+                                    f"the server (it has {files[:1]}..{files[-1:]}: purged) and no GTID set was "
+                                    "recorded", self.args.where())
             use_gtid = True
         self.reader = BinlogReader(self.args, server_id=self.replica_server_id, flavor=self.server.flavor,
                                    tracker=self.tracker, start=StreamStart(file, pos, gtid),

@@ -56,14 +56,20 @@ class MySQLOffset(OffsetContext):
     events: int = 0
     server_uuid: str = ""
     stream_start: dict[str, Any] | None = None  # where streaming began (file, pos, gtid), for status and audits
+    # ``kappaflow capture --resnapshot`` in progress (``connectors/mysql/resnapshot.py``): the binlog position
+    # (file, pos, gtid) it streams from; keys whose latest record is older get deletes after the snapshot
+    resnapshot: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        return {
+        d = {
             "kind": "mysql", "flavor": self.flavor, "file": self.file, "pos": self.pos, "gtid": self.gtid,
             "phase": self.phase, "snapshot": None if self.snapshot is None else self.snapshot.to_dict(),
             "last_position": self.last_position, "events": self.events, "server_uuid": self.server_uuid,
             "stream_start": self.stream_start,
         }
+        if self.resnapshot is not None:
+            d["resnapshot"] = self.resnapshot
+        return d
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> MySQLOffset:
@@ -82,6 +88,7 @@ class MySQLOffset(OffsetContext):
                 phase=phase, snapshot=None if snap is None else SnapshotProgress.from_dict(snap),
                 last_position=d.get("last_position"), events=int(d.get("events", 0)),
                 server_uuid=str(d.get("server_uuid", "")), stream_start=d.get("stream_start"),
+                resnapshot=d.get("resnapshot"),
             )
         except (KeyError, ValueError, TypeError) as exc:
             raise ValidationError(f"mysql offset: malformed stored offset ({exc}); expected the dict written by "

@@ -12,8 +12,11 @@ snapshot phase  present             resume the snapshot from the next chunk (fre
                                     then stream from the original consistent point
 streaming       present             ``always``: re-snapshot (positions at the stored LSN),
                                     then stream; otherwise stream from the stored LSN
-any             missing             SourceError (changes were lost with the slot), unless
-                                    ``always``: a new slot and a full snapshot repair the log
+any             missing, lost or    SourceError (changes were lost with the slot) naming
+                past the offset     ``kappaflow capture NAME --resnapshot``; with it (or with
+                                    ``always`` and a missing slot): a new slot, a full snapshot,
+                                    then deletes for keys the snapshot did not read
+                                    (``resnapshot.py``)
 ==============  ==================  =========================================================
 
 ``initial_only`` needs no slot: one snapshot in a plain REPEATABLE READ transaction,
@@ -39,10 +42,12 @@ from kappaflow.connectors.postgres.mapping import RecordMapper
 from kappaflow.connectors.postgres.offset import PgOffset, SnapshotProgress
 from kappaflow.connectors.postgres.outbox import outbox_mappers
 from kappaflow.connectors.postgres.replication import ReplicationConnection, _classify, lsn_str, redact_dsn
+from kappaflow.connectors.postgres.resnapshot import delete_vanished, lost_reason, prepare
 from kappaflow.connectors.postgres.snapshot import PgSnapshotSource
 from kappaflow.connectors.postgres.streaming import PgStreamingSource
+from kappaflow.connectors.resnapshot import ResnapshotRequest, lost_position
 from kappaflow.connectors.writer import FaultHook
-from kappaflow.errors import Retry, SourceError
+from kappaflow.errors import SourceError
 from kappaflow.log.base import Log
 
 __all__ = ["PostgresConnector", "postgres_status"]
@@ -85,7 +90,10 @@ class PostgresConnector(Connector):
     ``fault``: test hook called with the writer's step names (see ``connectors/writer.py``).
     ``mappers``: "schema.table" -> :class:`RecordMapper` for append-only tables whose inserted
     rows become the mapper's records instead of change events (the ledger source uses this).
+    ``resnapshot``: ``kappaflow capture --resnapshot`` (``resnapshot.py``); set by the CLI.
     """
+
+    resnapshot: ResnapshotRequest | None = None
 
     def __init__(self, config: PostgresSourceConfig, log: Log, *, partitions: int = 4,
                  progress: bool | None = None, batch_records: int = 20_000, linger_s: float = 0.05,
@@ -130,25 +138,27 @@ class PostgresConnector(Connector):
             mode = cfg.snapshot_mode
             cap.prepare_log()
             offset = cap.load_offset()
-            if mode is SnapshotMode.INITIAL_ONLY:
+            if mode is SnapshotMode.INITIAL_ONLY and self.resnapshot is None:
                 return self._initial_only(cap, offset, stop, started)
             slots.ensure_publication(cap.conn, pub, list(cap.tables.values()) if cfg.tables else None)
             slot = slots.slot_info(cap.conn, slot_name)
+            offset, slot = prepare(cap, offset, slot, slot_name, self.resnapshot)
+            resnapshotting = (offset is not None and offset.resnapshot) or self.resnapshot is not None
+            if resnapshotting and mode in (SnapshotMode.NEVER, SnapshotMode.INITIAL_ONLY):
+                mode = SnapshotMode.INITIAL  # a re-snapshot snapshots, whatever the mode
             snapshot_name: str | None = None
-            if offset is not None and offset.phase != "done" and slot is None and mode is not SnapshotMode.ALWAYS:
-                raise SourceError(
-                    f"replication slot {slot_name!r} of source {cfg.name!r} is gone (dropped underneath "
-                    f"kappaflow?) but the log holds captured changes up to {lsn_str(offset.lsn)}: changes after "
-                    "that are lost. Repair the log with a fresh snapshot: run the capture once with "
-                    "snapshot_mode = \"always\"", retry=Retry.TERMINAL)
+            if offset is not None and offset.phase != "done" and slot is None and mode is not SnapshotMode.ALWAYS \
+                    and not offset.resnapshot:
+                raise lost_position(cfg.name, lost_reason(offset, slot, slot_name) or "replication slot lost",
+                                    redact_dsn(dsn))
             if offset is None and slot is not None and mode is SnapshotMode.NEVER:
                 # no snapshot wanted: stream from wherever the existing slot stands
-                slots.check_slot_usable(slot, cap.db, dsn)
+                slots.check_slot_usable(slot, cap.db, dsn, source=cfg.name)
                 offset = PgOffset(slot=slot_name, lsn=slot.confirmed_flush_lsn or 0, phase="streaming")
                 cap.flush(offset)
             elif offset is None or slot is None or offset.phase == "done":
                 if slot is not None:
-                    slots.check_slot_usable(slot, cap.db, dsn)
+                    slots.check_slot_usable(slot, cap.db, dsn, source=cfg.name)
                     slots.drop_slot(cap.conn, slot_name)  # no offset depends on it: start clean
                 repl = ReplicationConnection(dsn, application_name=f"kappaflow-{cfg.name}")
                 created = repl.create_slot(slot_name, export_snapshot=mode is not SnapshotMode.NEVER)
@@ -156,19 +166,18 @@ class PostgresConnector(Connector):
                     offset = PgOffset(slot=slot_name, lsn=created.consistent_lsn, phase="streaming")
                 else:
                     c = created.consistent_lsn
+                    # a new slot's snapshot over a log that holds records: delete what it does not read
                     offset = PgOffset(slot=slot_name, lsn=c, phase="snapshot", snapshot=SnapshotProgress(lsn=c),
-                                      events=offset.events if offset is not None else 0)
+                                      events=offset.events if offset is not None else 0,
+                                      resnapshot=offset is not None)
                     snapshot_name = created.snapshot_name
                 cap.flush(offset)  # remember the slot's consistent point before anything else
             else:
-                slots.check_slot_usable(slot, cap.db, dsn)
+                slots.check_slot_usable(slot, cap.db, dsn, source=cfg.name)
                 confirmed = slot.confirmed_flush_lsn or 0
                 if confirmed > offset.lsn:
-                    raise SourceError(
-                        f"replication slot {slot_name!r} is at {lsn_str(confirmed)}, past the offset stored in the "
-                        f"log ({lsn_str(offset.lsn)}): another consumer advanced it, or the offsets topic was "
-                        "restored from an older copy; changes in between may be missing. Re-snapshot with "
-                        "snapshot_mode = \"always\"", retry=Retry.TERMINAL)
+                    raise lost_position(cfg.name, lost_reason(offset, slot, slot_name) or "slot ahead of the log",
+                                        redact_dsn(dsn))
                 if offset.phase == "streaming" and mode is SnapshotMode.ALWAYS:
                     offset.phase = "snapshot"
                     offset.snapshot = SnapshotProgress(lsn=offset.lsn)
@@ -179,6 +188,9 @@ class PostgresConnector(Connector):
                 assert offset.snapshot is not None
                 if not offset.snapshot.completed:
                     return self._finish(cap, offset, stop, started)
+                if offset.resnapshot:  # rows deleted while the position was lost (resnapshot.py, step 4)
+                    delete_vanished(cap, offset)
+                    offset.resnapshot = False
                 offset.phase = "streaming"
                 offset.lsn = offset.snapshot.lsn
                 cap.flush(offset)

@@ -60,14 +60,20 @@ class PgOffset(OffsetContext):
     last_commit_lsn: int = 0
     snapshot: SnapshotProgress | None = None
     events: int = 0  # events captured so far (for status)
+    # this snapshot re-captures a log that already holds records (``kappaflow capture --resnapshot``,
+    # ``connectors/resnapshot.py``): when it completes, keys it did not read get deletes
+    resnapshot: bool = False
 
     def to_dict(self) -> dict[str, Any]:
-        return {
+        d = {
             "kind": "pg", "slot": self.slot, "lsn": self.lsn, "phase": self.phase,
             "last_commit_lsn": self.last_commit_lsn,
             "snapshot": None if self.snapshot is None else self.snapshot.to_dict(),
             "events": self.events,
         }
+        if self.resnapshot:
+            d["resnapshot"] = True
+        return d
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> PgOffset:
@@ -79,7 +85,7 @@ class PgOffset(OffsetContext):
                 slot=str(d["slot"]), lsn=int(d["lsn"]), phase=str(d.get("phase", "streaming")),
                 last_commit_lsn=int(d.get("last_commit_lsn", 0)),
                 snapshot=None if snap is None else SnapshotProgress.from_dict(snap),
-                events=int(d.get("events", 0)),
+                events=int(d.get("events", 0)), resnapshot=bool(d.get("resnapshot", False)),
             )
         except (KeyError, ValueError, TypeError) as exc:
             raise ValidationError(f"postgres offset: malformed stored offset ({exc}); expected the dict written "

@@ -213,8 +213,8 @@ def doctor_checks(src: Any) -> Iterator[Finding]:
             yield ok(area, "slot", f"{src.slot_name} not created yet (capture creates it)")
         elif slot[1] == "lost":
             yield fail(area, "slot", f"{src.slot_name} was invalidated (WAL removed)",
-                        f"drop it (select pg_drop_replication_slot('{src.slot_name}')) and capture "
-                        "again with snapshot_mode=always")
+                        f"recover with `kappaflow capture {src.name} --resnapshot` (replaces the slot, "
+                        "snapshots again, deletes rows removed meanwhile)")
         elif slot[0]:
             yield ok(area, "slot", f"{src.slot_name} active, {int(slot[2] or 0):,} bytes behind")
         else:

@@ -108,13 +108,14 @@ def _classify(message: str, sqlstate: str | None, what: str, dsn: str) -> Source
     if "invalidated" in msg or "can no longer get changes" in msg:
         return SourceError(
             f"{what}: {msg}. The slot lost WAL it needed (max_slot_wal_keep_size exceeded?): changes are missing; "
-            f"drop the slot and re-snapshot (kappaflow capture with snapshot_mode=always) [{where}]",
+            f"recover with `kappaflow capture SOURCE --resnapshot` (a new slot and a full snapshot) [{where}]",
             retry=Retry.TERMINAL,
         )
     if sqlstate == "42704" and "replication slot" in msg:
         return SourceError(
             f"{what}: {msg}. The replication slot was dropped while kappaflow still depends on it; "
-            f"changes since the last capture may be lost: re-snapshot with snapshot_mode=always [{where}]",
+            f"changes since the last capture may be lost: recover with `kappaflow capture SOURCE --resnapshot` "
+            f"[{where}]",
             retry=Retry.TERMINAL,
         )
     if sqlstate in ("28P01", "28000") or "password authentication failed" in msg:

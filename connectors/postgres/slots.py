@@ -388,7 +388,7 @@ def slot_info(conn: psycopg.Connection, name: str) -> SlotInfo | None:
     )
 
 
-def check_slot_usable(info: SlotInfo, dbname: str, dsn: str) -> None:
+def check_slot_usable(info: SlotInfo, dbname: str, dsn: str, *, source: str | None = None) -> None:
     where = redact_dsn(dsn)
     if info.plugin != "pgoutput":
         raise SourceError(f"replication slot {info.name!r} uses plugin {info.plugin!r}, not pgoutput: "
@@ -397,12 +397,11 @@ def check_slot_usable(info: SlotInfo, dbname: str, dsn: str) -> None:
         raise SourceError(f"replication slot {info.name!r} belongs to database {info.database!r}, not "
                           f"{dbname!r}: choose another slot name", retry=Retry.TERMINAL)
     if info.invalidated:
-        raise SourceError(
-            f"replication slot {info.name!r} was invalidated (wal_status={info.wal_status}): the WAL it needed "
-            "was removed (max_slot_wal_keep_size?), so changes are missing. Drop the slot and re-snapshot: "
-            f"kappaflow capture with snapshot_mode=always [{where}]",
-            retry=Retry.TERMINAL,
-        )
+        from kappaflow.connectors.resnapshot import lost_position
+
+        raise lost_position(source or "SOURCE", f"replication slot {info.name!r} was invalidated (wal_status="
+                            f"{info.wal_status}): the WAL it needed was removed (max_slot_wal_keep_size exceeded?)",
+                            where)
     if info.active:
         raise SourceError(
             f"replication slot {info.name!r} is in use by another process (PID {info.active_pid}): stop the "

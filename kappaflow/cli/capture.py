@@ -12,6 +12,11 @@ built is written, the offset saved, the source acknowledged, then the process ex
 ``kappaflow.connectors.base``). Transient failures (PostgreSQL restarting, a broker
 down, the slot held by a dying process) are retried with backoff; terminal ones end
 the command with one clear line.
+
+``--resnapshot`` recovers a source whose position the database no longer has (a PostgreSQL slot
+invalidated or dropped, MySQL/MariaDB binlogs or GTIDs purged): a new position, a full snapshot
+through the log, deletes for rows removed meanwhile (``kappaflow.connectors.resnapshot``). It
+refuses a healthy source unless ``--force``.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ import typer
 from kappaflow.config import Settings
 from kappaflow.connectors.base import CaptureSummary, Connector, StopSignal
 from kappaflow.connectors.registry import source_kind
+from kappaflow.connectors.resnapshot import ResnapshotRequest
 from kappaflow.errors import ConfigError, KappaflowError
 from kappaflow.log.base import Log
 
@@ -42,6 +48,18 @@ def make_connector(source: Any, log: Log, *, partitions: int = 4, progress: bool
     MySQL/MariaDB binlog, Debezium topics, a kappaflow ledger). ``log_kafka``: the configuration's
     ``[log.kafka]`` (a Debezium source without Kafka settings of its own reads with them)."""
     return source_kind(source).open(source, log, partitions=partitions, progress=progress, log_kafka=log_kafka)
+
+
+def attach_resnapshot(connector: Connector, request: ResnapshotRequest, kind: str) -> None:
+    """Hand ``--resnapshot`` to a connector that can lose its position (PostgreSQL, MySQL/MariaDB, and a
+    ledger through the PostgreSQL connector it wraps)."""
+    inner = getattr(connector, "postgres", None)
+    if "resnapshot" not in dir(type(connector)) and inner is not None and "resnapshot" in dir(type(inner)):
+        connector = inner
+    if "resnapshot" not in dir(type(connector)):
+        raise ConfigError(f"--resnapshot: a {kind} source has no database position that can be lost (it applies "
+                          "to postgres and mysql sources); run `kappaflow capture` without it")
+    connector.resnapshot = request  # type: ignore[attr-defined]
 
 
 def source_status(config: Any, log: Log) -> dict[str, Any]:
@@ -120,14 +138,15 @@ def _stop_on_signals(stop: StopSignal, on_signal: Callable[[str], None] | None =
 def capture_command(name: str, until_caught_up: bool = False, config_path: Path | None = None, *,
                     profile: str | None = None, progress: bool | None = None,
                     max_retries: int | None = None, echo: Callable[[str], None] | None = None,
-                    log_every_s: float = 0.0, metrics_port: int | None = None) -> CaptureSummary:
+                    log_every_s: float = 0.0, metrics_port: int | None = None, resnapshot: bool = False,
+                    force: bool = False) -> CaptureSummary:
     """Run the capture of source ``name`` from ``kappaflow.toml`` until stopped (or caught up).
 
     Returns the summary of the last run. Raises KappaflowError for terminal failures
     (and for transient ones once ``max_retries`` is exhausted; None retries forever).
     ``log_every_s`` > 0: a timestamped progress line to ``echo`` at that interval
     (``kappaflow.cli.progress_log``). ``metrics_port`` (else ``[metrics] port``): ``/metrics`` there
-    (``kappaflow.metrics.capture``).
+    (``kappaflow.metrics.capture``). ``resnapshot`` / ``force``: ``--resnapshot [--force]`` (module docstring).
     """
     from kappaflow.cli.progress_log import ProgressLog
     settings = Settings.load(config_path, profile=profile)
@@ -136,6 +155,9 @@ def capture_command(name: str, until_caught_up: bool = False, config_path: Path 
         known = ", ".join(sorted(settings.sources)) or "none registered"
         raise ConfigError(f"unknown source {name!r} (sources: {known}); add it with `kappaflow source add`")
     say = echo or (lambda _m: None)
+    if force and not resnapshot:
+        raise ConfigError("--force only applies with --resnapshot")
+    request = ResnapshotRequest(force=force) if resnapshot else None
     stop = StopSignal()
     attempt = 0
     delay = 1.0
@@ -151,7 +173,15 @@ def capture_command(name: str, until_caught_up: bool = False, config_path: Path 
                 connector = make_connector(source, log, partitions=settings.log.partitions, progress=progress,
                                            log_kafka=settings.log.kafka)
                 current.append(connector)
-                summary = connector.run(stop, until_caught_up=until_caught_up)
+                if request is not None:
+                    attach_resnapshot(connector, request, str(getattr(source, "kind", type(source).__name__)))
+                try:
+                    summary = connector.run(stop, until_caught_up=until_caught_up)
+                finally:
+                    if request is not None:
+                        for line in request.said:
+                            say(line)
+                        request.said.clear()
                 return summary
             except KappaflowError as exc:
                 metrics.collector.error(exc)
@@ -179,6 +209,11 @@ def capture(
         "terminal; 0: none.")] = 10.0,
     metrics_port: Annotated[int | None, typer.Option(
         "--metrics-port", help="Serve Prometheus metrics on this port (/metrics); default [metrics] port.")] = None,
+    resnapshot: Annotated[bool, typer.Option(
+        "--resnapshot", help="Recover a lost position (slot invalidated/dropped, binlog purged): new position, "
+        "full snapshot through the log, deletes for rows removed meanwhile. Refuses a healthy source.")] = False,
+    force: Annotated[bool, typer.Option(
+        "--force", help="With --resnapshot: re-snapshot even though the position is not lost.")] = False,
 ) -> None:
     """Capture a source into the log: consistent snapshot, then streaming; Ctrl-C and kill -9 safe.
 
@@ -194,7 +229,8 @@ def capture(
     summary = capture_command(name, until_caught_up, obj.get("config"), profile=obj.get("profile"),
                               progress=progress, echo=lambda m: err_console.print(stamp(m), markup=False,
                                                                                   highlight=False),
-                              log_every_s=0.0 if terminal else log_every, metrics_port=metrics_port)
+                              log_every_s=0.0 if terminal else log_every, metrics_port=metrics_port,
+                              resnapshot=resnapshot, force=force)
     took = time.monotonic() - started
     line = (f"{summary.source}: {summary.events:,} events ({summary.snapshot_rows:,} snapshot rows), "
             f"{summary.records:,} records, {summary.duplicates_skipped:,} duplicates skipped; "
@@ -220,10 +256,12 @@ def main(argv: list[str] | None = None) -> None:
         progress: Annotated[bool | None, typer.Option("--progress/--no-progress")] = None,
         log_every: Annotated[float, typer.Option("--log-every")] = 10.0,
         metrics_port: Annotated[int | None, typer.Option("--metrics-port")] = None,
+        resnapshot: Annotated[bool, typer.Option("--resnapshot")] = False,
+        force: Annotated[bool, typer.Option("--force")] = False,
     ) -> None:
         ctx.obj = {"config": config, "profile": profile}
         try:
-            capture(ctx, name, until_caught_up, progress, log_every, metrics_port)
+            capture(ctx, name, until_caught_up, progress, log_every, metrics_port, resnapshot, force)
         except KappaflowError as exc:
             fail(str(exc), transient=exc.transient)
 

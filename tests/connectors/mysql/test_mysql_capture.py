@@ -238,8 +238,8 @@ def test_resume_by_gtid_when_the_binlog_file_is_purged(tmp_path: Any, mh: Any) -
             purge_to_current()
             with pytest.raises(SourceError, match="Could not find GTID state") as err:
                 conn.run(until_caught_up=True)
-            assert "take a new snapshot" in str(err.value) and not err.value.transient
-            # the way out the message names: a new snapshot, streaming from the current position
+            assert "kappaflow capture src --resnapshot" in str(err.value) and not err.value.transient
+            # a way out: a new snapshot, streaming from the current position (--resnapshot: test_mysql_lost_position)
             server.execute("INSERT INTO d.t VALUES (3, 3)")
             again = mh.connector(server, "d", log, ["d.t"], snapshot_mode="always")
             assert again.run(until_caught_up=True).snapshot_rows == 3

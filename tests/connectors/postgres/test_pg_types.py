@@ -181,7 +181,7 @@ def test_offset_round_trip_and_malformed_offset() -> None:
 @pytest.mark.parametrize(("info", "match"), [
     ({"plugin": "test_decoding"}, "uses plugin 'test_decoding', not pgoutput"),
     ({"database": "other"}, "belongs to database 'other'"),
-    ({"wal_status": "lost"}, r"was invalidated \(wal_status=lost\).*Drop the slot and re-snapshot"),
+    ({"wal_status": "lost"}, r"was invalidated \(wal_status=lost\).*kappaflow capture SOURCE --resnapshot"),
     ({"active": True, "active_pid": 4242}, r"in use by another process \(PID 4242\)"),
 ])
 def test_unusable_slots_are_explained(info: dict[str, object], match: str) -> None:
