@@ -56,6 +56,8 @@ class MySQLOffset(OffsetContext):
     events: int = 0
     server_uuid: str = ""
     stream_start: dict[str, Any] | None = None  # where streaming began (file, pos, gtid), for status and audits
+    # on-demand snapshot state (connectors/ondemand.py OnDemandState.to_dict), None when never used
+    ondemand: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -63,6 +65,7 @@ class MySQLOffset(OffsetContext):
             "phase": self.phase, "snapshot": None if self.snapshot is None else self.snapshot.to_dict(),
             "last_position": self.last_position, "events": self.events, "server_uuid": self.server_uuid,
             "stream_start": self.stream_start,
+            **({"ondemand": self.ondemand} if self.ondemand is not None else {}),
         }
 
     @classmethod
@@ -82,6 +85,7 @@ class MySQLOffset(OffsetContext):
                 phase=phase, snapshot=None if snap is None else SnapshotProgress.from_dict(snap),
                 last_position=d.get("last_position"), events=int(d.get("events", 0)),
                 server_uuid=str(d.get("server_uuid", "")), stream_start=d.get("stream_start"),
+                ondemand=dict(d["ondemand"]) if isinstance(d.get("ondemand"), dict) else None,
             )
         except (KeyError, ValueError, TypeError) as exc:
             raise ValidationError(f"mysql offset: malformed stored offset ({exc}); expected the dict written by "

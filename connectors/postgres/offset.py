@@ -60,6 +60,8 @@ class PgOffset(OffsetContext):
     last_commit_lsn: int = 0
     snapshot: SnapshotProgress | None = None
     events: int = 0  # events captured so far (for status)
+    # on-demand snapshot state (connectors/ondemand.py OnDemandState.to_dict), None when never used
+    ondemand: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -67,6 +69,7 @@ class PgOffset(OffsetContext):
             "last_commit_lsn": self.last_commit_lsn,
             "snapshot": None if self.snapshot is None else self.snapshot.to_dict(),
             "events": self.events,
+            **({"ondemand": self.ondemand} if self.ondemand is not None else {}),
         }
 
     @classmethod
@@ -80,6 +83,7 @@ class PgOffset(OffsetContext):
                 last_commit_lsn=int(d.get("last_commit_lsn", 0)),
                 snapshot=None if snap is None else SnapshotProgress.from_dict(snap),
                 events=int(d.get("events", 0)),
+                ondemand=dict(d["ondemand"]) if isinstance(d.get("ondemand"), dict) else None,
             )
         except (KeyError, ValueError, TypeError) as exc:
             raise ValidationError(f"postgres offset: malformed stored offset ({exc}); expected the dict written "
