@@ -217,8 +217,8 @@ class PgOnDemand:
                     st.seq = max(st.seq, req.seq)
                     self.log_lines.append(f"request {req.seq}: table {name} is not captured by this source")
                     return
-        if req.action == "stop" and self.chunk is not None:
-            self.chunk = None  # its watermarks are ignored when they arrive
+        if req.action in ("stop", "pause") and self.chunk is not None:
+            self.chunk = None  # its watermarks are ignored when they arrive; a resume reads it again
         self.log_lines.append(st.apply(req))
         if st.state != "running":
             self._close_conn()

@@ -16,7 +16,7 @@ from typing import Annotated, Any
 import typer
 
 from kappaflow.cli.common import console, fail, settings
-from kappaflow.connectors.ondemand import RequestChannel, channel_for, progress_view
+from kappaflow.connectors.ondemand import ALIVE_S, RequestChannel, channel_for, progress_view
 from kappaflow.errors import ConfigError
 
 __all__ = ["add_table", "ondemand_status", "remove_table", "snapshot"]
@@ -129,13 +129,13 @@ def snapshot(
             else:
                 console.print(_line(view), highlight=False, markup=False)
             return
+        checked = mod.cli_validate(src, _csv(tables), where) if tables else []
         channel = channel_for(log)
         try:
             if channel.alive(source) is None:
-                fail(f"source {source!r} is not capturing (no running `kappaflow capture {source}` answered): "
-                     "start the capture first; an on-demand snapshot runs inside it")
+                fail(f"source {source!r} is not capturing (no running `kappaflow capture {source}` answered within "
+                     f"{ALIVE_S:.0f} s): start the capture first; an on-demand snapshot runs inside it")
             if tables:
-                checked = mod.cli_validate(src, _csv(tables), where)
                 for name, est in checked:
                     console.print(f"  {name}: ~{est:,} rows{' matching --where' if where else ''}",
                                   highlight=False, markup=False)
