@@ -180,6 +180,7 @@ class TopicChannel(RequestChannel):
     def __init__(self, log: Log, topic: str = REQUESTS_TOPIC) -> None:
         self.log = log
         self.topic = topic
+        self._cursor: dict[str, int] = {}  # per source: the topic offset scanned up to (beats are skipped once)
         if topic not in log.list_topics():
             log.create_topic(topic, TopicConfig(partitions=1, cleanup_policy=CleanupPolicy.COMPACT), exist_ok=True)
 
@@ -193,9 +194,11 @@ class TopicChannel(RequestChannel):
     def since(self, source: str, seq: int) -> list[SnapshotRequest]:
         out: list[SnapshotRequest] = []
         end = self.log.end_offset(self.topic, 0)
-        if end <= seq:
+        start = max(seq, self._cursor.get(source, 0))
+        if end <= start:
             return out
-        for rec in self.log.iter_partition(self.topic, 0, seq, end):
+        self._cursor[source] = end
+        for rec in self.log.iter_partition(self.topic, 0, start, end):
             if rec.value is None:
                 continue
             d = orjson.loads(rec.value)

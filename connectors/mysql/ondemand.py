@@ -172,7 +172,8 @@ class MySQLOnDemand:
         self.engine.checkpoint(force_save=True)
 
     def _publish(self) -> None:
-        self.engine.offset.ondemand = self.state.to_dict()
+        if self.state.seq or self.state.tables:  # offsets of sources never asked stay as they were
+            self.engine.offset.ondemand = self.state.to_dict()
         if self.summary is not None:
             self.summary.ondemand = progress_view(self.state) or {}
 
@@ -250,6 +251,10 @@ class MySQLOnDemand:
         eng = self.engine
         k = (state.db, state.table)
         eng.tracker.states[k] = state
+        # the stream passed every DDL up to H (the catalog was read before H): the schema at H, if new
+        eng.writer.add_schema(state.qualified, state.schema,
+                              BinlogPosition(hfile, hpos, self.state.next_index, None, eng.server.server_id,
+                                             snapshot=True), change="CREATE", ddl=eng.tracker.take_ddl(*k))
         more = len(rows) > self.chunk_rows
         rows = rows[: self.chunk_rows]
         drop = window | self.prev_keys

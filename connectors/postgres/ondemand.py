@@ -258,7 +258,8 @@ class PgOnDemand:
         self.stream._flush(partial=self.stream.in_tx)
 
     def _publish(self) -> None:
-        self.stream.offset.ondemand = self.state.to_dict()
+        if self.state.seq or self.state.tables:  # offsets of sources never asked stay as they were
+            self.stream.offset.ondemand = self.state.to_dict()
         self.cap.summary.ondemand = progress_view(self.state) or {}
 
     # -- one chunk --------------------------------------------------------------------------------
