@@ -276,5 +276,6 @@ def test_bad_input(mariadb_server: Any, mariadb_db: str, mh: Any, tmp_path: Path
     assert "does not exist" in err("snapshot", name, "--tables", f"{db}.nope")
     msg = err("snapshot", name, "--tables", f"{db}.a", "--where", "id >>> 'x")
     assert "--where" in msg and f"does not run against {db}.a" in msg
-    assert "key" in err("source", "add-table", name, f"{db}.nokey")
+    assert "no primary key" in err("source", "add-table", name, f"{db}.nokey")
+    assert "no primary key" in err("snapshot", name, "--tables", f"{db}.nokey")
     assert "is not capturing" in err("snapshot", name, "--tables", f"{db}.a")

@@ -312,7 +312,8 @@ def test_kill9_mid_snapshot_resumes_from_the_last_chunk(tmp_path: Path, pg_dsn: 
         final = stored_offset(str(log_dir), source_name, False)["ondemand"]["tables"][0]  # type: ignore[index]
         chunks = {p.lsn for p, _ in od}
         # every chunk once, except at most the one in flight at the kill (read again after the restart)
-        assert final["chunks"] <= len(chunks) <= final["chunks"] + 1, (len(chunks), final)
+        # (a chunk whose rows were all changed meanwhile writes no read, hence <=)
+        assert len(chunks) <= final["chunks"] + 1, (len(chunks), final)
         doubled = [k for k, n in Counter(k for _, k in od).items() if n > 1]
         assert len(doubled) <= chunk, f"{len(doubled)} keys read twice: more than the one chunk in flight"
         assert final["rows"] <= len(od) <= final["rows"] + chunk
