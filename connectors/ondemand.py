@@ -162,8 +162,7 @@ class FileChannel(RequestChannel):
     def beat(self, source: str, status: Mapping[str, Any]) -> None:
         body = orjson.dumps({**status, "pid": os.getpid(), "ts_ms": _now_ms()}).decode()
         self._run("INSERT INTO beats VALUES (?, ?) ON CONFLICT (source) DO UPDATE SET body = excluded.body",
-                  (source, body))
-        self._version = -1  # our own write bumps nothing for us, but keep `changed` honest after it
+                  (source, body))  # our own write leaves `changed` as it was (data_version counts others')
 
     def last_beat(self, source: str) -> dict[str, Any] | None:
         rows = self._run("SELECT body FROM beats WHERE source = ?", (source,))
