@@ -11,12 +11,15 @@ the replication stream:
    SELECT takes, so writers never wait);
 3. write the **high watermark** ``H`` (``'high:<chunk id>'``).
 
-Streaming goes on meanwhile. When the stream reaches ``L`` the *window* opens: every key the stream
-changes in the table from then on is noted; when it reaches ``H`` the chunk is emitted as ``op=r``
-reads at position ``(H, snapshot, i)``, **minus the keys changed in the window** -- for those the
-stream already wrote a state at least as new as the chunk's (and the keys of the previous window
-too, a margin for a transaction whose commit record precedes ``L`` but that was not yet visible to
-the chunk's snapshot). A ``TRUNCATE`` in the window drops the whole chunk, which is read again.
+Streaming goes on meanwhile. The *window* notes every key the stream changes in the table: it opens
+when the first chunk starts (the stream's position then is at or before ``L``) and runs from one
+``H`` to the next, a superset of DBLog's ``[L, H]`` with no gap between chunks. When the stream
+reaches ``H`` the chunk is emitted as ``op=r`` reads at position ``(H, snapshot, i)``, **minus the
+keys changed in the window** -- for those the stream already wrote a state at least as new as the
+chunk's -- and minus those of the previous window, a margin for a transaction whose commit record
+precedes ``L`` but that was not yet visible to the chunk's snapshot. A ``TRUNCATE`` in the window
+drops the whole chunk, which is read again. ``L`` itself marks the chunk in the WAL: a ``H`` is
+acted on only after its own ``L`` went by.
 ``H``'s LSN sits after every change decoded before it and before every one decoded after it, so the
 positions keep increasing in every partition and a chunk row never overwrites a newer change.
 
@@ -37,7 +40,7 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import orjson
@@ -135,10 +138,7 @@ class _Chunk:
     lines: list[bytes]
     more: bool
     started: float
-    window_open: bool = False
-    mark: int = 0  # records of `topic` in the pending batch before the window opened
-    keys: set[bytes] = field(default_factory=set)
-    truncated: bool = False
+    low_seen: bool = False
 
 
 class PgOnDemand:
@@ -154,6 +154,11 @@ class PgOnDemand:
         self.prefix = f"{WATERMARK_PREFIX}:{slot}"
         self.chunk: _Chunk | None = None
         self.prev_keys: set[bytes] = set()
+        # the window: keys of `track_topic` the stream changed since it opened (see _track)
+        self.track_topic: str | None = None
+        self.track_mark = 0  # records of track_topic in the pending batch already looked at
+        self.track_keys: set[bytes] = set()
+        self.track_truncated = False
         self._conn: psycopg.Connection | None = None
         self._next_poll = 0.0
         self._next_beat = 0.0
@@ -181,6 +186,7 @@ class PgOnDemand:
                 self.state.finish_if_done()
                 self._save()
                 self._close_conn()
+                self._track(None)
             else:
                 self._start_chunk(run)
 
@@ -222,6 +228,7 @@ class PgOnDemand:
         self.log_lines.append(st.apply(req))
         if st.state != "running":
             self._close_conn()
+            self._track(None)
 
     def _add_table(self, name: str) -> None:
         cap = self.cap
@@ -251,6 +258,7 @@ class PgOnDemand:
         self.state.tables = [t for t in self.state.tables if t.table != name or t.done]
         if self.chunk is not None and self.chunk.run.table == name:
             self.chunk = None
+            self._track(None)
 
     def _save(self) -> None:
         """Make the state durable with the offset (a batch of its own, or with the pending records)."""
@@ -288,12 +296,14 @@ class PgOnDemand:
             self._save()
             return
         t0 = time.monotonic()
+        tc = cap.codec_for(info, self._position_now())
+        if self.track_topic != tc.topic:
+            self._track(tc.topic)  # the window opens before the low watermark is written
         if run.chunks == 0 and run.rows == 0 and not run.estimate:
             try:
                 run.estimate = estimate_rows(cap.conn, info, run.where)
             except psycopg.Error:
                 run.estimate = info.estimated_rows
-        tc = cap.codec_for(info, self._position_now())
         cid = uuid.uuid4().hex[:16]
         self._emit_watermark(f"low:{cid}")
         try:
@@ -374,35 +384,47 @@ class PgOnDemand:
         if ch is None or cid != ch.id:
             return  # a watermark of a dead run, or of a stopped chunk
         if kind == "low":
-            ch.window_open = True
-            ch.mark = len(self.cap.pending.by_topic.get(ch.topic, ()))
-        elif kind == "high" and ch.window_open:
+            ch.low_seen = True
+        elif kind == "high" and ch.low_seen:
             self._collect(self.cap.pending)
             self._emit(ch, msg.lsn)
 
+    def _track(self, topic: str | None) -> None:
+        """Open a fresh window on ``topic`` (None: close it).
+
+        The window is open from the first chunk's start (the stream's position then is at or before
+        the low watermark) and goes on from one high watermark to the next: a superset of DBLog's
+        [low, high] window, which is safe (a key is left out of a chunk only when the stream wrote a
+        state at least as new) and leaves no gap between chunks.
+        """
+        self.track_topic = topic
+        self.track_mark = len(self.cap.pending.by_topic.get(topic, ())) if topic is not None else 0
+        self.track_keys = set()
+        self.track_truncated = False
+        self.prev_keys = set()
+
     def before_flush(self, pending: PendingBatch) -> None:
-        """The pending batch is about to go: note the keys of the open window first."""
-        ch = self.chunk
-        if ch is not None and ch.window_open:
+        """The pending batch is about to go: note the window's keys in it first."""
+        if self.track_topic is not None:
             self._collect(pending)
-            ch.mark = 0
+            self.track_mark = 0
 
     def _collect(self, pending: PendingBatch) -> None:
-        ch = self.chunk
-        assert ch is not None
-        recs = pending.by_topic.get(ch.topic)
+        topic = self.track_topic
+        recs = pending.by_topic.get(topic) if topic is not None else None
         if recs:
-            ch.keys.update(r.key for r in recs[ch.mark:] if r.key is not None)
-            ch.mark = len(recs)
-        if any(t == ch.topic for t, _p, _r in pending.truncates):
-            ch.truncated = True
+            self.track_keys.update(r.key for r in recs[self.track_mark:] if r.key is not None)
+            self.track_mark = len(recs)
+        if topic is not None and any(t == topic for t, _p, _r in pending.truncates):
+            self.track_truncated = True
 
     def _emit(self, ch: _Chunk, h_lsn: int) -> None:
         cap = self.cap
         run = ch.run
         self.chunk = None
-        window = ch.keys
-        if ch.truncated:  # the table was emptied in the window: read the same range again
+        window, truncated = self.track_keys, self.track_truncated
+        self.track_keys, self.track_truncated = set(), False
+        if truncated:  # the table was emptied in the window: read the same range again
             self.prev_keys = window
             return
         info = cap.tables.get(run.table)
@@ -435,6 +457,7 @@ class PgOnDemand:
                 tc.remember(key, tc.json_row(raw), raw)
             idx += 1
         pending.count += idx
+        self.track_mark = len(recs)  # the chunk's own reads are not changes of the stream
         if ch.lines:
             last = ch.lines[-1]
             fields = [None if f == b"\\N" else (_unescape(f) if b"\\" in f else f) for f in last[:-1].split(b"\t")]
