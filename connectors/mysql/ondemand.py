@@ -95,6 +95,7 @@ class MySQLOnDemand:
             run = self.state.current
             if run is None:
                 self.state.finish_if_done()
+                self.engine.touched = None
                 self._save()
             else:
                 self._chunk(run, stop)
@@ -149,6 +150,8 @@ class MySQLOnDemand:
                 return
         self.log_lines.append(st.apply(SnapshotRequest(req.seq, req.source, req.action, names, req.where,
                                                        req.requested_ms)))
+        if st.state != "running":
+            eng.touched = None
 
     def _finish_adds(self) -> None:
         """Add tables to the binlog filter at a transaction boundary (reopen the reader for a new database)."""
@@ -191,7 +194,11 @@ class MySQLOnDemand:
         if run.chunks == 0 and run.rows == 0 and not run.estimate:
             run.estimate = _estimate(eng.ctl, db, table, run.where)
         k = (db, table)
-        eng.touched = {k: set()}  # the low watermark: the window opens at the stream's position now
+        if eng.touched is None or k not in eng.touched:
+            # the low watermark: the window opens at the stream's position now, and then runs from one
+            # high watermark to the next (no gap between chunks)
+            eng.touched = {k: set()}
+            self.prev_keys = set()
         try:
             rows = self._select(state, run)
         except SourceError as exc:
@@ -207,7 +214,7 @@ class MySQLOnDemand:
             eng.touched = None
             return  # stopped: the chunk is read again by the next run
         window = (eng.touched or {}).get(k, set())
-        eng.touched = None
+        eng.touched = {k: set()}
         self._emit(state, run, rows, hfile, hpos, window, t0)
 
     def _select(self, state: TableState, run: TableRun) -> list[dict[str, Any]]:
