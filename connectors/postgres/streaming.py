@@ -433,6 +433,8 @@ class PgStreamingSource(StreamingSource):
                 self.caught_up = True
         elif (isinstance(msg, LogicalMessage) and self.ondemand is not None and not msg.transactional
               and msg.prefix == self.ondemand.prefix):
+            if not self.in_tx:  # like a heartbeat: the slot may advance past it when idle
+                self.idle_candidate = max(self.idle_candidate, msg.lsn)
             self.ondemand.on_message(msg)
         # Origin messages and other applications' logical messages carry nothing kappaflow needs
 
