@@ -246,8 +246,12 @@ class MySQLOnDemand:
         try:
             with eng.ctl.cursor() as cur:
                 cur.execute("SET SESSION time_zone = '+00:00'")
-                cur.execute(q, params)
-                raw = cur.fetchall()
+                cur.execute("START TRANSACTION READ ONLY")  # the --where text cannot write
+                try:
+                    cur.execute(q, params)
+                    raw = cur.fetchall()
+                finally:
+                    cur.execute("ROLLBACK")
         except pymysql.MySQLError as exc:
             raise source_error(exc, f"on-demand snapshot of {state.qualified}", eng.args.where()) from None
         conv = state.convert_snapshot_row
