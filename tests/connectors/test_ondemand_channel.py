@@ -114,3 +114,21 @@ def test_malformed_requests_and_state_are_refused() -> None:
         SnapshotRequest.from_body(7, {"source": "s", "action": "explode"})
     with pytest.raises(ValidationError, match=r"offset\.ondemand"):
         OnDemandState.from_dict({"tables": [{"rows": 1}]})
+
+
+def test_capture_metrics_export_the_ondemand_progress() -> None:
+    from types import SimpleNamespace
+
+    from kappaflow.connectors.base import CaptureSummary
+    from kappaflow.metrics.capture import CaptureCollector
+
+    st = OnDemandState(seq=1, state="running", tables=[TableRun("public.a", rows=300, estimate=1000)], active_s=3.0)
+    summary = CaptureSummary(source="s", connector="postgresql", phase="streaming", ondemand=progress_view(st) or {})
+    connector = SimpleNamespace(live_summary=lambda: summary)
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+               for m in CaptureCollector(SimpleNamespace(name="s"), lambda: [connector]).collect() for s in m.samples}
+    assert samples[("kappaflow_capture_ondemand_rows", (("source", "s"),))] == 300
+    assert samples[("kappaflow_capture_ondemand_rows_per_second", (("source", "s"),))] == 100
+    assert samples[("kappaflow_capture_ondemand_eta_seconds", (("source", "s"),))] == 7
+    assert samples[("kappaflow_capture_ondemand_state", (("source", "s"), ("state", "running")))] == 1
+    assert samples[("kappaflow_capture_ondemand_state", (("source", "s"), ("state", "done")))] == 0
