@@ -179,7 +179,9 @@ class TopicChannel(RequestChannel):
     def __init__(self, log: Log, topic: str = REQUESTS_TOPIC) -> None:
         self.log = log
         self.topic = topic
-        self._cursor: dict[str, int] = {}  # per source: the topic offset scanned up to (beats are skipped once)
+        # per source: the topic offset scanned up to and the requests found below it (each record is read once)
+        self._cursor: dict[str, int] = {}
+        self._found: dict[str, list[SnapshotRequest]] = {}
         if topic not in log.list_topics():
             log.create_topic(topic, TopicConfig(partitions=1, cleanup_policy=CleanupPolicy.COMPACT), exist_ok=True)
 
@@ -191,19 +193,18 @@ class TopicChannel(RequestChannel):
         return int(appended[0].offset) + 1  # seq = offset + 1: numbers start at 1
 
     def since(self, source: str, seq: int) -> list[SnapshotRequest]:
-        out: list[SnapshotRequest] = []
+        found = self._found.setdefault(source, [])
         end = self.log.end_offset(self.topic, 0)
-        start = max(seq, self._cursor.get(source, 0))
-        if end <= start:
-            return out
-        self._cursor[source] = end
-        for rec in self.log.iter_partition(self.topic, 0, start, end):
-            if rec.value is None:
-                continue
-            d = orjson.loads(rec.value)
-            if isinstance(d, dict) and "action" in d and d.get("source") == source:
-                out.append(SnapshotRequest.from_body(rec.offset + 1, d))
-        return out
+        start = self._cursor.get(source, 0)
+        if end > start:
+            for rec in self.log.iter_partition(self.topic, 0, start, end):
+                if rec.value is None:
+                    continue
+                d = orjson.loads(rec.value)
+                if isinstance(d, dict) and "action" in d and d.get("source") == source:
+                    found.append(SnapshotRequest.from_body(rec.offset + 1, d))
+            self._cursor[source] = end
+        return [r for r in found if r.seq > seq]
 
     def beat(self, source: str, status: Mapping[str, Any]) -> None:
         body = {**status, "pid": os.getpid(), "ts_ms": _now_ms(), "beat": source}
