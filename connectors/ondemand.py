@@ -271,11 +271,13 @@ class OnDemandState:
     added: list[str] = field(default_factory=list)  # tables added to capture by add-table
     # the next snapshot row number (MySQL positions (H, snapshot, n): two chunks may share H)
     next_index: int = 0
+    error: str = ""  # why the capture stopped the snapshot itself (a chunk query failed), else ""
 
     def to_dict(self) -> dict[str, Any]:
         return {"seq": self.seq, "state": self.state, "tables": [t.to_dict() for t in self.tables],
                 "active_s": round(self.active_s, 3), "started_ms": self.started_ms, "finished_ms": self.finished_ms,
-                "removed": list(self.removed), "added": list(self.added), "next_index": self.next_index}
+                "removed": list(self.removed), "added": list(self.added), "next_index": self.next_index,
+                "error": self.error}
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any] | None) -> OnDemandState:
@@ -286,7 +288,7 @@ class OnDemandState:
                        [TableRun.from_dict(t) for t in d.get("tables") or ()], float(d.get("active_s", 0.0)),
                        int(d.get("started_ms", 0)), int(d.get("finished_ms", 0)),
                        [str(t) for t in d.get("removed") or ()], [str(t) for t in d.get("added") or ()],
-                       int(d.get("next_index", 0)))
+                       int(d.get("next_index", 0)), str(d.get("error") or ""))
         except (KeyError, TypeError, ValueError) as exc:
             raise ValidationError(f"offset.ondemand: malformed on-demand snapshot state ({exc}); expected the dict "
                                   "written by OnDemandState.to_dict") from None
@@ -305,6 +307,7 @@ class OnDemandState:
         if req.action in ("start", "add_table"):
             queued = {t.table for t in self.tables if not t.done} if self.active else set()
             if not self.active:
+                self.error = ""
                 self.tables = [t for t in self.tables if not t.done] if self.state == "paused" else []
                 self.active_s = 0.0
                 self.started_ms = _now_ms()
@@ -353,4 +356,5 @@ def progress_view(state: OnDemandState | Mapping[str, Any] | None) -> dict[str, 
         "tables": {t.table: {"rows": t.rows, "estimate": t.estimate, "chunks": t.chunks, "dropped": t.dropped,
                              "done": t.done, "where": t.where} for t in st.tables},
         "current": None if st.current is None else st.current.table,
+        **({"error": st.error} if st.error else {}),
     }

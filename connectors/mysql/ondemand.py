@@ -205,6 +205,7 @@ class MySQLOnDemand:
             eng.touched = None
             self.state.state = "stopped"
             self.state.finished_ms = int(time.time() * 1000)
+            self.state.error = f"{run.table}: {exc}"
             self.log_lines.append(str(exc))
             self._save()
             return

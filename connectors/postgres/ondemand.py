@@ -313,6 +313,7 @@ class PgOnDemand:
             # keep streaming
             self.state.state = "stopped"
             self.state.finished_ms = int(time.time() * 1000)
+            self.state.error = f"{run.table}: {exc}"
             self.log_lines.append(str(exc))
             self.cap.summary.stopped_reason = str(exc)
             self._save()

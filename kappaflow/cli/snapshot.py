@@ -47,8 +47,9 @@ def _line(view: dict[str, Any] | None) -> str:
     eta = view.get("eta_s")
     tables = ", ".join(f"{t} {v['rows']:,}/{v['estimate']:,}{' done' if v['done'] else ''}"
                        for t, v in view["tables"].items())
+    error = f"; stopped by the capture: {view['error']}" if view.get("error") else ""
     return (f"{view['state']}: {view['rows']:,} rows, {'--' if rate is None else f'{rate:,.0f}'} rows/s, "
-            f"ETA {'--' if eta is None else f'{eta:,.0f} s'} ({tables})")
+            f"ETA {'--' if eta is None else f'{eta:,.0f} s'} ({tables}){error}")
 
 
 def ondemand_status(src: Any, log: Any, stored: dict[str, Any] | None = None) -> dict[str, Any] | None:
