@@ -45,9 +45,9 @@ from kappaflow.testing.servers.postgres import PrivatePostgres
 WIDE = """CREATE TABLE wide (
     id bigint PRIMARY KEY, a int, b int, c bigint, d numeric(12, 2), e numeric(18, 4), f double precision,
     g boolean, h timestamptz, i date, j text, k text, l varchar(64), m jsonb, n text)"""
-FILL = ("INSERT INTO wide SELECT x, x % 1000, x % 7, x * 3, x * 1.25, x / 7.0, x / 3.0, x % 2 = 0, "
-        "now() - x * interval '1 second', current_date - (x % 365), 'name ' || x, md5(x::text), "
-        "'code-' || (x % 9999), jsonb_build_object('k', x, 'tag', 'abc'), repeat('z', 20) "
+FILL = ("INSERT INTO wide SELECT x, x %% 1000, x %% 7, x * 3, x * 1.25, x / 7.0, x / 3.0, x %% 2 = 0, "
+        "now() - x * interval '1 second', current_date - (x %% 365)::int, 'name ' || x, md5(x::text), "
+        "'code-' || (x %% 9999), jsonb_build_object('k', x, 'tag', 'abc'), repeat('z', 20) "
         "FROM generate_series(%s::bigint, %s::bigint) x")
 COLS = "id, a, b, c, d, e, f, g, h, i, j, k, l, m, n"
 
