@@ -139,7 +139,8 @@ def test_ondemand_snapshot_races_updates_deletes_and_inserts(mariadb_server: Any
         _compare(mh, log, mariadb_server, mariadb_db, name, "big")
         reads = _reads(mh, log, f"{name}.{mariadb_db}.big")
         table = connector.summary.ondemand["tables"][f"{mariadb_db}.big"]
-        assert len(reads) == table["rows"] and table["chunks"] >= rows // 200
+        # every row read went into a chunk: written, or left out because the stream changed its key meanwhile
+        assert len(reads) == table["rows"] and table["chunks"] >= (table["rows"] + table["dropped"]) // 200
         twice = [k for k, n in Counter(d["after"]["id"] for d in reads).items() if n > 1]
         assert not twice
     finally:
