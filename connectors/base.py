@@ -213,6 +213,8 @@ class CaptureSummary:
     source_lag_ms: float | None = None
     # snapshot progress per table: "schema.table" -> [rows read, estimated rows]
     snapshot_tables: dict[str, list[int]] = field(default_factory=dict)
+    # the on-demand snapshot's progress (connectors/ondemand.py progress_view), {} when none
+    ondemand: dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)

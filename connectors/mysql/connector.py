@@ -247,7 +247,16 @@ class MySQLConnector(Connector):
                     engine.checkpoint(force_save=True, drain=True)
             if offset.phase == "streaming" and not stop.is_set():
                 summary.phase = "streaming"
-                MySQLStreamingSource(engine).execute(offset, stop, until_caught_up=until_caught_up)
+                from kappaflow.connectors.mysql.ondemand import MySQLOnDemand
+                from kappaflow.connectors.ondemand import OnDemandState, channel_for
+
+                stream = MySQLStreamingSource(engine)
+                stream.ondemand = MySQLOnDemand(engine, OnDemandState.from_dict(offset.ondemand),
+                                                channel_for(self.log), chunk_rows=self.chunk_rows, summary=summary)
+                try:
+                    stream.execute(offset, stop, until_caught_up=until_caught_up)
+                finally:
+                    stream.ondemand.close()
             else:
                 engine.checkpoint(drain=True)
         finally:

@@ -59,6 +59,8 @@ class MySQLOffset(OffsetContext):
     # ``kappaflow capture --resnapshot`` in progress (``connectors/mysql/resnapshot.py``): the binlog position
     # (file, pos, gtid) it streams from; keys whose latest record is older get deletes after the snapshot
     resnapshot: dict[str, Any] | None = None
+    # on-demand snapshot state (connectors/ondemand.py OnDemandState.to_dict), None when never used
+    ondemand: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         d = {
@@ -66,6 +68,7 @@ class MySQLOffset(OffsetContext):
             "phase": self.phase, "snapshot": None if self.snapshot is None else self.snapshot.to_dict(),
             "last_position": self.last_position, "events": self.events, "server_uuid": self.server_uuid,
             "stream_start": self.stream_start,
+            **({"ondemand": self.ondemand} if self.ondemand is not None else {}),
         }
         if self.resnapshot is not None:
             d["resnapshot"] = self.resnapshot
@@ -89,6 +92,7 @@ class MySQLOffset(OffsetContext):
                 last_position=d.get("last_position"), events=int(d.get("events", 0)),
                 server_uuid=str(d.get("server_uuid", "")), stream_start=d.get("stream_start"),
                 resnapshot=d.get("resnapshot"),
+                ondemand=dict(d["ondemand"]) if isinstance(d.get("ondemand"), dict) else None,
             )
         except (KeyError, ValueError, TypeError) as exc:
             raise ValidationError(f"mysql offset: malformed stored offset ({exc}); expected the dict written by "

@@ -25,6 +25,7 @@ class MySQLStreamingSource(StreamingSource):
 
     def __init__(self, engine: CaptureEngine) -> None:
         self.engine = engine
+        self.ondemand: Any = None  # the on-demand snapshot driver (ondemand.py), ticked after every item
 
     def execute(self, offset: Any, stop: StopSignal, *, until_caught_up: bool = False) -> MySQLOffset:
         eng = self.engine
@@ -32,9 +33,12 @@ class MySQLStreamingSource(StreamingSource):
         if until_caught_up:
             with eng.ctl.cursor() as cur:
                 target = master_status(cur)
+        ondemand = self.ondemand
         while not stop.is_set():
             if target is not None and eng.reached(*target) and eng._txn is None:
                 break
             eng.process(eng.next_item())
+            if ondemand is not None:
+                ondemand.tick(stop)
         eng.checkpoint(force_save=True, drain=True)
         return eng.offset

@@ -198,12 +198,23 @@ class PostgresConnector(Connector):
                 return self._finish(cap, offset, stop, started)
             if repl is None:
                 repl = ReplicationConnection(dsn, application_name=f"kappaflow-{cfg.name}")
-            PgStreamingSource(cap, repl, slot=slot_name, publication=pub,
-                              heartbeat_interval_s=cfg.heartbeat_interval_s,
-                              status_interval_s=self.status_interval_s, batch_records=self.batch_records,
-                              linger_s=self.linger_s,
-                              xmin_fetch_interval_s=getattr(cfg, "xmin_fetch_interval_s", 0.0),
-                              ).execute(offset, stop, until_caught_up=until_caught_up)
+            stream = PgStreamingSource(cap, repl, slot=slot_name, publication=pub,
+                                       heartbeat_interval_s=cfg.heartbeat_interval_s,
+                                       status_interval_s=self.status_interval_s, batch_records=self.batch_records,
+                                       linger_s=self.linger_s,
+                                       xmin_fetch_interval_s=getattr(cfg, "xmin_fetch_interval_s", 0.0))
+            stream.offset = offset
+            if not self.mappers:  # on-demand snapshots and add/remove-table requests (ondemand.py)
+                from kappaflow.connectors.ondemand import OnDemandState, channel_for
+                from kappaflow.connectors.postgres.ondemand import PgOnDemand
+
+                stream.ondemand = PgOnDemand(stream, OnDemandState.from_dict(offset.ondemand), channel_for(self.log),
+                                             chunk_rows=cfg.snapshot_chunk_rows, slot=slot_name)
+            try:
+                stream.execute(offset, stop, until_caught_up=until_caught_up)
+            finally:
+                if stream.ondemand is not None:
+                    stream.ondemand.close()
             return self._finish(cap, offset, stop, started)
         except BaseException:
             failed = True

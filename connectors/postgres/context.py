@@ -108,6 +108,8 @@ class PgCapture:
         self._writer_threaded = writer_threaded
         self.writer: CaptureWriter | None = None
         self._existing: dict[str, TopicConfig] = {}
+        # called with the pending batch just before it goes to the writer (on-demand snapshot windows)
+        self.before_flush: Any = None
 
     # -- startup -------------------------------------------------------------------------
     def prepare_log(self) -> None:
@@ -278,6 +280,8 @@ class PgCapture:
         batch ends at a transaction boundary (``Batch.cut``)."""
         assert self.writer is not None
         p = self.pending
+        if self.before_flush is not None:
+            self.before_flush(p)
         batch = Batch(creates=p.creates, offset=None if offset is None else offset.to_dict(), token=token,
                       transactions=transactions, commit_ts_ms=commit_ts_ms, cut=cut)
         batch.add(self.schema_topic, p.schema)

@@ -63,6 +63,8 @@ class PgOffset(OffsetContext):
     # this snapshot re-captures a log that already holds records (``kappaflow capture --resnapshot``,
     # ``connectors/resnapshot.py``): when it completes, keys it did not read get deletes
     resnapshot: bool = False
+    # on-demand snapshot state (connectors/ondemand.py OnDemandState.to_dict), None when never used
+    ondemand: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         d = {
@@ -70,6 +72,7 @@ class PgOffset(OffsetContext):
             "last_commit_lsn": self.last_commit_lsn,
             "snapshot": None if self.snapshot is None else self.snapshot.to_dict(),
             "events": self.events,
+            **({"ondemand": self.ondemand} if self.ondemand is not None else {}),
         }
         if self.resnapshot:
             d["resnapshot"] = True
@@ -86,6 +89,7 @@ class PgOffset(OffsetContext):
                 last_commit_lsn=int(d.get("last_commit_lsn", 0)),
                 snapshot=None if snap is None else SnapshotProgress.from_dict(snap),
                 events=int(d.get("events", 0)), resnapshot=bool(d.get("resnapshot", False)),
+                ondemand=dict(d["ondemand"]) if isinstance(d.get("ondemand"), dict) else None,
             )
         except (KeyError, ValueError, TypeError) as exc:
             raise ValidationError(f"postgres offset: malformed stored offset ({exc}); expected the dict written "

@@ -129,6 +129,9 @@ class PgStreamingSource(StreamingSource):
         self.events = 0  # events emitted since the last flush (added to the offset and summary there)
         self._where_lsn = -1  # mapped tables: the transaction named in error messages
         self._where = ""
+        # on-demand snapshots (ondemand.py): the driver, and every Relation message met (add-table)
+        self.ondemand: Any = None
+        self.relations: dict[int, Relation] = {}
 
     # -- main loop ------------------------------------------------------------------------------
     def execute(self, offset: Any, stop: StopSignal, *, until_caught_up: bool = False) -> PgOffset:
@@ -160,6 +163,8 @@ class PgStreamingSource(StreamingSource):
                 process(msgs, int(time.time() * 1000), marker)
             writer.check()
             now = time.monotonic()
+            if self.ondemand is not None:
+                self.ondemand.tick(now)
             pending = cap.pending
             if pending and not self.in_tx:
                 if (pending.count >= self.batch_records or not msgs
@@ -426,6 +431,11 @@ class PgStreamingSource(StreamingSource):
                         self.cap.summary.source_lag_ms = max(0.0, time.time() * 1000 - sent)
             if marker is not None and msg.content == marker:
                 self.caught_up = True
+        elif (isinstance(msg, LogicalMessage) and self.ondemand is not None and not msg.transactional
+              and msg.prefix == self.ondemand.prefix):
+            if not self.in_tx:  # like a heartbeat: the slot may advance past it when idle
+                self.idle_candidate = max(self.idle_candidate, msg.lsn)
+            self.ondemand.on_message(msg)
         elif isinstance(msg, LogicalMessage) and (mapper := self.cap.mappers.get(f"message:{msg.prefix}")):
             self._outbox_message(mapper, msg)
         # Origin messages and other applications' logical messages carry nothing kappaflow needs
@@ -445,6 +455,7 @@ class PgStreamingSource(StreamingSource):
 
     def _relation(self, rel: Relation) -> None:
         cap = self.cap
+        self.relations[rel.relid] = rel
         info = cap.table_info(rel.namespace, rel.name)
         if info is None:
             self.rels[rel.relid] = None  # published but not captured

@@ -13,6 +13,7 @@ from kappaflow.cli import capture as capture_cli
 from kappaflow.cli import ledger as ledger_cli
 from kappaflow.cli import log as log_cli
 from kappaflow.cli import projections as projections_cli
+from kappaflow.cli import snapshot as snapshot_cli
 from kappaflow.cli import sources as sources_cli
 from kappaflow.cli.common import console, fail
 from kappaflow.cli.doctor import doctor
@@ -41,6 +42,9 @@ app.add_typer(sources_cli.app, name="source")
 app.add_typer(log_cli.app, name="log")
 app.command("doctor")(doctor)
 app.command("capture")(capture_cli.capture)
+app.command("snapshot")(snapshot_cli.snapshot)
+sources_cli.app.command("add-table")(snapshot_cli.add_table)
+sources_cli.app.command("remove-table")(snapshot_cli.remove_table)
 app.add_typer(ledger_cli.app, name="ledger")
 app.command("replay")(projections_cli.replay)
 app.command("follow")(projections_cli.follow)

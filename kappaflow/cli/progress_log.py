@@ -91,6 +91,12 @@ class ProgressLog:
         parts = [f"{self.source.name}: {summary.phase}, {events:,} changes{rate}"]
         if summary.phase == "snapshot":
             parts.append(f"{summary.snapshot_rows:,} snapshot rows")
+        od = getattr(summary, "ondemand", None) or {}
+        if od.get("state") in ("running", "paused"):  # an on-demand snapshot (kappaflow snapshot)
+            od_rate, eta = od.get("rows_per_s"), od.get("eta_s")
+            extra = [] if od_rate is None else [f"{od_rate:,.0f}/s"] + ([] if eta is None else [f"ETA {eta:,.0f} s"])
+            parts.append(f"on-demand snapshot {od['state']}: {od.get('rows', 0):,} rows"
+                         + (f" ({', '.join(extra)})" if extra else ""))
         parts.append(f"position {summary.position or '-'}")
         if self._lag is not None:
             try:

@@ -191,6 +191,10 @@ def status(
     src = s.source(name)
     with s.open_log(read_only=True) as log:
         info = source_status(src, log)
+        if src.kind in ("postgres", "mysql"):  # on-demand snapshot progress (rows, rows/s, ETA)
+            from kappaflow.cli.snapshot import ondemand_status
+
+            info["ondemand"] = ondemand_status(src, log)
     if as_json:
         typer.echo(json.dumps(info, default=str))
         return

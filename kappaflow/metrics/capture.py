@@ -24,6 +24,7 @@ from kappaflow.metrics.probes import SourceProbe, position_number
 __all__ = ["PHASES", "CaptureCollector"]
 
 PHASES = ("starting", "snapshot", "streaming", "stopped")
+ONDEMAND_STATES = ("idle", "running", "paused", "stopped", "done")
 
 
 class CaptureCollector:
@@ -81,6 +82,13 @@ class CaptureCollector:
             ratio = 1.0 if done else (min(1.0, rows / total) if total > 0 else 0.0)
             fams.add("kappaflow_capture_snapshot_progress_ratio", (name, table), ratio)
         current = summaries[-1] if summaries else None
+        ondemand = dict(getattr(current, "ondemand", None) or {}) if current is not None else {}
+        fams.add("kappaflow_capture_ondemand_rows", (name,), ondemand.get("rows", 0))
+        fams.add("kappaflow_capture_ondemand_rows_per_second", (name,), ondemand.get("rows_per_s"))
+        fams.add("kappaflow_capture_ondemand_eta_seconds", (name,), ondemand.get("eta_s"))
+        od_state = ondemand.get("state", "idle")
+        for st in ONDEMAND_STATES:
+            fams.add("kappaflow_capture_ondemand_state", (name, st), 1 if st == od_state else 0)
         phase = current.phase if current is not None else "starting"
         for p in PHASES:
             fams.add("kappaflow_capture_phase", (name, p), 1 if p == phase else 0)

@@ -22,7 +22,7 @@ from kappaflow.metrics.probes import SourceReading, position_number
 from kappaflow.metrics.report import LagRow, ProjectionRow, Report, SinkRow, SourceRow
 
 ROOT = Path(__file__).resolve().parents[2]
-LABELS = {"source", "table", "phase", "slot", "kind", "projection", "sink", "topic", "partition", "op"}
+LABELS = {"source", "table", "phase", "slot", "kind", "projection", "sink", "topic", "partition", "op", "state"}
 
 
 def _report(*, following: bool = True, lag_s: float = 0.0, dead: int = 0, retained: int = 10,
