@@ -235,3 +235,93 @@ def test_rebuild_auto_rebuild_and_fail_policies(world: dict[str, Any]) -> None:
     finally:
         for f in followers.values():
             f.stop()
+
+
+@pytest.fixture
+def maria_world(mariadb_server: Any, mariadb_db: str, pg_server: Any, spark: Any,
+                tmp_path: Path) -> Iterator[dict[str, Any]]:
+    import os
+
+    from kappaflow.config import MySQLSourceConfig
+
+    db = mariadb_db
+    source = "m" + db.replace("_", "")
+    views_db = f"se_mviews_{uuid.uuid4().hex[:8]}"
+    views = pg_server.create_database(views_db)
+    mariadb_server.execute(
+        "CREATE TABLE orders (id BIGINT PRIMARY KEY, qty INT, amount DECIMAL(10,2), label VARCHAR(50)) ENGINE=InnoDB",
+        *(f"INSERT INTO orders VALUES ({i}, {i * 10}, {i}.00, 'row {i}')" for i in range(1, 21)), db=db)
+    settings = Settings(
+        log=LogConfig(url=str(tmp_path / "log")),
+        views=ViewsConfig(postgres_dsn=views),
+        sources={source: MySQLSourceConfig(name=source, dsn=mariadb_server.dsn(db), tables=[f"{db}.orders"],
+                                           server_id=6000 + os.getpid() % 1000)},
+        spark=SparkConfig(checkpoint_dir=str(tmp_path / "ckpt")),
+        base_dir=tmp_path,
+    )
+    cfg = tmp_path / "kappaflow.toml"
+    settings.save(cfg)
+    capture = subprocess.Popen([sys.executable, "-m", "kappaflow.cli.capture", source, "--config", str(cfg)],
+                               cwd=str(ROOT), stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    rt = Runtime.from_settings(settings, spark=spark)
+    topic = f"{source}.{db}.orders"
+
+    def captured(n: int) -> bool:
+        assert capture.poll() is None, capture.stdout.read().decode()[-2000:] if capture.stdout else ""
+        try:
+            return sum(rt.end_offsets([topic])[topic].values()) >= n
+        except Exception:
+            return False
+
+    try:
+        yield {"maria": mariadb_server, "db": db, "views": views, "rt": rt, "topic": topic, "captured": captured}
+    finally:
+        rt.close()
+        capture.terminate()
+        try:
+            capture.wait(30)
+        except subprocess.TimeoutExpired:
+            capture.kill()
+            capture.wait(10)
+        pg_server.drop_database(views_db)
+
+
+def test_evolve_on_mariadb_add_and_widen(maria_world: dict[str, Any]) -> None:
+    """The same on a MariaDB source (binlog row metadata carries each change's column types): a column
+    added, INT -> BIGINT, DECIMAL(10,2) -> DECIMAL(14,2), VARCHAR(50) -> VARCHAR(200), then a dropped
+    column the view shows stops the follower."""
+    maria, db, views, rt = maria_world["maria"], maria_world["db"], maria_world["views"], maria_world["rt"]
+
+    class MariaOrders(Projection):
+        name = f"se_maria_{uuid.uuid4().hex[:8]}"
+        sources = [maria_world["topic"]]
+        key = ["id"]
+
+    def source_rows(columns: str) -> list[tuple[Any, ...]]:
+        return sorted(tuple(r) for r in maria.execute(f"SELECT {columns} FROM orders", db=db))
+
+    wait_for(lambda: maria_world["captured"](20), 120, "the capture's snapshot of 20 rows")
+    f = Follower(MariaOrders, rt, trigger="0.3s").start()
+    try:
+        wait_for(f.caught_up, 240, "the follower to catch up")
+        assert _rows(views, MariaOrders.name, COLUMNS) == source_rows(COLUMNS)
+        maria.execute("ALTER TABLE orders ADD COLUMN note TEXT",
+                      "INSERT INTO orders VALUES (100, 5, 5.00, 'after the alter', 'hello')", db=db)
+        wait_for(lambda: (100, "hello") in _rows(views, MariaOrders.name, "id, note") if _pg_type(
+            views, MariaOrders.name, "note") else False, 240, "the added column in the view")
+        maria.execute("ALTER TABLE orders MODIFY qty BIGINT, MODIFY amount DECIMAL(14,2), MODIFY label VARCHAR(200)",
+                      f"UPDATE orders SET qty = {2**40}, amount = 123456789012.34, label = REPEAT('x', 150) "
+                      "WHERE id = 2", db=db)
+        wait_for(lambda: _rows(views, MariaOrders.name, "id, qty")[1] == (2, 2**40), 240,
+                 "the widened values in the view")
+        assert _pg_type(views, MariaOrders.name, "qty") == "bigint"
+        assert _pg_type(views, MariaOrders.name, "amount") == "numeric(14,2)"
+        assert f.failed is None and f.rebuilds == 0 and len(f.schema_changes) >= 2, (f.failed, f.schema_changes)
+        wait_for(f.caught_up, 120, "the follower to catch up after the widening")
+        every = f"{COLUMNS}, note"
+        assert _rows(views, MariaOrders.name, every) == source_rows(every)
+        maria.execute("ALTER TABLE orders DROP COLUMN label", "UPDATE orders SET qty = 3 WHERE id = 3", db=db)
+        wait_for(lambda: f.failed is not None, 240, "the follower to stop on the dropped column")
+        assert isinstance(f.failed, NeedsRebuild) and "'label'" in str(f.failed), f.failed
+    finally:
+        f.stop()
