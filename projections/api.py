@@ -57,6 +57,10 @@ Event time: ``window = Tumbling("created_at", size="1h", ...)`` or ``Hopping(...
 ``aggregates`` makes a windowed view (``WindowFold``, ``folds/windowed.py``): one row per
 group and window, with a watermark derived from the log and a late-data policy.
 
+Source schema changes: ``on_schema_change = "evolve" | "rebuild" | "fail"`` (default: evolve for a
+latest-row view of every column, rebuild otherwise) and ``auto_rebuild`` say what a follower does
+when a source table's schema changes (``kappaflow.projections.schema_watch``).
+
 Room to grow: a fold kind is a ``FoldSpec`` subclass run by a ``FoldStrategy`` in its own
 module of ``kappaflow.projections.folds`` (compile, replay, follow, mirrors, state); joins
 will add ``Source`` roles (streams joined within a time bound). The class attributes below are read only through
