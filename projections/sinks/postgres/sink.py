@@ -566,12 +566,15 @@ class PostgresSink(GroupedState, Sink):
         match = sql.SQL(" AND ").join(
             sql.SQL("v.{} = u.{}").format(ident(k), sql.Identifier(f"k{i}")) for i, k in enumerate(view.key)
         )
-        stmt = sql.SQL("SELECT v.* FROM {rel} v JOIN unnest({u}) AS u({n}) ON {m}").format(
-            rel=self._rel(view, target.name), u=unnest, n=names, m=match
+        # Never prepared (prepare=False): a statement psycopg prepared on this connection fails with "cached
+        # plan must not change result type" once the table gained or widened a column (``evolve``).
+        cols = sql.SQL(", ").join(sql.SQL("v.{}").format(ident(c)) for c in (*view.column_names, VERSION))
+        stmt = sql.SQL("SELECT {cols} FROM {rel} v JOIN unnest({u}) AS u({n}) ON {m}").format(
+            cols=cols, rel=self._rel(view, target.name), u=unnest, n=names, m=match
         )
         try:
             with self.conn.cursor(row_factory=dict_row) as cur:
-                rows = cur.execute(stmt, arrays).fetchall()
+                rows = cur.execute(stmt, arrays, prepare=False).fetchall()
         except Exception as exc:
             raise sink_error(f"reading {len(keys)} keys from {self.relation(target)}", exc) from None
         return {tuple(r[k] for k in view.key): r for r in rows}
@@ -581,11 +584,12 @@ class PostgresSink(GroupedState, Sink):
         from psycopg.rows import dict_row
 
         view = target.view
-        stmt = sql.SQL("SELECT * FROM {} ORDER BY {}").format(
+        stmt = sql.SQL("SELECT {} FROM {} ORDER BY {}").format(
+            sql.SQL(", ").join(ident(c) for c in (*view.column_names, VERSION)),
             self._rel(view, target.name), sql.SQL(", ").join(ident(k) for k in view.key)
         )
         with self.conn.cursor(row_factory=dict_row) as cur:
-            cur.execute(stmt)
+            cur.execute(stmt, prepare=False)  # see fetch
             yield from cur
 
     def count(self, target: Target) -> int:
