@@ -57,6 +57,10 @@ Event time: ``window = Tumbling("created_at", size="1h", ...)`` or ``Hopping(...
 ``aggregates`` makes a windowed view (``WindowFold``, ``folds/windowed.py``): one row per
 group and window, with a watermark derived from the log and a late-data policy.
 
+Source schema changes: ``on_schema_change = "evolve" | "rebuild" | "fail"`` (default: evolve for a
+latest-row view of every column, rebuild otherwise) and ``auto_rebuild`` say what a follower does
+when a source table's schema changes (``kappaflow.projections.schema_watch``).
+
 Room to grow: a fold kind is a ``FoldSpec`` subclass run by a ``FoldStrategy`` in its own
 module of ``kappaflow.projections.folds`` (compile, replay, follow, mirrors, state); joins
 will add ``Source`` roles (streams joined within a time bound). The class attributes below are read only through
@@ -287,7 +291,13 @@ class Projection:
     ``{"search": {"fields": {"name": "text"}}, "redis": {"ttl_s": 3600, "format": "hash"}}``),
     ``consistency`` (``"transactions"``, the default: follow micro-batches and replays end at a
     consistent cut of each source, so the view never shows part of a source transaction;
-    ``"per_key"``: read to the log's end for the lowest latency, order per key only).
+    ``"per_key"``: read to the log's end for the lowest latency, order per key only),
+    ``on_schema_change`` (what a follower does when a source table's schema changes:
+    ``"evolve"``, the default for a latest-row view of every column, adds new columns to the view
+    and widens widened ones in place; ``"rebuild"``, the default otherwise, stops the follower
+    with a message naming the change when the view would change, until ``kappaflow replay``;
+    ``"fail"`` stops it on any change) and ``auto_rebuild`` (True: the follower rebuilds the
+    view itself, blue/green, where it would stop for a rebuild, then follows on).
     """
 
     name: ClassVar[str]
@@ -305,6 +315,8 @@ class Projection:
     consistency: ClassVar[str] = "transactions"
     lookups: ClassVar[Sequence[Lookup]] = ()
     window: ClassVar[Window | None] = None
+    on_schema_change: ClassVar[str | None] = None  # None: the fold kind's default
+    auto_rebuild: ClassVar[bool] = False
 
     def apply(self, row: dict[str, Any] | None, event: Event) -> dict[str, Any] | None:
         """Custom fold: the view row after `event` (None removes it). Override to use."""
@@ -397,6 +409,12 @@ class ProjectionSpec:
     consistency: str = field(default="transactions", compare=False)
     lookups: tuple[Lookup, ...] = ()
     """Many-to-one joins into other tables (``kappaflow.projections.joins``)."""
+    # what a follower does when a source table's schema changes (``schema_watch.py``): "evolve",
+    # "rebuild" or "fail" (resolved: the fold's default when the class sets none), and whether it
+    # rebuilds the view itself when one is needed. Not part of the fingerprint: they decide how the
+    # view meets a change, never what a replay of the log gives.
+    on_schema_change: str = field(default="rebuild", compare=False)
+    auto_rebuild: bool = field(default=False, compare=False)
 
     def view_options(self) -> dict[str, Any]:
         """``ViewSpec.options`` for the sinks: ``{"search": {...}, "redis": {...}}`` (validated names)."""
@@ -562,6 +580,7 @@ class ProjectionSpec:
             raise ConfigError(f"{where}: 'consistency': expected 'transactions' (the default) or 'per_key', "
                               f"got {consistency!r}")
         lookups = parse_lookups(where, attr("lookups"), [s.topic for s in sources])
+        policy, auto_rebuild = _schema_policy(where, attr("on_schema_change"), attr("auto_rebuild"), fold)
 
         module = getattr(klass, "__module__", None)
         spec = cls(
@@ -580,6 +599,8 @@ class ProjectionSpec:
             sink_options=sink_options,
             consistency=consistency,
             lookups=lookups,
+            on_schema_change=policy,
+            auto_rebuild=auto_rebuild,
         )
         if lookups:
             strategy = spec.strategy
@@ -589,6 +610,33 @@ class ProjectionSpec:
                     f"views); a {spec.kind} fold over joined rows is not supported yet"
                 )
         return spec
+
+
+SCHEMA_POLICIES = ("evolve", "rebuild", "fail")
+"""Values of ``Projection.on_schema_change`` (see ``kappaflow.projections.schema_watch``)."""
+
+
+def _schema_policy(where: str, raw: Any, raw_auto: Any, fold: FoldSpec) -> tuple[str, bool]:
+    """``on_schema_change`` / ``auto_rebuild`` of a projection class: (policy, auto rebuild), the
+    policy defaulting to the fold kind's (``FoldStrategy.default_schema_policy``)."""
+    from kappaflow.projections.folds import strategy_for
+
+    if raw is None:
+        policy = strategy_for(fold).default_schema_policy(fold)
+    elif isinstance(raw, str) and raw in SCHEMA_POLICIES:
+        policy = raw
+    else:
+        raise ConfigError(f"{where}: 'on_schema_change': expected one of {list(SCHEMA_POLICIES)}, got {raw!r}")
+    if raw_auto is None:
+        auto = False
+    elif isinstance(raw_auto, bool):
+        auto = raw_auto
+    else:
+        raise ConfigError(f"{where}: 'auto_rebuild': expected True or False, got {raw_auto!r}")
+    if auto and policy == "fail":
+        raise ConfigError(f"{where}: 'auto_rebuild' = True contradicts on_schema_change = 'fail' (which stops "
+                          "the follower on any source schema change); use 'rebuild' or 'evolve' with it")
+    return policy, auto
 
 
 def _validate_sinks(
@@ -695,6 +743,7 @@ def load_projections(target: str) -> list[ProjectionSpec]:
 
 
 __all__ = [
+    "SCHEMA_POLICIES",
     "SINK_KINDS",
     "Aggregate",
     "Avg",

@@ -62,7 +62,15 @@ from kappaflow.projections.engine import BatchResult, ProjectionBusy, apply_batc
 from kappaflow.projections.folds import strategy_for
 from kappaflow.projections.mirror import is_mirror, open_source, sync
 from kappaflow.projections.replay import _record, as_spec
-from kappaflow.projections.schema_watch import NeedsRebuild, SchemaWatch, mark_needs_rebuild
+from kappaflow.projections.schema_watch import (
+    NeedsRebuild,
+    SchemaChange,
+    SchemaChangeRefused,
+    SchemaWatch,
+    mark_needs_rebuild,
+    needs_rebuild_message,
+    refused_message,
+)
 from kappaflow.projections.sinks.base import ViewSchemaMismatch
 from kappaflow.projections.sinks.errors import SinkStateLostError
 
@@ -146,6 +154,8 @@ class Follower:
         self._failures = 0  # in a row, reset by a successful batch
         self._pg: Any = None  # mirrors: their own connection to the PostgreSQL view
         self._ckpt: str | None = None  # the running query's checkpoint directory
+        self.schema_changes: list[str] = []  # source schema changes taken (followed or evolved), in order
+        self._rebuild_pending = False  # auto_rebuild: the next restart rebuilds the view first
 
     @property
     def name(self) -> str:
@@ -224,18 +234,23 @@ class Follower:
         try:
             self.target = sink.ensure(plan.view)
         except ViewSchemaMismatch as exc:  # e.g. a source table changed while nothing followed it
-            mark_needs_rebuild(rt, spec.name, str(exc))
-            raise
+            self.target = self._meet_mismatch(exc)
+            plan = self.plan
         if first:
             reg = None
             if rt.dsn:
                 with rt.registry() as r:
                     reg = r.get(spec.name)
             if reg is not None and not created and reg.needs_rebuild:
-                raise NeedsRebuild(
-                    f"projection {spec.name!r} needs a rebuild before it can be followed ({reg.needs_rebuild}); "
-                    f"run `kappaflow replay {spec.class_path or spec.name}`"
-                )
+                if not spec.auto_rebuild:
+                    raise NeedsRebuild(
+                        f"projection {spec.name!r} needs a rebuild before it can be followed ({reg.needs_rebuild}); "
+                        f"run `kappaflow replay {spec.class_path or spec.name}`"
+                    )
+                log.warning("follower %s: the view needs a rebuild (%s); auto_rebuild: rebuilding it now",
+                            self.name, reg.needs_rebuild)
+                self._auto_rebuild()
+                plan = self.plan
             if reg is not None and not created and reg.fingerprint != spec.fingerprint():
                 raise ConfigError(
                     f"projection {spec.name!r} changed since its view was built (definition fingerprint differs); "
@@ -267,6 +282,73 @@ class Follower:
             .trigger(processingTime=self.trigger)
             .start()
         )
+
+    def _same_definition(self) -> bool:
+        """Whether the live view was built by this definition (registry fingerprint), so a mismatch of
+        its shape comes from the sources' schemas, not from an edited projection class."""
+        if not self.rt.dsn:
+            return True
+        with self.rt.registry() as r:
+            reg = r.get(self.spec.name)
+        return reg is None or reg.fingerprint == self.spec.fingerprint()
+
+    def _meet_mismatch(self, exc: ViewSchemaMismatch) -> Any:
+        """The live view does not have the shape the plan makes at start (a source schema changed while
+        nothing followed, or the follower died between evolving a sink and its next batch): evolve it in
+        place, or rebuild it (auto_rebuild), when the projection's policy says so; else mark it as
+        needing a rebuild and raise."""
+        spec, rt = self.spec, self.rt
+        same = self._same_definition()
+        if same and spec.on_schema_change == "evolve" and strategy_for(spec).evolves_in_place and not spec.lookups:
+            try:
+                target = self.sink.evolve(self.plan.view)
+                _record(rt, self.plan, new_generation=False, replayed=False)
+                log.info("follower %s: the view was evolved in place to the sources' current schemas", self.name)
+                return target
+            except ViewSchemaMismatch as again:
+                exc = again
+        if same and spec.auto_rebuild:
+            log.warning("follower %s: %s; auto_rebuild: rebuilding the view now", self.name, exc)
+            self._auto_rebuild()
+            return self.sink.ensure(self.plan.view)
+        mark_needs_rebuild(rt, spec.name, str(exc))
+        raise exc
+
+    def _auto_rebuild(self) -> None:
+        """Rebuild the view from the log with the sources' current schemas (new build, catch-up, swap),
+        record the new generation (clears "needs rebuild"), and follow with the new plan."""
+        self._rebuild_pending = True
+        self._rebuild()
+
+    def _take_schema_change(self, change: SchemaChange) -> None:
+        """Act on a source schema change before the batch (see ``schema_watch``): follow on with the
+        recompiled plan, evolve the sink's view in place first, or stop (rebuild / fail)."""
+        spec, rt = self.spec, self.rt
+        if change.action == "fail":
+            raise SchemaChangeRefused(refused_message(spec, change.reason))
+        reason = change.reason
+        if change.action == "evolve":
+            assert change.plan is not None
+            try:
+                self.target = self.sink.evolve(change.plan.view)
+            except ViewSchemaMismatch as exc:  # e.g. a search field whose mapping cannot widen in place
+                reason = f"{reason}; the {self.sink_name} sink cannot apply it in place: {exc}"
+            else:
+                reason = ""
+        if reason and change.action != "follow":
+            if spec.auto_rebuild and change.plan is not None:
+                raise NeedsRebuild(needs_rebuild_message(spec, reason, self.sink_name), auto=True)
+            mark_needs_rebuild(rt, spec.name, reason)
+            raise NeedsRebuild(needs_rebuild_message(spec, reason, self.sink_name))
+        assert change.plan is not None
+        self.plan = change.plan
+        self._schemas.accept(change)
+        if change.action == "evolve":
+            _record(rt, self.plan, new_generation=False, replayed=False)
+        self.schema_changes.append(change.reason)
+        log.info("follower %s: source schema change %s: %s", self.name,
+                 "applied to the view in place" if change.action == "evolve" else "taken (the view keeps its shape)",
+                 change.reason)
 
     def _check_lock(self) -> None:
         """Refuse to write without the projection's lock (its session died with a PostgreSQL restart,
@@ -307,7 +389,9 @@ class Follower:
                 log.debug("follower %s: batch %d is already in the view, skipped", self.name, batch_id)
                 return
             self._check_lock()
-            self._schemas.check()  # a source schema change the view cannot take stops the follower
+            change = self._schemas.check()  # a source schema change: follow on, evolve the view, or stop
+            if change is not None:
+                self._take_schema_change(change)
             raws = (
                 {t: df.where(F.col("topic") == t) for t in spec.topics}
                 if len(spec.topics) > 1
@@ -378,7 +462,9 @@ class Follower:
         debug level only."""
         while not self._stopping.is_set():
             lost = isinstance(exc, SinkStateLostError)
-            if isinstance(exc, KappaflowError) and not exc.transient and not lost:
+            if isinstance(exc, NeedsRebuild) and exc.auto:
+                self._rebuild_pending = True
+            elif isinstance(exc, KappaflowError) and not exc.transient and not lost:
                 return self._give_up(exc, "an error no retry can fix")
             self._failures += 1
             if self._failures > self.max_restarts:
@@ -389,7 +475,8 @@ class Follower:
             log.warning(
                 "follower %s: %s: %s; %s in %.1fs (attempt %d/%d)",
                 self.name, "the sink lost the view" if lost else what, describe(exc),
-                "rebuilding it from the log" if lost else "restarting from the sink's positions", delay,
+                "rebuilding it from the log (auto_rebuild)" if self._rebuild_pending
+                else "rebuilding it from the log" if lost else "restarting from the sink's positions", delay,
                 self._failures, self.max_restarts,
             )
             log.debug("follower %s: traceback of the failure", self.name, exc_info=exc)
@@ -402,7 +489,7 @@ class Follower:
                     return True
                 self._reopen()
                 self._relock()
-                if lost or self._view_lost():
+                if lost or self._rebuild_pending or self._view_lost():
                     self._rebuild()
                 self._start_query(fresh=True)
                 self.restarts += 1
@@ -448,8 +535,15 @@ class Follower:
                 "and another process holds it now"
             )
         self._fence()
+        if self._rebuild_pending:
+            # auto_rebuild after a schema change: compile with the sources' schemas as they are now
+            self.plan = prepare(spec, self.rt)
+            self._schemas = SchemaWatch(self.plan, self.rt)
         log.warning("follower %s: rebuilding the view from the log", self.name)
         rebuild(self.plan, self.rt, {self.sink_name: self.sink})
+        if self._rebuild_pending:
+            _record(self.rt, self.plan, new_generation=True, replayed=True)  # clears "needs rebuild"
+            self._rebuild_pending = False
         self.rebuilds += 1
 
     def _give_up(self, exc: BaseException, why: str) -> bool:

@@ -148,6 +148,16 @@ class FoldStrategy(abc.ABC):
     """Only the latest record of each log key matters (declarative folds): the log is read with
     ``latestPerKey``, so a batch or a replay never carries superseded records."""
 
+    evolves_in_place: ClassVar[bool] = False
+    """A source column added or widened can reach the live view in place (``on_schema_change =
+    "evolve"``: new view columns added, view columns widened by the sink's ``evolve``) because the
+    fold keeps no state typed by the source columns beside the view. Folds whose keyed state holds
+    source columns (grouped, windowed) need a rebuild for a widened column."""
+
+    def default_schema_policy(self, fold: FoldSpec) -> str:
+        """``on_schema_change`` when the class sets none: stop for a rebuild when the view would change."""
+        return "rebuild"
+
     # --- the definition -------------------------------------------------------------------------
     @abc.abstractmethod
     def claims(self, decl: Declaration) -> bool:

@@ -81,6 +81,12 @@ def _change_columns(plan: Plan, rows: DataFrame) -> tuple[list[SparkColumn], Spa
 class LatestStrategy(DeclarativeStrategy):
     fold: ClassVar[type[LatestFold]] = LatestFold
     priority: ClassVar[int] = 0
+    evolves_in_place: ClassVar[bool] = True
+
+    def default_schema_policy(self, fold: Any) -> str:
+        """A view of every column evolves with its table (a new column appears in it); a view with an
+        explicit ``columns`` list keeps its shape and stops for a rebuild if a change would alter it."""
+        return "evolve" if getattr(fold, "columns", None) is None else "rebuild"
 
     def claims(self, decl: Declaration) -> bool:
         return True  # what a class declares when it declares no other fold

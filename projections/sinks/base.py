@@ -21,6 +21,13 @@ Every sink keeps the same guarantees:
 4. **Schema from the projection.** ``ensure`` creates the live target from the
    projection's ``ViewSpec`` or checks that an existing one matches it, raising
    ``ViewSchemaMismatch`` (naming the columns) otherwise.
+5. **Schema evolution in place.** ``evolve`` brings the live target to a view that differs
+   from what the store holds only by added (nullable, non-key) columns and widened types
+   (``widens``: smallint -> int -> bigint, float -> double, a decimal with more integer and
+   fraction digits): PostgreSQL ``ALTER TABLE ... ADD COLUMN`` / ``ALTER COLUMN ... TYPE``,
+   a mapping update of the live search index, the column list of the live Redis build. Rows
+   and positions are untouched, so following goes on where it was (no replay); any other
+   difference raises ``ViewSchemaMismatch`` (the view needs a rebuild).
 
 Capabilities the engine asks for (never a sink's ``kind``): ``positions_with_rows``,
 ``load_batches`` (a bulk load that reports the rows it refused), ``grouped_state``
@@ -154,6 +161,87 @@ class ViewSpec:
             namespace=d.get("namespace"),
             options=dict(d.get("options") or {}),
         )
+
+
+def widens(old: DataType, new: DataType) -> bool:
+    """Whether every value of Spark type `old` is a value of `new` too, with the same meaning (a view
+    column of type `old` can be widened in place to `new`): equal types, integers to wider integers,
+    float to double, a decimal to one with at least as many integer and fraction digits, arrays of
+    such element types."""
+    from pyspark.sql import types as T
+
+    if old == new:
+        return True
+    ints: list[type[DataType]] = [T.ByteType, T.ShortType, T.IntegerType, T.LongType]
+    ro = next((i for i, t in enumerate(ints) if isinstance(old, t)), None)
+    rn = next((i for i, t in enumerate(ints) if isinstance(new, t)), None)
+    if ro is not None and rn is not None:
+        return ro <= rn
+    if isinstance(old, T.FloatType) and isinstance(new, T.DoubleType):
+        return True
+    if isinstance(old, T.DecimalType) and isinstance(new, T.DecimalType):
+        return new.scale >= old.scale and new.precision - new.scale >= old.precision - old.scale
+    if isinstance(old, T.ArrayType) and isinstance(new, T.ArrayType):
+        return widens(old.elementType, new.elementType)
+    return False
+
+
+@dataclass(frozen=True)
+class ViewEvolution:
+    """How a stored view differs from the view a projection makes now (``evolution``): columns to
+    add, columns to widen ((stored, new)), and what cannot change in place (``problems``)."""
+
+    added: tuple[ViewColumn, ...] = ()
+    widened: tuple[tuple[ViewColumn, ViewColumn], ...] = ()
+    problems: tuple[str, ...] = ()
+
+    @property
+    def empty(self) -> bool:
+        return not (self.added or self.widened or self.problems)
+
+    def describe(self) -> str:
+        parts = [f"add column {c.name!r} {c.type.simpleString()}" for c in self.added]
+        parts += [f"widen column {o.name!r} {o.type.simpleString()} -> {n.type.simpleString()}"
+                  for o, n in self.widened]
+        return ", ".join(parts + list(self.problems)) or "no change"
+
+
+def evolution(stored: Sequence[ViewColumn], stored_key: Sequence[str] | None, view: ViewSpec) -> ViewEvolution:
+    """What bringing a stored view (its columns and key, as the store recorded them) to `view` takes.
+
+    In place: columns `view` has and the store lacks (never key columns), and stored columns whose
+    type `view` widens. Anything else is a problem (a column the store has and `view` lacks, a
+    narrowed or incompatible type, another key): those need a rebuild."""
+    have = {c.name: c for c in stored}
+    added: list[ViewColumn] = []
+    widened: list[tuple[ViewColumn, ViewColumn]] = []
+    problems: list[str] = []
+    if stored_key is not None and list(stored_key) != list(view.key):
+        problems.append(f"the key is {list(stored_key)} in the store, the projection's key is {list(view.key)}")
+    for col in view.columns:
+        old = have.get(col.name)
+        if old is None:
+            if col.name in view.key:
+                problems.append(f"key column {col.name!r} is missing")
+            else:
+                added.append(col)
+        elif old.type != col.type:
+            if widens(old.type, col.type):
+                widened.append((old, col))
+            else:
+                problems.append(f"column {col.name!r} is {old.type.simpleString()} in the store and cannot be "
+                                f"changed in place to {col.type.simpleString()}")
+    gone = [n for n in have if n not in view.column_names]
+    if gone:
+        problems.append(f"column(s) {gone} are in the store but no longer produced by the projection")
+    return ViewEvolution(tuple(added), tuple(widened), tuple(problems))
+
+
+def evolution_mismatch(where: str, view: ViewSpec, evo: ViewEvolution) -> ViewSchemaMismatch:
+    """The error of an ``evolve`` that cannot be done in place (names every problem)."""
+    return ViewSchemaMismatch(
+        f"{where} cannot be evolved in place to projection {view.projection!r}: " + "; ".join(evo.problems)
+        + ". Rebuild it with `kappaflow replay` (built beside the live view and swapped in).")
 
 
 @dataclass(frozen=True)
@@ -337,6 +425,15 @@ class Sink(abc.ABC):
     def drop(self, target: Target) -> None:
         """Remove a target and its positions (no error if it does not exist)."""
 
+    def evolve(self, view: ViewSpec) -> Target:
+        """Bring the live target of `view` to `view`'s shape in place: add the columns the store lacks,
+        widen the columns `view` widens (see ``evolution``), leaving rows and positions as they are;
+        returns the live target for `view`. Nothing to do when it already matches. Raises
+        ``ViewSchemaMismatch`` when the difference is not one of those (the view needs a rebuild).
+        Idempotent, so a follower that crashed after it may run it again."""
+        raise ViewSchemaMismatch(f"the {self.kind} sink cannot evolve view {view.name!r} in place; rebuild it "
+                                 "with `kappaflow replay`")
+
     # --- data ---------------------------------------------------------------------------
     @abc.abstractmethod
     def write(self, target: Target, batch: pa.Table, positions: Positions | None = None) -> WriteResult:
@@ -489,10 +586,14 @@ __all__ = [
     "Target",
     "TopicPartition",
     "ViewColumn",
+    "ViewEvolution",
     "ViewSchemaMismatch",
     "ViewSpec",
     "WriteResult",
     "batch_from_rows",
     "empty_batch",
+    "evolution",
+    "evolution_mismatch",
     "located_rejections",
+    "widens",
 ]

@@ -81,10 +81,32 @@ def _plain(row: dict[str, Any], view: ViewSpec) -> dict[str, Any]:
     return {c: row.get(c) for c in (*view.column_names, VERSION)}
 
 
+def evolving_views(name: str, namespace: str | None = None) -> tuple[ViewSpec, ViewSpec]:
+    """A view and the same view after its source evolved: ``note`` added, ``n`` int -> bigint,
+    ``amount`` numeric(10,2) -> numeric(14,2) (same scale)."""
+    before = ViewSpec(name, f"contract_{name}", ("id",), (
+        ViewColumn("id", T.LongType(), False),
+        ViewColumn("n", T.IntegerType()),
+        ViewColumn("amount", T.DecimalType(10, 2)),
+        ViewColumn("label", T.StringType()),
+    ), namespace)
+    after = ViewSpec(name, before.projection, ("id",), (
+        ViewColumn("id", T.LongType(), False),
+        ViewColumn("n", T.LongType()),
+        ViewColumn("amount", T.DecimalType(14, 2)),
+        ViewColumn("label", T.StringType()),
+        ViewColumn("note", T.StringType()),
+    ), namespace)
+    return before, after
+
+
 class SinkContract:
     """Subclass and provide a ``sink`` fixture (see the module docstring)."""
 
     namespace: str | None = None
+    widens_integers_in_place: bool = True
+    """False for a store whose field type for an int cannot become a bigint's in place (a search
+    index maps them as ``integer`` / ``long``): ``evolve`` then refuses it (the view needs a rebuild)."""
 
     @pytest.fixture
     def view(self) -> ViewSpec:
@@ -298,6 +320,76 @@ class SinkContract:
         with pytest.raises((SinkError, KeyError, ValueError)):
             sink.write(t, pa.table({"id": [1]}))
 
+
+    # -- schema evolution in place (on_schema_change = "evolve") -----------------------------------
+    def test_evolve_adds_a_column_keeping_rows_and_positions(self, sink: Sink) -> None:
+        before, after = evolving_views("kfe_" + uuid.uuid4().hex[:10], self.namespace)
+        after = ViewSpec(after.name, after.projection, after.key,
+                         (*before.columns, ViewColumn("note", T.StringType())), after.namespace)
+        t = sink.ensure(before)
+        rows = [{"id": i, "n": i, "amount": Decimal(f"{i}.50"), "label": f"l{i}", VERSION: i, DELETED: False}
+                for i in range(1, 4)]
+        sink.write(t, batch_from_rows(before, rows), {("t", 0): 4})
+        assert sink.evolve(before) == t  # nothing to do
+        live = sink.evolve(after)
+        assert live == sink.live(after) and not live.shadow
+        assert sink.read_positions(live) == {("t", 0): 4}
+        assert sink.count(live) == 3
+        got = sink.fetch(live, [(1,)])[(1,)]
+        assert got["note"] is None and got["label"] == "l1" and got[VERSION] == 1
+        sink.write(live, batch_from_rows(after, [{"id": 2, "n": 2, "amount": Decimal("2.50"), "label": "l2",
+                                                  "note": "new column", VERSION: 5, DELETED: False}]), {("t", 0): 6})
+        assert sink.fetch(live, [(2,)])[(2,)]["note"] == "new column"
+        assert sink.ensure(after) == live  # the store now matches the evolved view
+        assert sink.evolve(after) == live  # idempotent (a follower may run it again after a crash)
+        other = pickle.loads(pickle.dumps(sink.config())).open()
+        try:
+            assert other.fetch(other.ensure(after), [(2,)])[(2,)]["note"] == "new column"
+        finally:
+            other.close()
+
+    def test_evolve_widens_types_in_place(self, sink: Sink) -> None:
+        before, after = evolving_views("kfw_" + uuid.uuid4().hex[:10], self.namespace)
+        t = sink.ensure(before)
+        sink.write(t, batch_from_rows(before, [{"id": 1, "n": 7, "amount": Decimal("12345678.91"), "label": "x",
+                                                VERSION: 1, DELETED: False}]), {("t", 0): 2})
+        if not self.widens_integers_in_place:
+            with pytest.raises(ViewSchemaMismatch) as err:
+                sink.evolve(after)
+            assert "'n'" in str(err.value) and "rebuild" in str(err.value).lower()
+            assert sink.ensure(before) == t  # refused before changing anything
+            after = ViewSpec(after.name, after.projection, after.key,
+                             tuple(c if c.name != "n" else ViewColumn("n", T.IntegerType()) for c in after.columns),
+                             after.namespace)
+        live = sink.evolve(after)
+        big = 2**40 if self.widens_integers_in_place else 8
+        sink.write(live, batch_from_rows(after, [{"id": 2, "n": big, "amount": Decimal("123456789012.34"),
+                                                  "label": "y", "note": "z", VERSION: 3, DELETED: False}]),
+                   {("t", 0): 4})
+        got = sink.fetch(live, [(1,), (2,)])
+        assert got[(1,)]["n"] == 7 and got[(1,)]["amount"] == Decimal("12345678.91")
+        assert got[(2,)]["n"] == big and got[(2,)]["amount"] == Decimal("123456789012.34")
+        assert sink.read_positions(live) == {("t", 0): 4}
+        assert sink.ensure(after) == live
+
+    def test_evolve_refuses_what_needs_a_rebuild(self, sink: Sink) -> None:
+        before, _ = evolving_views("kfr_" + uuid.uuid4().hex[:10], self.namespace)
+        t = sink.ensure(before)
+        sink.write(t, batch_from_rows(before, [{"id": 1, "n": 1, "label": "a", VERSION: 1, DELETED: False}]))
+        dropped = ViewSpec(before.name, before.projection, before.key,
+                           tuple(c for c in before.columns if c.name != "label"), before.namespace)
+        narrowed = ViewSpec(before.name, before.projection, before.key,
+                            tuple(c if c.name != "n" else ViewColumn("n", T.ShortType()) for c in before.columns),
+                            before.namespace)
+        retyped = ViewSpec(before.name, before.projection, before.key,
+                           tuple(c if c.name != "label" else ViewColumn("label", T.LongType())
+                                 for c in before.columns), before.namespace)
+        for view, column in ((dropped, "label"), (narrowed, "n"), (retyped, "label")):
+            with pytest.raises(ViewSchemaMismatch) as err:
+                sink.evolve(view)
+            assert column in str(err.value) and "kappaflow replay" in str(err.value), str(err.value)
+        assert sink.ensure(before) == t  # untouched
+        assert sink.fetch(t, [(1,)])[(1,)]["label"] == "a"
 
     # -- the projection lock (replay / follow) --------------------------------------------------
     def test_the_projection_lock_is_exclusive_and_released(self, sink: Sink, view: ViewSpec) -> None:

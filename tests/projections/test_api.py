@@ -109,3 +109,27 @@ def test_bad_sink_declarations_are_refused_clearly(attrs: dict[str, Any], words:
         spec(**attrs)
     for w in words:
         assert w in str(err.value), (w, str(err.value))
+
+
+def test_on_schema_change_defaults_by_fold_and_refuses_unknown_values() -> None:
+    """``on_schema_change``: "evolve" for a latest-row view of every column, "rebuild" for the other
+    folds; a bad value is a ConfigError naming the projection class and the field."""
+    assert spec().on_schema_change == "evolve" and spec().auto_rebuild is False
+    assert spec(columns=["id", "x"]).on_schema_change == "rebuild"
+    assert spec(aggregates={"n": Count()}, key=["g"]).on_schema_change == "rebuild"
+    assert spec(apply=lambda self, row, event: row, schema="id bigint").on_schema_change == "rebuild"
+    for policy in ("evolve", "rebuild", "fail"):
+        assert spec(on_schema_change=policy).on_schema_change == policy
+    assert spec(on_schema_change="rebuild", auto_rebuild=True).auto_rebuild is True
+    # the policy decides how a view meets a change, never what a replay gives: not in the fingerprint
+    assert spec(on_schema_change="fail").fingerprint() == spec().fingerprint()
+    for attrs, words in (
+        ({"on_schema_change": "sometimes"}, ["P", "'on_schema_change'", "'sometimes'", "evolve", "rebuild", "fail"]),
+        ({"on_schema_change": "EVOLVE"}, ["'on_schema_change'", "'EVOLVE'"]),
+        ({"on_schema_change": 1}, ["'on_schema_change'"]),
+        ({"auto_rebuild": "yes"}, ["P", "'auto_rebuild'", "'yes'"]),
+        ({"on_schema_change": "fail", "auto_rebuild": True}, ["'auto_rebuild'", "'fail'"]),
+    ):
+        with pytest.raises(ConfigError) as err:
+            spec(**attrs)
+        assert all(w in str(err.value) for w in words), (attrs, str(err.value))

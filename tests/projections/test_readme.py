@@ -132,7 +132,9 @@ def test_the_projection_api_examples_equal_sql_on_the_captured_source(
         classes = {c.name: c for c in vars(readme_module).values()
                    if isinstance(c, type) and issubclass(c, Projection) and c is not Projection}
         assert {"customer_directory", "customer_orders", "order_history", "product_catalogue", "order_details",
-                "category_revenue", "hourly_revenue", "customer_city_cache"} <= set(classes)
+                "category_revenue", "hourly_revenue", "customer_city_cache", "customer_cards",
+                "customer_city_list"} <= set(classes)
+        assert classes["customer_cards"].on_schema_change == "evolve"
         for proj in classes.values():
             replay(proj, rt)
 
@@ -141,6 +143,10 @@ def test_the_projection_api_examples_equal_sql_on_the_captured_source(
             for r in rows:
                 r.pop("_kf_version", None)
             return rows
+
+        # schema-change policies (the views themselves: every column / the columns listed)
+        assert view("customer_cards", "id") == _rows(dsn, "SELECT * FROM public.customers ORDER BY id")
+        assert view("customer_city_list", "id") == _rows(dsn, "SELECT id, city FROM public.customers ORDER BY id")
 
         # latest row: columns, derive, where
         directory = view("customer_directory", "id")

@@ -1,10 +1,12 @@
 """``ALTER TABLE ... ADD COLUMN`` while capture and follow run (issue 13, item 20).
 
 A followed latest-row view ignored the new column without a word: its follower went on writing
-rows without it while ``status`` said following, lag 0. Until schema-change policies exist, a
-change a view cannot take stops its follower with a clear message, before it writes anything
-of the new shape, and ``kappaflow status`` reports the projection as "needs rebuild" until a
-replay; views that can take it (an explicit column list, a grouped view) keep following.
+rows without it while ``status`` said following, lag 0. A change a view does not take in place
+(``on_schema_change = "rebuild"``, or a custom fold, which receives whole rows) stops its follower
+with a clear message, before it writes anything of the new shape, and ``kappaflow status``
+reports the projection as "needs rebuild" until a replay; views that can take it (an explicit
+column list, a grouped view) keep following. (The ``evolve`` policy, the default of a view of
+every column, and the others: ``test_schema_evolution.py``.)
 
 Real PostgreSQL source, ``kappaflow capture`` running in its own process, followers in this one.
 """
@@ -50,7 +52,8 @@ def _projections(source: str, tag: str) -> dict[str, type[Projection]]:
         return type(kind.title(), (Projection,), {"name": f"sc_{kind}_{tag}", "sources": [topic], **attrs})
 
     return {
-        "latest": make("latest", {"key": ["id"]}),  # every column: cannot take a new one
+        # every column, evolved in place by default: the "rebuild" policy stops it instead
+        "latest": make("latest", {"key": ["id"], "on_schema_change": "rebuild"}),
         "custom": make("custom", {"key": ["id"], "schema": "id bigint, changes bigint", "apply": activity}),
         "columns": make("columns", {"key": ["id"], "columns": ["id", "amount"]}),  # takes it
         "grouped": make("grouped", {"key": ["customer_id"], "aggregates": {"n": Count(), "total": Sum("amount")}}),
@@ -185,13 +188,14 @@ def test_a_column_the_view_cannot_take_stops_its_follower_and_status_says_needs_
 
 
 def test_which_source_changes_a_view_can_take(spark: Any) -> None:
-    """``rebuild_reason`` per fold kind and change (the follower stops when it is not None)."""
+    """``rebuild_reason`` per fold kind, policy and change (the follower stops when it is not None), and
+    ``assess``'s verdict (follow on, evolve in place, rebuild)."""
     from dataclasses import replace as dc_replace
 
     from kappaflow.events import Column, FieldType
     from kappaflow.projections.api import ProjectionSpec
     from kappaflow.projections.plan import Plan
-    from kappaflow.projections.schema_watch import rebuild_reason
+    from kappaflow.projections.schema_watch import assess, rebuild_reason
     from tests.projections.pj_helpers import orders_schema
 
     old = orders_schema("rc")
@@ -202,20 +206,41 @@ def test_which_source_changes_a_view_can_take(spark: Any) -> None:
     dropped = dc_replace(old, columns=tuple(c for c in old.columns if c.name != "amount"))
     rekeyed = dc_replace(old, key=("id", "customer_id"))
 
-    def reason(attrs: dict[str, Any], new: Any) -> str | None:
-        cls = type("P", (Projection,), {"name": "rc", "sources": [topic], **attrs})
-        plan = Plan.build(spark, ProjectionSpec.from_class(cls), {topic: old})
-        return rebuild_reason(plan, spark, {topic: new})
+    widened = dc_replace(old, columns=tuple(Column("amount", FieldType.DECIMAL, scale=2, precision=16)
+                                            if c.name == "amount" else c for c in old.columns))
+    narrowed = dc_replace(old, columns=tuple(Column("customer_id", FieldType.INT32) if c.name == "customer_id"
+                                             else c for c in old.columns))
 
-    every = {"key": ["id"]}
-    some = {"key": ["id"], "columns": ["id", "amount"]}
+    def plan_of(attrs: dict[str, Any]) -> Any:
+        cls = type("P", (Projection,), {"name": "rc", "sources": [topic], **attrs})
+        return Plan.build(spark, ProjectionSpec.from_class(cls), {topic: old})
+
+    def reason(attrs: dict[str, Any], new: Any) -> str | None:
+        return rebuild_reason(plan_of(attrs), spark, {topic: new})
+
+    def action(attrs: dict[str, Any], new: Any) -> str | None:
+        change = assess(plan_of(attrs), spark, {topic: new})
+        return None if change is None else change.action
+
+    every = {"key": ["id"]}  # on_schema_change defaults to "evolve"
+    rebuilt = {**every, "on_schema_change": "rebuild"}
+    some = {"key": ["id"], "columns": ["id", "amount"]}  # defaults to "rebuild"
     grouped = {"key": ["customer_id"], "aggregates": {"n": Count(), "total": Sum("amount")}}
     custom = {"key": ["id"], "schema": "id bigint, n bigint", "apply": lambda self, row, ev: {"n": 1}}
-    assert reason(every, old) is None
-    assert "gain column(s) ['note']" in (reason(every, added) or "")
-    assert reason(some, added) is None and reason(grouped, added) is None
+    assert reason(every, old) is None and action(every, old) is None
+    assert action(every, added) == "evolve" and reason(every, added) is None
+    assert "gain column(s) ['note']" in (reason(rebuilt, added) or "")
+    assert action(some, added) == "follow" and action(grouped, added) == "follow"
     assert "whole rows" in (reason(custom, added) or "")
-    assert "type changed ['status']" in (reason(some, retyped) or "")  # even where the view shows no status
+    assert action({**custom, "on_schema_change": "evolve"}, added) == "follow"  # the declared view keeps its shape
+    text = reason(some, retyped) or ""  # even where the view shows no status
+    assert "type changed 'status' string -> int32" in text and "incompatible" in text, text
     assert "no longer compiles" in (reason(grouped, dropped) or "")  # Sum('amount') of a dropped column
     assert "lose column(s) ['amount']" in (reason(every, dropped) or "")
     assert "key changed" in (reason(grouped, rekeyed) or "")
+    # widening: numeric(12,2) -> numeric(16,2) widens a view of it in place under "evolve" only
+    assert action(every, widened) == "evolve"
+    assert "widen column(s) 'amount' decimal(12,2) -> decimal(16,2)" in (reason(some, widened) or "")
+    assert "keeps source columns in its state" in (reason(grouped, widened) or "")
+    assert "'customer_id' int64 -> int32" in (reason(every, narrowed) or "")  # narrowing: a rebuild
+    assert action({**every, "on_schema_change": "fail"}, added) == "fail"

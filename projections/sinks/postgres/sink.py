@@ -52,9 +52,12 @@ from kappaflow.projections.sinks.base import (
     SinkConfig,
     Target,
     TopicPartition,
+    ViewColumn,
     ViewSchemaMismatch,
     ViewSpec,
     WriteResult,
+    evolution,
+    evolution_mismatch,
 )
 from kappaflow.projections.sinks.postgres.copy import csv_bytes
 from kappaflow.projections.sinks.postgres.ddl import (
@@ -78,6 +81,32 @@ TOMBSTONE_RETENTION_S = 86_400
 TOMBSTONE_PRUNE_EVERY_S = 60.0
 
 log = logging.getLogger(__name__)
+
+
+def _spark_of_pg(pg: str, view: ViewSpec, name: str) -> Any:
+    """The Spark type a view table column of PostgreSQL type `pg` was made from (``pg_type`` read
+    backwards): the view's own column type when it makes the same PostgreSQL type, else the numeric
+    types ``widens`` knows (and arrays of them); anything else a type no view column widens from."""
+    import re
+
+    from pyspark.sql import types as T
+
+    try:
+        mine = view.column(name).type
+        if pg_type(mine) == pg:
+            return mine
+    except KeyError:
+        pass
+    if pg.endswith("[]"):
+        return T.ArrayType(_spark_of_pg(pg[:-2], view, ""))
+    m = re.fullmatch(r"numeric\((\d+),(-?\d+)\)", pg)
+    if m:
+        return T.DecimalType(int(m.group(1)), int(m.group(2)))
+    for t in (T.ShortType(), T.IntegerType(), T.LongType(), T.FloatType(), T.DoubleType(), T.BooleanType(),
+              T.StringType(), T.BinaryType(), T.DateType(), T.TimestampNTZType(), T.TimestampType()):
+        if pg_type(t) == pg:
+            return t
+    return T.NullType()  # e.g. jsonb the view no longer makes: nothing widens from it
 
 
 class PostgresSink(GroupedState, Sink):
@@ -228,6 +257,55 @@ class PostgresSink(GroupedState, Sink):
                 raise
             raise sink_error(f"creating view {view.name!r}", exc) from None
         return Target(view, view.name)
+
+    def evolve(self, view: ViewSpec) -> Target:
+        """``ALTER TABLE`` the live table to `view`: ``ADD COLUMN`` for the columns it lacks, ``ALTER
+        COLUMN ... TYPE`` for widened ones (a widened key column also in the deleted-keys table), in
+        ONE transaction with a short ``lock_timeout`` retried like a swap (the statement needs an
+        exclusive lock: a long reader must not queue every other reader behind it). Adding a column
+        is a catalog change; widening one rewrites the table. Rows and positions stay."""
+        import psycopg
+        from psycopg import sql
+
+        schema = self._schema(view)
+        have = self._table_columns(schema, view.name)
+        if have is None:
+            raise ViewSchemaMismatch(f'view table "{schema}"."{view.name}" does not exist')
+        stored = [ViewColumn(n, _spark_of_pg(t, view, n)) for n, t, _ in have if n != VERSION]
+        evo = evolution(stored, self._primary_key(schema, view.name), view)
+        where = f'view table "{schema}"."{view.name}"'
+        if evo.problems:
+            raise evolution_mismatch(where, view, evo)
+        live = Target(view, view.name)
+        if evo.empty:
+            return live
+        actions = [sql.SQL("ADD COLUMN IF NOT EXISTS {} {}").format(ident(c.name), sql.SQL(pg_type(c.type)))
+                   for c in evo.added]
+        actions += [sql.SQL("ALTER COLUMN {} TYPE {}").format(ident(n.name), sql.SQL(pg_type(n.type)))
+                    for _, n in evo.widened]
+        keys = [sql.SQL("ALTER COLUMN {} TYPE {}").format(ident(n.name), sql.SQL(pg_type(n.type)))
+                for _, n in evo.widened if n.name in view.key]
+        last: Exception | None = None
+        for attempt in range(SWAP_ATTEMPTS):
+            try:
+                with self.conn.transaction():
+                    self.conn.execute(f"SET LOCAL lock_timeout = {SWAP_LOCK_TIMEOUT_MS}")
+                    self.conn.execute(sql.SQL("ALTER TABLE {} {}").format(self._rel(view, view.name),
+                                                                          sql.SQL(", ").join(actions)))
+                    if keys and self._table_columns(KF_SCHEMA, self.deleted_table(live)) is not None:
+                        self.conn.execute(sql.SQL("ALTER TABLE {} {}").format(self._deleted_rel(live),
+                                                                              sql.SQL(", ").join(keys)))
+                self._staging.clear()  # the staging tables have the old columns: made again on the next write
+                log.info("PostgreSQL sink: %s: %s", where, evo.describe())
+                return live
+            except psycopg.errors.LockNotAvailable as exc:
+                last = exc
+                time.sleep(min(0.05 * (attempt + 1), 0.5))
+            except Exception as exc:
+                self._staging.clear()
+                raise sink_error(f"evolving {where} ({evo.describe()})", exc) from None
+        raise SinkError(f"evolving {where}: the table stayed locked by readers for {SWAP_ATTEMPTS} attempts "
+                        f"({last})", retry=Retry.TRANSIENT)
 
     def begin_shadow(self, view: ViewSpec, label: str = "shadow") -> Target:
         if len(view.name.encode()) > MAX_IDENT:
@@ -488,12 +566,15 @@ class PostgresSink(GroupedState, Sink):
         match = sql.SQL(" AND ").join(
             sql.SQL("v.{} = u.{}").format(ident(k), sql.Identifier(f"k{i}")) for i, k in enumerate(view.key)
         )
-        stmt = sql.SQL("SELECT v.* FROM {rel} v JOIN unnest({u}) AS u({n}) ON {m}").format(
-            rel=self._rel(view, target.name), u=unnest, n=names, m=match
+        # Never prepared (prepare=False): a statement psycopg prepared on this connection fails with "cached
+        # plan must not change result type" once the table gained or widened a column (``evolve``).
+        cols = sql.SQL(", ").join(sql.SQL("v.{}").format(ident(c)) for c in (*view.column_names, VERSION))
+        stmt = sql.SQL("SELECT {cols} FROM {rel} v JOIN unnest({u}) AS u({n}) ON {m}").format(
+            cols=cols, rel=self._rel(view, target.name), u=unnest, n=names, m=match
         )
         try:
             with self.conn.cursor(row_factory=dict_row) as cur:
-                rows = cur.execute(stmt, arrays).fetchall()
+                rows = cur.execute(stmt, arrays, prepare=False).fetchall()
         except Exception as exc:
             raise sink_error(f"reading {len(keys)} keys from {self.relation(target)}", exc) from None
         return {tuple(r[k] for k in view.key): r for r in rows}
@@ -503,11 +584,12 @@ class PostgresSink(GroupedState, Sink):
         from psycopg.rows import dict_row
 
         view = target.view
-        stmt = sql.SQL("SELECT * FROM {} ORDER BY {}").format(
+        stmt = sql.SQL("SELECT {} FROM {} ORDER BY {}").format(
+            sql.SQL(", ").join(ident(c) for c in (*view.column_names, VERSION)),
             self._rel(view, target.name), sql.SQL(", ").join(ident(k) for k in view.key)
         )
         with self.conn.cursor(row_factory=dict_row) as cur:
-            cur.execute(stmt)
+            cur.execute(stmt, prepare=False)  # see fetch
             yield from cur
 
     def count(self, target: Target) -> int:

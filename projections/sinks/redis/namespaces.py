@@ -19,8 +19,11 @@ from kappaflow.projections.sinks.base import (
     Positions,
     Target,
     TopicPartition,
+    ViewColumn,
     ViewSchemaMismatch,
     ViewSpec,
+    evolution,
+    evolution_mismatch,
 )
 from kappaflow.projections.sinks.document import DocumentSink
 from kappaflow.projections.sinks.errors import SinkStateLostError
@@ -238,6 +241,30 @@ class RedisNamespaces(DocumentSink):
                 f"Redis view {self.base(view)!r} (build {build}) does not match projection {view.projection!r}: "
                 + "; ".join(problems) + ". Rebuild it with `kappaflow replay` (a new namespace is built and the "
                 "pointer switched).")
+
+    def evolve(self, view: ViewSpec) -> Target:
+        """Record `view`'s columns in the live build's marker (added columns, widened types): rows are
+        JSON or hash fields, so a new column simply appears in the values written from now on, and a
+        widened type reads the same text. Fenced like every write; raises ``ViewSchemaMismatch`` for
+        what cannot change in place and ``SinkStateLostError`` when the build is gone."""
+        build = self.live_build(view)
+        marker = self._marker(view, build) if build is not None else {}
+        if build is None or not marker:
+            raise SinkStateLostError(f"redis sink: view {view.name!r} has no live build to evolve (lost?); "
+                                     "re-read positions and replay")
+        try:
+            stored = orjson.loads(marker.get("view", "{}"))
+        except orjson.JSONDecodeError:
+            stored = {}
+        evo = evolution([ViewColumn.from_dict(c) for c in stored.get("columns", [])], stored.get("key"), view)
+        if evo.problems:
+            raise evolution_mismatch(f"Redis view {self.base(view)!r} (build {build})", view, evo)
+        if not evo.empty:
+            columns = self._columns_json(view)
+            self._retrying("evolve view", lambda: _evalsha(
+                self.client, "evolve", [self.marker_key(view, build)], [columns, *self._fence_args(view)]))
+            log.info("redis sink: view %s (build %s): %s", view.name, build, evo.describe())
+        return Target(view, self.base(view))
 
     def builds(self, view: ViewSpec) -> set[str]:
         """Every build of the view (the registry set: live, shadows, verify scratches)."""

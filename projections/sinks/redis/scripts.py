@@ -159,8 +159,18 @@ def _sha1(text: str) -> str:
     return hashlib.sha1(text.encode()).hexdigest()
 
 
-_SCRIPTS = {"json": _WRITE_JSON, "hash": _WRITE_HASH, "positions": _STORE_POSITIONS, "switch": _SWITCH,
-            "read": _READ, "take": _TAKE, "renew": _RENEW, "release": _RELEASE}
+# KEYS[1] = the build marker; ARGV[1] = the view's columns (JSON, the marker's "view" field), then the fence.
+# Schema evolution: the live build's recorded columns change, its rows and positions stay.
+_EVOLVE = _FENCE + r"""
+if redis.call('EXISTS', KEYS[1]) == 0 then
+  return redis.error_reply('KFLOST the build marker ' .. KEYS[1] .. ' is missing')
+end
+redis.call('HSET', KEYS[1], 'view', ARGV[1])
+return 1
+"""
+
+_SCRIPTS = {"json": _WRITE_JSON, "evolve": _EVOLVE, "hash": _WRITE_HASH, "positions": _STORE_POSITIONS,
+            "switch": _SWITCH, "read": _READ, "take": _TAKE, "renew": _RENEW, "release": _RELEASE}
 _SHAS = {name: _sha1(src) for name, src in _SCRIPTS.items()}
 
 

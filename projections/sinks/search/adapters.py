@@ -70,6 +70,9 @@ class OpenSearchClient(SearchClient):
         out = self._call(self.client.indices.get_mapping, index=index)
         return dict(next(iter(out.values()))["mappings"]) if out else {}
 
+    def put_mapping(self, index: str, mapping: dict[str, Any]) -> None:
+        self._call(self.client.indices.put_mapping, index=index, body=mapping)
+
     def get_doc(self, index: str, doc_id: str) -> dict[str, Any] | None:
         try:
             return dict(self._call(self.client.get, index=index, id=doc_id)["_source"])
@@ -173,6 +176,10 @@ class ElasticsearchClient(SearchClient):
     def get_mapping(self, index: str) -> dict[str, Any]:
         out = self._call(self.client.indices.get_mapping, index=index)
         return dict(next(iter(out.values()))["mappings"]) if out else {}
+
+    def put_mapping(self, index: str, mapping: dict[str, Any]) -> None:
+        self._call(self.client.indices.put_mapping, index=index, properties=mapping.get("properties"),
+                   meta=mapping.get("_meta"))
 
     def get_doc(self, index: str, doc_id: str) -> dict[str, Any] | None:
         try:

@@ -17,8 +17,11 @@ import orjson
 from kappaflow.errors import ConfigError, SinkError
 from kappaflow.projections.sinks.base import (
     Target,
+    ViewColumn,
     ViewSchemaMismatch,
     ViewSpec,
+    evolution,
+    evolution_mismatch,
 )
 from kappaflow.projections.sinks.errors import SinkStateLostError
 from kappaflow.projections.sinks.search.client import _HttpError
@@ -146,6 +149,44 @@ class AliasLifecycle(PositionsIndex):
                 f"search index {index!r} (alias {self.alias(view)!r}) does not match projection "
                 f"{view.projection!r}: " + "; ".join(problems)
                 + ". Rebuild it with `kappaflow replay` (a new index is built and the alias swapped).")
+
+    def evolve(self, view: ViewSpec) -> Target:
+        """Add the view's new columns to the live index's mapping (``PUT _mapping`` on the build's
+        index: new fields only, plus the ``_meta`` columns), in place. A widened column whose field
+        mapping stays the same (a decimal keeping its scale, within ``scaled_float``) only updates
+        ``_meta``; one whose field mapping would change (``integer`` -> ``long``) cannot change in an
+        existing index: ``ViewSchemaMismatch``, the view needs a rebuild (a new index, alias swap)."""
+        index = self._live_index(view)
+        if index is None:
+            raise SinkStateLostError(f"search sink: view {view.name!r} has no live index to evolve (lost?); "
+                                     "re-read positions and replay")
+        current = self._call("read mapping", lambda: self.client.get_mapping(index))
+        meta = (current.get("_meta") or {}).get("kappaflow") or {}
+        stored = [ViewColumn.from_dict(c) for c in meta.get("columns", [])]
+        evo = evolution(stored, meta.get("key"), view)
+        where = f"search index {index!r} (alias {self.alias(view)!r})"
+        problems = list(evo.problems)
+        new = self.mapping(view)
+        if not problems and evo.widened:
+            names = {c.name for c in stored}
+            before = ViewSpec(view.name, view.projection, view.key,
+                              (*stored, *[c for c in view.columns if c.name not in names]), view.namespace,
+                              view.options)
+            old = self.mapping(before)["properties"]
+            problems += [f"field {n.name!r} is mapped as {old[n.name]} in the index, the widened column "
+                         f"{n.type.simpleString()} needs {new['properties'][n.name]}, which an existing index "
+                         "cannot change to"
+                         for _, n in evo.widened if old[n.name] != new["properties"][n.name]]
+        if problems:
+            raise evolution_mismatch(where, view, type(evo)(evo.added, evo.widened, tuple(problems)))
+        if evo.empty:
+            return Target(view, self.alias(view))
+        body = {"properties": {c.name: new["properties"][c.name] for c in evo.added},
+                "_meta": {"kappaflow": self._meta(view, new)}}
+        self._check_fence(view, f"updating the mapping of {index!r}")
+        self._call("update mapping", lambda: self.client.put_mapping(index, body))
+        log.info("search sink: %s: %s", where, evo.describe())
+        return Target(view, self.alias(view))
 
     def _drop_strays(self, view: ViewSpec) -> None:
         """Delete indexes named like a write alias: a bulk delete sent after the server lost the build

@@ -78,6 +78,10 @@ class SearchClient:
     def get_mapping(self, index: str) -> dict[str, Any]:
         raise NotImplementedError
 
+    def put_mapping(self, index: str, mapping: dict[str, Any]) -> None:
+        """Add fields (``properties``) and replace ``_meta`` of an existing index's mapping."""
+        raise NotImplementedError
+
     def get_doc(self, index: str, doc_id: str) -> dict[str, Any] | None:
         raise NotImplementedError
 
