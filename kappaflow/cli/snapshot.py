@@ -52,6 +52,9 @@ def _line(view: dict[str, Any] | None) -> str:
             f"ETA {'--' if eta is None else f'{eta:,.0f} s'} ({tables}){error}")
 
 
+_ENDED = ("done", "stopped", "failed")
+
+
 def ondemand_status(src: Any, log: Any, stored: dict[str, Any] | None = None) -> dict[str, Any] | None:
     """The on-demand snapshot's progress: live from the capture's beat, else as stored in the offset."""
     channel = channel_for(log)
@@ -59,13 +62,19 @@ def ondemand_status(src: Any, log: Any, stored: dict[str, Any] | None = None) ->
         beat = channel.alive(src.name)
     finally:
         channel.close()
-    if beat is not None and beat.get("ondemand"):
-        return {**beat["ondemand"], "live": True}
     if stored is None:
         from kappaflow.connectors.offsets import OFFSETS_TOPIC, OffsetStore
 
         stored = OffsetStore(log).load(src.name) if OFFSETS_TOPIC in log.list_topics() else None
-    view = progress_view((stored or {}).get("ondemand"))
+    kept = (stored or {}).get("ondemand") or {}
+    view = progress_view(kept or None)
+    if beat is not None and beat.get("ondemand"):
+        # The beat is written every few seconds, the offset with every chunk: a snapshot the offset
+        # already records as ended (for the same request or a later one) is ended, whatever an
+        # older beat still says.
+        ended = view is not None and view["state"] in _ENDED and int(kept.get("seq", 0)) >= int(beat.get("seq", 0))
+        if not ended:
+            return {**beat["ondemand"], "live": True}
     return None if view is None else {**view, "live": False}
 
 
