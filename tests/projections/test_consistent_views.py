@@ -410,6 +410,70 @@ def test_redis_view_never_shows_half_a_transfer(pg_bank: Bank, embedded_log: Any
 
 
 RUNNER = Path(__file__).with_name("follow_runner.py")
+CAPTURE_RUNNER = Path(__file__).with_name("bank_capture_runner.py")
+
+
+class Killed:
+    """A child process (the follower or capture) that a test kills with -9 at seeded moments of a running
+    bank and restarts; its output accumulates in `out` for the failure message."""
+
+    def __init__(self, argv: list[str], out: Path, what: str) -> None:
+        self.argv, self.out, self.what = argv, out, what
+        self.proc = self._start()
+
+    def _start(self) -> subprocess.Popen[bytes]:
+        with self.out.open("ab") as sink:
+            return subprocess.Popen(self.argv, env={**os.environ, "PYSPARK_PYTHON": sys.executable}, stdout=sink,
+                                    stderr=subprocess.STDOUT, start_new_session=True)
+
+    def alive(self) -> bool:
+        assert self.proc.poll() is None, f"{self.what} ended: {self.out.read_bytes()[-3000:].decode(errors='replace')}"
+        return True
+
+    def trials(self, run: Run, progress: Callable[[], int], n: int, rnd: random.Random, pause: float,
+               timeout: float, moved: str) -> None:
+        """`n` times: wait until `progress()` moved (the process did work), let the run go on for a seeded
+        moment (not a synchronisation), kill -9, restart; then wait for progress once more."""
+        for trial in range(n + 1):
+            before = progress()
+            wait_until(lambda b=before: run.healthy() and self.alive() and progress() > b, timeout,
+                       f"trial {trial}: {moved}")
+            if trial == n:
+                return
+            time.sleep(rnd.uniform(0.0, pause))
+            self.kill()
+            self.proc = self._start()
+
+    def kill(self) -> None:
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.proc.wait(30)
+
+
+def _transfers_across_kills(run: Run, bank: Bank, start: Callable[[], Killed], progress: Callable[[], int],
+                            *, trials: int, pause: float, gap: float, moved: str) -> None:
+    """Transfers from two writers (`gap` seconds between two) while the process is killed and restarted
+    `trials` times; then the view must equal the source and no read may have shown half a transfer."""
+    rnd = random.Random(1717 + trials)
+    stop_writers = threading.Event()
+    writers = [threading.Thread(target=bank.transfers, args=(s, stop_writers, run.errors, gap), daemon=True)
+               for s in (1, 2)]
+    proc = start()
+    try:
+        for w in writers:
+            w.start()
+        proc.trials(run, progress, trials, rnd, pause, 300, moved)
+        stop_writers.set()
+        for w in writers:
+            w.join(timeout=60)
+        run.caught_up(timeout=300)
+    finally:
+        stop_writers.set()
+        proc.kill()
+        result = run.finish()
+    assert result.reads > 0, result
 
 
 @pytest.mark.slow
@@ -421,15 +485,6 @@ def test_no_half_transfer_across_follower_kills(pg_bank: Bank, embedded_log: Any
     transaction, the restart resumes at the stored positions and at a cut), nothing is lost (the view
     ends equal to the source table)."""
     run = Run(pg_bank, embedded_log, str(embedded_log.path), spark, pg_server, tmp_path, follower=False)
-    env = {**os.environ, "PYSPARK_PYTHON": sys.executable}
-    out = tmp_path / "follower.out"
-    rnd = random.Random(1717)
-
-    def start() -> subprocess.Popen[bytes]:
-        with out.open("ab") as sink:
-            return subprocess.Popen([sys.executable, str(RUNNER), str(embedded_log.path), run.views_dsn,
-                                     str(tmp_path / "proc_ckpt"), pg_bank.topic, "accounts", "0"],
-                                    env=env, stdout=sink, stderr=subprocess.STDOUT, start_new_session=True)
 
     def stored() -> int:
         with psycopg.connect(run.views_dsn) as conn:
@@ -440,45 +495,12 @@ def test_no_half_transfer_across_follower_kills(pg_bank: Bank, embedded_log: Any
                 return 0
         return int(row[0]) if row else 0
 
-    def progressed(before: int) -> bool:
-        run.healthy()
-        assert proc.poll() is None, f"the follower ended: {out.read_bytes()[-3000:].decode(errors='replace')}"
-        return stored() > before
-
-    stop_writers = threading.Event()
     # a few hundred transfers a second: the backlog a restarted follower (its own Spark) reads stays small
-    writers = [threading.Thread(target=pg_bank.transfers, args=(s, stop_writers, run.errors, 0.005), daemon=True)
-               for s in (1, 2)]
-    proc = start()
-    try:
-        for w in writers:
-            w.start()
-        for trial in range(2):
-            before = stored()
-            wait_until(lambda b=before: progressed(b), 300, f"trial {trial}: a committed batch")
-            time.sleep(rnd.uniform(0.0, 1.5))  # a seeded moment of the run (it goes on), not a synchronisation
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(30)
-            proc = start()
-        stop_writers.set()
-        for w in writers:
-            w.join(timeout=60)
-        run.caught_up(timeout=300)
-    finally:
-        stop_writers.set()
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        proc.wait(30)
-        try:
-            result = run.finish()
-        finally:
-            embedded_log.close()
-    assert result.reads > 0, result
-
-
-CAPTURE_RUNNER = Path(__file__).with_name("bank_capture_runner.py")
+    _transfers_across_kills(
+        run, pg_bank,
+        lambda: Killed([sys.executable, str(RUNNER), str(embedded_log.path), run.views_dsn, str(tmp_path / "proc_ckpt"),
+                        pg_bank.topic, "accounts", "0"], tmp_path / "follower.out", "the follower"),
+        stored, trials=2, pause=1.5, gap=0.005, moved="a committed batch")
 
 
 @pytest.mark.slow
@@ -495,54 +517,13 @@ def test_no_half_transfer_across_capture_kills(pg_bank: Bank, pg_dsn: str, pg_se
     writer = EmbeddedLog(tmp_path / "log")  # the initial snapshot in this process, then the log's one writer
     run = Run(pg_bank, writer, str(writer.path), spark, pg_server, tmp_path, capturing=False)
     writer.close()
-    embedded_log = EmbeddedLog(tmp_path / "log", read_only=True)
-    env = {**os.environ, "PYSPARK_PYTHON": sys.executable}
-    out = tmp_path / "capture.out"
-    rnd = random.Random(1718)
-
-    def start() -> subprocess.Popen[bytes]:
-        with out.open("ab") as sink:
-            return subprocess.Popen([sys.executable, str(CAPTURE_RUNNER), str(embedded_log.path), pg_dsn,
-                                     pg_bank.source], env=env, stdout=sink, stderr=subprocess.STDOUT,
-                                    start_new_session=True)
-
-    def log_end() -> int:
-        return sum(embedded_log.end_offsets(pg_bank.topic).values())
-
-    def progressed(before: int) -> bool:
-        run.healthy()
-        assert proc.poll() is None, f"capture ended: {out.read_bytes()[-3000:].decode(errors='replace')}"
-        return log_end() > before
-
-    stop_writers = threading.Event()
-    writers = [threading.Thread(target=pg_bank.transfers, args=(s, stop_writers, run.errors, 0.002), daemon=True)
-               for s in (1, 2)]
-    proc = start()
+    reader = EmbeddedLog(tmp_path / "log", read_only=True)
     try:
-        for w in writers:
-            w.start()
-        for trial in range(3):
-            before = log_end()
-            wait_until(lambda b=before: progressed(b), 120, f"trial {trial}: capture appended records")
-            time.sleep(rnd.uniform(0.0, 0.5))  # a seeded moment of the run (it goes on), not a synchronisation
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(30)
-            proc = start()
-        before = log_end()
-        wait_until(lambda: progressed(before), 120, "the last capture appended records")
-        stop_writers.set()
-        for w in writers:
-            w.join(timeout=60)
-        run.caught_up(timeout=300)
+        _transfers_across_kills(
+            run, pg_bank,
+            lambda: Killed([sys.executable, str(CAPTURE_RUNNER), str(reader.path), pg_dsn, pg_bank.source],
+                           tmp_path / "capture.out", "capture"),
+            lambda: sum(reader.end_offsets(pg_bank.topic).values()), trials=3, pause=0.5, gap=0.002,
+            moved="capture appended records")
     finally:
-        stop_writers.set()
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        proc.wait(30)
-        try:
-            result = run.finish()
-        finally:
-            embedded_log.close()
-    assert result.reads > 0, result
+        reader.close()
