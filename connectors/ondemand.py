@@ -22,6 +22,7 @@ CLI refuses a request for a source nobody is capturing, and shows live rows/s an
 
 from __future__ import annotations
 
+import abc
 import contextlib
 import os
 import sqlite3
@@ -87,22 +88,25 @@ class SnapshotRequest:
                    None if where is None else str(where), int(d.get("requested_ms") or 0))
 
 
-class RequestChannel:
+class RequestChannel(abc.ABC):
     """Submit requests (any process), read them and beat (the capture). See the module docstring."""
 
+    @abc.abstractmethod
     def submit(self, source: str, action: str, tables: list[str] | tuple[str, ...] = (),
                where: str | None = None) -> int:
-        raise NotImplementedError
+        """Store a request for ``source``; its number (the order requests are applied in)."""
 
+    @abc.abstractmethod
     def since(self, source: str, seq: int) -> list[SnapshotRequest]:
         """Requests for ``source`` numbered above ``seq``, in order."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def beat(self, source: str, status: Mapping[str, Any]) -> None:
-        raise NotImplementedError
+        """The capture's heartbeat with its live progress (pid and time added)."""
 
+    @abc.abstractmethod
     def last_beat(self, source: str) -> dict[str, Any] | None:
-        raise NotImplementedError
+        """The newest beat of ``source``, or None."""
 
     def alive(self, source: str, *, within_s: float = ALIVE_S) -> dict[str, Any] | None:
         """The capture's last beat when it is recent (the capture runs), else None."""
@@ -111,8 +115,8 @@ class RequestChannel:
             return None
         return beat
 
-    def close(self) -> None:
-        pass
+    def close(self) -> None:  # noqa: B027 -- optional hook: a channel with nothing to release keeps it
+        """Release what the channel holds (a connection, a consumer)."""
 
 
 class FileChannel(RequestChannel):
