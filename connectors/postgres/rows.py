@@ -294,7 +294,7 @@ class TableCodec(ToastState):
 
     def __init__(self, *, source: str, db: str, schema: str, table: str, columns: Sequence[ColumnCodec],
                  key: Sequence[str], codec: EventCodec, relid: int = 0, replica_identity: str = "d",
-                 type_oids: Sequence[int] = (), track_toast: bool = True) -> None:
+                 type_oids: Sequence[int] = (), typmods: Sequence[int] = (), track_toast: bool = True) -> None:
         self.source = source
         self.db = db
         self.pg_schema = schema
@@ -305,6 +305,9 @@ class TableCodec(ToastState):
         self.replica_identity = replica_identity
         self.columns = tuple(columns)
         self.type_oids = tuple(type_oids)
+        # the type modifiers (numeric precision/scale, varchar length): ALTER ... TYPE numeric(12,4) keeps
+        # the OID, changes the decimal's scale, so a shape is (name, OID, modifier) per column
+        self.typmods = tuple(typmods) if typmods else (-1,) * len(self.type_oids)
         self.names = tuple(c.name for c in self.columns)
         index = {n: i for i, n in enumerate(self.names)}
         missing = [k for k in key if k not in index]
@@ -341,26 +344,33 @@ class TableCodec(ToastState):
         ]
         return cls(source=source, db=db, schema=info.schema, table=info.name, columns=cols, key=info.key,
                    codec=codec, relid=info.oid, replica_identity=info.replica_identity,
-                   type_oids=[c.type_oid for c in info.columns])
+                   type_oids=[c.type_oid for c in info.columns], typmods=[c.typmod for c in info.columns])
 
     @classmethod
     def from_relation(cls, rel_columns: Sequence[RelColumn], *, info: TableInfo, relid: int, replica_identity: str,
-                      source: str, db: str, codec: EventCodec, lookup: TypeLookup | None) -> TableCodec:
+                      source: str, db: str, codec: EventCodec, lookup: TypeLookup | None,
+                      native_of: Callable[[int, int], str | None] | None = None) -> TableCodec:
         """The table's shape as the WAL describes it (a Relation message), enriched by the catalog.
 
         The Relation message is authoritative for which columns exist at this WAL
         position; nullability, storage and the native type name come from the catalog
-        when it knows the column with the same type.
+        when it knows the column with the same type. The native name spells the type
+        modifier ("numeric(8,2)"): when the catalog has moved on to another modifier (WAL
+        read after an ``ALTER ... TYPE``), `native_of(oid, typmod)` (the server's
+        ``format_type``) names the WAL's own, so re-reading old WAL records its real shape.
         """
         cols = []
         for rc in rel_columns:
             ci: ColumnInfo | None = info.column(rc.name)
             same = ci is not None and ci.type_oid == rc.type_oid
+            native = ci.type_name if ci is not None and same and ci.typmod == rc.typmod else None
+            if native is None and native_of is not None:
+                native = native_of(rc.type_oid, rc.typmod)
             cols.append(column_codec(
                 rc.name, rc.type_oid, rc.typmod,
                 optional=not (ci.not_null if ci is not None and same else False),
                 storage=ci.storage if ci is not None and same else "x",
-                native=ci.type_name if ci is not None and same else None,
+                native=native,
                 lookup=lookup, decimal_mode=codec.decimal_mode,
             ))
         names = {c.name for c in cols}
@@ -370,7 +380,8 @@ class TableCodec(ToastState):
                 f"table {info.qualified}: the WAL's Relation message lacks key column(s) "
                 f"{[k for k in info.key if k not in names]} (columns now: {sorted(names)})")
         return cls(source=source, db=db, schema=info.schema, table=info.name, columns=cols, key=key, codec=codec,
-                   relid=relid, replica_identity=replica_identity, type_oids=[c.type_oid for c in rel_columns])
+                   relid=relid, replica_identity=replica_identity, type_oids=[c.type_oid for c in rel_columns],
+                   typmods=[c.typmod for c in rel_columns])
 
     def _build_fast(self) -> Callable[[bytes, int], tuple[dict[str, Any], int, bool] | None]:
         """Generate a parser for this table's TupleData that converts while it parses.
@@ -514,8 +525,8 @@ class TableCodec(ToastState):
 
     def same_shape(self, rel_columns: Sequence[RelColumn]) -> bool:
         return len(rel_columns) == len(self.names) and all(
-            rc.name == n and rc.type_oid == o for rc, n, o in zip(rel_columns, self.names, self.type_oids,
-                                                                   strict=True))
+            rc.name == n and rc.type_oid == o and rc.typmod == m
+            for rc, n, o, m in zip(rel_columns, self.names, self.type_oids, self.typmods, strict=True))
 
     # -- conversion --------------------------------------------------------------------------
     def json_row(self, raw: Sequence[Any]) -> dict[str, Any]:

@@ -270,6 +270,7 @@ class TypeCatalog:
     def __init__(self, conn: psycopg.Connection) -> None:
         self._conn = conn
         self._cache: dict[int, TypeInfo | None] = {}
+        self._names: dict[tuple[int, int], str | None] = {}
 
     def __call__(self, oid: int) -> TypeInfo | None:
         if oid in self._cache:
@@ -287,6 +288,15 @@ class TypeCatalog:
                             tuple(row[6] or ()))
         self._cache[oid] = info
         return info
+
+    def format_type(self, oid: int, typmod: int) -> str | None:
+        """The server's name of a type with its modifier (``numeric(8,2)``), as the catalog spells
+        a column's type; cached (a Relation message re-read after an ALTER asks once per shape)."""
+        k = (oid, typmod)
+        if k not in self._names:
+            row = self._conn.execute("SELECT format_type(%s, %s)", (oid, typmod)).fetchone()
+            self._names[k] = str(row[0]) if row is not None and row[0] is not None else None
+        return self._names[k]
 
     def invalidate(self, oid: int | None = None) -> None:
         if oid is None:

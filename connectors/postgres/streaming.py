@@ -464,7 +464,8 @@ class PgStreamingSource(StreamingSource):
         if tc is None or not tc.same_shape(rel.columns):
             tc = TableCodec.from_relation(rel.columns, info=info, relid=rel.relid,
                                           replica_identity=rel.replica_identity, source=cap.source, db=cap.db,
-                                          codec=cap.codec, lookup=cap.types)
+                                          codec=cap.codec, lookup=cap.types,
+                                          native_of=cap.types.format_type)
             cap.install_codec(tc, PgPosition(self.tx_lsn if self.in_tx else self.offset.lsn, self.index))
         tc.replica_identity = rel.replica_identity
         tc.ident_idx = tuple(i for i, c in enumerate(rel.columns) if c.key)

@@ -403,3 +403,33 @@ def test_partitioned_table_is_captured_under_its_own_name(pg_dsn: str, sql: Any,
     topic = f"{source_name}.public.ev"
     assert compacted(embedded_log, topic) == table_state(pg_dsn, "public.ev", source_name)
     assert not [t for t in embedded_log.list_topics() if "ev_20" in t]
+
+
+def test_a_retyped_column_with_the_same_type_oid_gets_a_new_shape(pg_dsn: str, sql: Any, source_name: str,
+                                                                 any_log: Log) -> None:
+    """numeric(8,2) -> numeric(12,4) keeps the type OID and changes only the type modifier: the
+    decimal's scale (a parameter of its Connect schema, and in `precise` mode the scale its unscaled
+    bytes are read with) must follow, and so must varchar's length."""
+    sql("CREATE TABLE retyped (id int PRIMARY KEY, price numeric(8,2), label varchar(5))")
+    sql("INSERT INTO retyped VALUES (1, 1.25, 'ab')")
+    cfg = config(pg_dsn, source_name, ["public.retyped"])
+    capture(cfg, any_log)
+    sql("INSERT INTO retyped VALUES (3, 3.75, 'abc')")  # in the WAL before the change, read after it
+    sql("ALTER TABLE retyped ALTER COLUMN price TYPE numeric(12,4), ALTER COLUMN label TYPE varchar(40)")
+    sql("INSERT INTO retyped VALUES (2, 2.5, 'a longer label than before')")
+    sql("UPDATE retyped SET price = 1.0625 WHERE id = 1")
+    capture(cfg, any_log)
+    history = [orjson.loads(r.value) for r in any_log.iter_partition(f"{source_name}.__schema", 0)]
+    mine = [h for h in history if h["table"] == "public.retyped"]
+    price = [next(c for c in h["columns"] if c["name"] == "price") for h in mine]
+    assert [p.get("scale") for p in price] == [2, 4], [h["columns"] for h in mine]
+    label = [next(c for c in h["columns"] if c["name"] == "label") for h in mine]
+    assert [c["native_type"] for c in label] == ["character varying(5)", "character varying(40)"]
+    raw = {orjson.loads(r.key)["id"]: orjson.loads(r.value)["after"]
+           for r in records(any_log, f"{source_name}.public.retyped") if r.value is not None}
+    assert raw[3]["price"] == "3.75" and raw[2]["price"] == "2.5000", raw
+    topic = f"{source_name}.public.retyped"
+    events = _events(any_log, topic, schemas(any_log, source_name)["public.retyped"])
+    after = {e.after["id"]: e.after for e in events if e.after is not None}
+    assert after[2] == {"id": 2, "price": Decimal("2.5000"), "label": "a longer label than before"}
+    assert after[1]["price"] == Decimal("1.0625")
