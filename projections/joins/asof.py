@@ -65,7 +65,13 @@ class AsOf:
 
 
 def parse_as_of(
-    where: str, raw: Any, *, sources: Sequence[Any], kind: str, sinks: Sequence[str], consistency: str,
+    where: str,
+    raw: Any,
+    *,
+    sources: Sequence[Any],
+    kind: str,
+    sinks: Sequence[str],
+    consistency: str,
     lookups: Sequence[Any],
 ) -> tuple[AsOf, ...]:
     """Validate ``Projection.as_of``: shape, names, and what the projection around it must be.
@@ -114,7 +120,9 @@ def parse_as_of(
             for c in a.columns:
                 o = a.column_prefix + c
                 if o in outs and outs[o] != a.name:
-                    raise ConfigError(f"{at}.prefix: column {o!r} clashes with as_of[{outs[o]!r}]; choose another prefix")
+                    raise ConfigError(
+                        f"{at}.prefix: column {o!r} clashes with as_of[{outs[o]!r}]; choose another prefix"
+                    )
                 outs[o] = a.name
         out.append(a)
     if kind != "custom":

@@ -5,7 +5,8 @@
 - *the table and the event stream come from one source* (same ``<source>.`` topic prefix, so one
   commit order): the clock is the source position (``kf_pos``: PostgreSQL commit LSN and change
   index, MySQL binlog file/position/row). A table change counts for an event when its position
-  is BEFORE the event's: committed earlier, or earlier in the same transaction.
+  is BEFORE the event's: committed earlier, or earlier in the same transaction. The rows of an
+  initial snapshot share one clock (the snapshot's consistent point): they count for each other.
 - *different sources* (no common commit order): the clock is time in microseconds. An event of
   a ledger topic: its ``recorded_at`` (the ledger's append time, non-decreasing in position
   order by construction); a change record (table change, or an event of a change topic): the
@@ -21,11 +22,12 @@ foreign key is NULL. A record whose clock cannot be read (no ``recorded_at``) is
 NULLs. Tombstones and truncate markers are no changes (the deletes before/after them are).
 
 **Hold-back (follow and replay alike).** An event is *released* (folded) only when every table's
-capture has passed it: ``clock(event) <= F``, where ``F`` is the table's frontier -- time clock:
-the clock of the newest table change read so far (its running maximum: every later change has a
+capture has passed it, ``clock(event) <= F`` with ``F`` the table's frontier -- time clock: the
+clock of the newest table change read so far (its running maximum: every later change has a
 clock >= F, so it ties or comes after the event and can never count for it); position clock: the
 largest position read from the source so far, events included (reads end at transaction cuts of
-the source, so nothing at or below it is still to come: every event is released at once).
+the source, so nothing at or below it is still to come: a streamed event is released at once; a
+snapshot's events, whose clock is shared, once a record past the snapshot is read: ``< F``).
 Events not released wait in the state, are folded by a later batch (in position order per view
 key, as always) and are NOT in the view until then: a follower and a replay that end at the same
 offsets have released the same events with the same rows, so a replay a year later gives the
@@ -158,7 +160,8 @@ class AsOfPlan:
                 unknown = [c for c in a.columns if c not in schema.column_names]
                 if unknown:
                     raise ConfigError(
-                        f"{at}.columns: {unknown} not in the schema of {a.topic!r} (columns: {list(schema.column_names)})"
+                        f"{at}.columns: {unknown} not in the schema of {a.topic!r} "
+                        f"(columns: {list(schema.column_names)})"
                     )
                 columns = tuple(dict.fromkeys(a.columns))
             outs = tuple(a.column_prefix + c for c in columns)
@@ -192,21 +195,40 @@ def table_schemas(spec: Any, log: Any, have: dict[str, TableSchema]) -> dict[str
 
 
 # --- Spark frames shared by replay and follow -----------------------------------------------------------
-def _clock_struct(a: SparkColumn, b: SparkColumn | None = None, c: SparkColumn | None = None,
-                  d: SparkColumn | None = None, e: SparkColumn | None = None) -> SparkColumn:
+def _clock_struct(
+    a: SparkColumn,
+    b: SparkColumn | None = None,
+    c: SparkColumn | None = None,
+    d: SparkColumn | None = None,
+    e: SparkColumn | None = None,
+) -> SparkColumn:
     zero = F.lit(0).cast("bigint")
-    return F.when(a.isNotNull(), F.struct(
-        a.cast("bigint").alias("a"), (b if b is not None else F.lit("")).cast("string").alias("b"),
-        (c if c is not None else zero).cast("bigint").alias("c"), (d if d is not None else F.lit(1)).cast("int").alias("d"),
-        (e if e is not None else zero).cast("bigint").alias("e"),
-    ))
+    return F.when(
+        a.isNotNull(),
+        F.struct(
+            a.cast("bigint").alias("a"),
+            (b if b is not None else F.lit("")).cast("string").alias("b"),
+            (c if c is not None else zero).cast("bigint").alias("c"),
+            (d if d is not None else F.lit(1)).cast("int").alias("d"),
+            (e if e is not None else zero).cast("bigint").alias("e"),
+        ),
+    )
 
 
 def _pos(value: SparkColumn, schema: TableSchema) -> SparkColumn:
+    """The position clock: ``pos_order`` of ``kf_pos``, with every row of one initial snapshot at ONE
+    clock (its consistent point: the row index within a snapshot is the order tables were read in,
+    not an order of changes), so a snapshot's table rows count for the snapshot's events."""
     env = F.from_json(value.cast("string"), envelope_struct(schema))
     p = pos_order(F.coalesce(env["payload"]["source"]["kf_pos"], env["source"]["kf_pos"]))
-    return _clock_struct(p["a"], F.coalesce(p["b"], F.lit("")), F.coalesce(p["c"], F.lit(0)),
-                         F.coalesce(p["d"], F.lit(1)), F.coalesce(p["e"], F.lit(0)))
+    d = F.coalesce(p["d"], F.lit(1))
+    return _clock_struct(
+        p["a"],
+        F.coalesce(p["b"], F.lit("")),
+        F.coalesce(p["c"], F.lit(0)),
+        d,
+        F.when(d == 0, F.lit(0)).otherwise(F.coalesce(p["e"], F.lit(0))),
+    )
 
 
 def _ts_us(value: SparkColumn, schema: TableSchema) -> SparkColumn:
@@ -225,27 +247,34 @@ def event_columns(ap: AsOfPlan, ev: DataFrame) -> DataFrame:
     else:
         assert ap.schema is not None
         env = F.from_json(F.col("_kf_value").cast("string"), envelope_struct(ap.schema, with_before=True))
-        row = F.coalesce(F.coalesce(env["payload"]["after"], env["after"]), F.coalesce(env["payload"]["before"],
-                                                                                       env["before"]))
+        row = F.coalesce(
+            F.coalesce(env["payload"]["after"], env["after"]), F.coalesce(env["payload"]["before"], env["before"])
+        )
         needed = sorted({f for it in ap.items for f in it.fk})
         conv = converted_row(row, ap.schema, needed)
         fks = [canonical([conv[f].try_cast(t) for f, t in zip(it.fk, it.key_types, strict=True)]) for it in ap.items]
         rt = _ts_us(F.col("_kf_value"), ap.schema)
         pos = _pos(F.col("_kf_value"), ap.schema)
-    return ev.select("*", *[fk.alias(f"_kf_fk{i}") for i, fk in enumerate(fks)], rt.alias("_kf_rt"), pos.alias("_kf_pos"))
+    return ev.select(
+        "*", *[fk.alias(f"_kf_fk{i}") for i, fk in enumerate(fks)], rt.alias("_kf_rt"), pos.alias("_kf_pos")
+    )
 
 
 def table_changes(ap: AsOfPlan, tb: AsOfTable, raw: DataFrame) -> DataFrame:
-    """A table's changes: ``k, pos, rt, deleted, bad, after`` (+ where in the log); no tombstones or truncate markers."""
+    """A table's changes: ``k, pos, rt, deleted, bad, after`` (+ where in the log); no tombstones or truncate
+    markers."""
     schema = tb.schema
     j = F.from_json(F.col("value").cast("string"), envelope_struct(schema))
     op = F.coalesce(j["payload"]["op"], j["op"])
-    after = F.coalesce(F.get_json_object(F.col("value").cast("string"), "$.payload.after"),
-                       F.get_json_object(F.col("value").cast("string"), "$.after"))
+    after = F.coalesce(
+        F.get_json_object(F.col("value").cast("string"), "$.payload.after"),
+        F.get_json_object(F.col("value").cast("string"), "$.after"),
+    )
     bad = op.isNull() | ~op.isin(*VALID_OPS)
     kj = F.from_json(F.col("key").cast("string"), key_struct(schema))
-    krow = converted_row(F.coalesce(kj["payload"], F.struct(*[kj[c].alias(c) for c in schema.key])),
-                         schema.key_schema())
+    krow = converted_row(
+        F.coalesce(kj["payload"], F.struct(*[kj[c].alias(c) for c in schema.key])), schema.key_schema()
+    )
     out = raw.where(F.col("value").isNotNull()).select(
         canonical([krow[c] for c in schema.key]).alias("k"),
         _pos(F.col("value"), schema).alias("pos"),
@@ -253,7 +282,10 @@ def table_changes(ap: AsOfPlan, tb: AsOfTable, raw: DataFrame) -> DataFrame:
         (bad | (op == "d") | after.isNull()).alias("deleted"),
         bad.alias("bad"),
         F.when(~bad & (op != "d"), after).alias("after"),
-        F.col("topic"), F.col("partition"), F.col("offset"), F.col("key"),
+        F.col("topic"),
+        F.col("partition"),
+        F.col("offset"),
+        F.col("key"),
         op.alias("op"),
     )
     return out.where(F.col("k").isNotNull() & (F.col("op").isNull() | (F.col("op") != "t"))).drop("op")
@@ -263,8 +295,10 @@ def _asof_json(ap: AsOfPlan, rows: list[SparkColumn]) -> SparkColumn:
     """``{"<name>": <after row JSON or null>, ...}``: the same text follow builds in Python."""
     parts: list[SparkColumn] = []
     for i, it in enumerate(ap.items):
-        parts += [F.lit(("{" if i == 0 else ",") + orjson.dumps(it.asof.name).decode() + ":"),
-                  F.coalesce(rows[i], F.lit("null"))]
+        parts += [
+            F.lit(("{" if i == 0 else ",") + orjson.dumps(it.asof.name).decode() + ":"),
+            F.coalesce(rows[i], F.lit("null")),
+        ]
     return F.concat(*parts, F.lit("}"))
 
 
@@ -292,6 +326,15 @@ def _tuple(row: Any) -> Clock | None:
     if d.get("a") is None:
         return None
     return (int(d["a"]), str(d["b"]), int(d["c"]), int(d["d"]), int(d["e"]))
+
+
+def _clock_of(v: Any) -> Clock | None:
+    """A clock stored as a JSON list."""
+    return (int(v[0]), str(v[1]), int(v[2]), int(v[3]), int(v[4])) if v else None
+
+
+def _time_tuple(us: int | None) -> Clock | None:
+    return (int(us), "", 0, 1, 0) if us is not None else None
 
 
 def _max(a: Clock | None, b: Clock | None) -> Clock | None:
@@ -344,7 +387,8 @@ class AsOfState:
         names = [self.name(s) for s in self.suffixes()]
         row = self.conn.execute(
             "SELECT count(*) FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace "
-            "WHERE n.nspname = %s AND c.relname = ANY(%s) AND c.relkind = 'r'", (KF_SCHEMA, names),
+            "WHERE n.nspname = %s AND c.relname = ANY(%s) AND c.relkind = 'r'",
+            (KF_SCHEMA, names),
         ).fetchone()
         return bool(row and row[0] == len(names))
 
@@ -353,15 +397,21 @@ class AsOfState:
 
         self.conn.execute(sql.SQL("CREATE SCHEMA IF NOT EXISTS {}").format(_q(KF_SCHEMA)))
         self.drop()
-        self.conn.execute(sql.SQL("CREATE TABLE {} (id integer PRIMARY KEY, frontiers jsonb NOT NULL, "
-                                  "pending bytea)").format(self.rel("__m")))
+        self.conn.execute(
+            sql.SQL("CREATE TABLE {} (id integer PRIMARY KEY, frontiers jsonb NOT NULL, pending bytea)").format(
+                self.rel("__m")
+            )
+        )
         self.conn.execute(sql.SQL("INSERT INTO {} VALUES (1, '{{}}', NULL)").format(self.rel("__m")))
         for t in self.ap.tables:
-            self.conn.execute(sql.SQL(
-                "CREATE TABLE {} (k text NOT NULL, a bigint, b text COLLATE \"C\", c bigint, d integer, e bigint, "
-                "pa bigint, pb text COLLATE \"C\", pc bigint, pd integer, pe bigint, deleted boolean NOT NULL, row text, "
-                "PRIMARY KEY (k, a, b, c, d, e, pa, pb, pc, pd, pe))"
-            ).format(self.rel(f"__h{t.index}")))
+            self.conn.execute(
+                sql.SQL(
+                    'CREATE TABLE {} (k text NOT NULL, a bigint, b text COLLATE "C", c bigint, d integer, e bigint, '
+                    'pa bigint, pb text COLLATE "C", pc bigint, pd integer, pe bigint, deleted boolean NOT NULL, '
+                    "row text, "
+                    "PRIMARY KEY (k, a, b, c, d, e, pa, pb, pc, pd, pe))"
+                ).format(self.rel(f"__h{t.index}"))
+            )
 
     def drop(self) -> None:
         from psycopg import sql
@@ -384,7 +434,9 @@ class AsOfState:
     def load_meta(self) -> tuple[dict[str, Any], pa.Table | None]:
         from psycopg import sql
 
-        row = self.conn.execute(sql.SQL("SELECT frontiers, pending FROM {} WHERE id = 1").format(self.rel("__m"))).fetchone()
+        row = self.conn.execute(
+            sql.SQL("SELECT frontiers, pending FROM {} WHERE id = 1").format(self.rel("__m"))
+        ).fetchone()
         if row is None:
             return {}, None
         pending = pa.ipc.open_stream(bytes(row[1])).read_all() if row[1] is not None else None
@@ -400,23 +452,32 @@ class AsOfState:
             with pa.ipc.new_stream(sink, pending.schema) as w:
                 w.write_table(pending)
             blob = sink.getvalue().to_pybytes()
-        self.conn.execute(sql.SQL("UPDATE {} SET frontiers = %s, pending = %s WHERE id = 1").format(self.rel("__m")),
-                          (Jsonb(meta), blob))
+        self.conn.execute(
+            sql.SQL("UPDATE {} SET frontiers = %s, pending = %s WHERE id = 1").format(self.rel("__m")),
+            (Jsonb(meta), blob),
+        )
 
     def add_history(self, ti: int, rows: list[tuple[Any, ...]]) -> None:
         from psycopg import sql
 
         if not rows:
             return
-        self.conn.execute(sql.SQL("CREATE TEMP TABLE IF NOT EXISTS kf_asof_stg (LIKE {}) ON COMMIT DROP").format(
-            self.rel(f"__h{ti}")))
+        self.conn.execute(
+            sql.SQL("CREATE TEMP TABLE IF NOT EXISTS kf_asof_stg (LIKE {}) ON COMMIT DROP").format(self.rel(f"__h{ti}"))
+        )
         self.conn.execute("TRUNCATE pg_temp.kf_asof_stg")
         cols = sql.SQL(", ").join(_q(c) for c in _HIST_COLS)
-        with self.conn.cursor() as cur, cur.copy(sql.SQL("COPY pg_temp.kf_asof_stg ({}) FROM STDIN").format(cols)) as cp:
+        with (
+            self.conn.cursor() as cur,
+            cur.copy(sql.SQL("COPY pg_temp.kf_asof_stg ({}) FROM STDIN").format(cols)) as cp,
+        ):
             for r in rows:
                 cp.write_row(r)
-        self.conn.execute(sql.SQL("INSERT INTO {} ({c}) SELECT {c} FROM pg_temp.kf_asof_stg ON CONFLICT DO NOTHING").format(
-            self.rel(f"__h{ti}"), c=cols))
+        self.conn.execute(
+            sql.SQL("INSERT INTO {} ({c}) SELECT {c} FROM pg_temp.kf_asof_stg ON CONFLICT DO NOTHING").format(
+                self.rel(f"__h{ti}"), c=cols
+            )
+        )
 
     def history(self, ti: int, keys: list[str]) -> dict[str, list[tuple[Clock, Clock, bool, str | None]]]:
         from psycopg import sql
@@ -426,9 +487,14 @@ class AsOfState:
             return out
         rows = self.conn.execute(
             sql.SQL("SELECT k, a, b, c, d, e, pa, pb, pc, pd, pe, deleted, row FROM {} WHERE k = ANY(%s)").format(
-                self.rel(f"__h{ti}")), (keys,)).fetchall()
+                self.rel(f"__h{ti}")
+            ),
+            (keys,),
+        ).fetchall()
         for r in rows:
-            out.setdefault(r[0], []).append(((r[1], r[2], r[3], r[4], r[5]), (r[6], r[7], r[8], r[9], r[10]), r[11], r[12]))
+            out.setdefault(r[0], []).append(
+                ((r[1], r[2], r[3], r[4], r[5]), (r[6], r[7], r[8], r[9], r[10]), r[11], r[12])
+            )
         for v in out.values():
             v.sort(key=lambda x: (x[0], x[1]))
         return out
@@ -439,11 +505,15 @@ class AsOfState:
 
         rel = self.rel(f"__h{ti}")
         only = sql.SQL("AND x.k = ANY(%s)") if keys is not None else sql.SQL("")
-        self.conn.execute(sql.SQL(
-            "DELETE FROM {rel} x WHERE (x.a, x.b, x.c, x.d, x.e) < (%s, %s, %s, %s, %s) {only} AND EXISTS ("
-            "SELECT 1 FROM {rel} y WHERE y.k = x.k AND (y.a, y.b, y.c, y.d, y.e) < (%s, %s, %s, %s, %s) AND "
-            "(y.a, y.b, y.c, y.d, y.e, y.pa, y.pb, y.pc, y.pd, y.pe) > (x.a, x.b, x.c, x.d, x.e, x.pa, x.pb, x.pc, x.pd, x.pe))"
-        ).format(rel=rel, only=only), [*bound, *([keys] if keys is not None else []), *bound])
+        self.conn.execute(
+            sql.SQL(
+                "DELETE FROM {rel} x WHERE (x.a, x.b, x.c, x.d, x.e) < (%s, %s, %s, %s, %s) {only} AND EXISTS ("
+                "SELECT 1 FROM {rel} y WHERE y.k = x.k AND (y.a, y.b, y.c, y.d, y.e) < (%s, %s, %s, %s, %s) AND "
+                "(y.a, y.b, y.c, y.d, y.e, y.pa, y.pb, y.pc, y.pd, y.pe) > "
+                "(x.a, x.b, x.c, x.d, x.e, x.pa, x.pb, x.pc, x.pd, x.pe))"
+            ).format(rel=rel, only=only),
+            [*bound, *([keys] if keys is not None else []), *bound],
+        )
 
 
 # --- transactions (follow) -------------------------------------------------------------------------------
@@ -459,8 +529,10 @@ _ACTIVE: contextvars.ContextVar[_Batch | None] = contextvars.ContextVar("kappafl
 def _connection(ap: AsOfPlan, sink: Any) -> Any:
     conn = sink.state_connection()
     if conn is None:
-        raise ConfigError(f"projection {ap.projection!r}: 'as_of': the {sink.kind} sink has no transaction shared "
-                          "with the views database; an as-of view lives in PostgreSQL")
+        raise ConfigError(
+            f"projection {ap.projection!r}: 'as_of': the {sink.kind} sink has no transaction shared "
+            "with the views database; an as-of view lives in PostgreSQL"
+        )
     return conn
 
 
@@ -501,19 +573,23 @@ def drop(ap: AsOfPlan, sink: Any, target: Target) -> None:
 
 def _dead(tb: AsOfTable, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     reason = f"{BAD_REASON}; a record of {tb.topic}, read for as-of enrichment: it counts as a delete of that row"
-    return [{"topic": r["topic"], "partition": r["partition"], "offset": r["offset"], "key": r["key"], "reason": reason}
-            for r in rows]
+    return [
+        {"topic": r["topic"], "partition": r["partition"], "offset": r["offset"], "key": r["key"], "reason": reason}
+        for r in rows
+    ]
 
 
 # --- replay -------------------------------------------------------------------------------------------------
-def build_stage(ap: AsOfPlan, sink: Any, target: Target, ev: DataFrame, raws: dict[str, DataFrame],
-                dead: list[dict[str, Any]]) -> DataFrame:
+def build_stage(
+    ap: AsOfPlan, sink: Any, target: Target, ev: DataFrame, raws: dict[str, DataFrame], dead: list[dict[str, Any]]
+) -> DataFrame:
     """The released events of [0, end) with ``_kf_asof``; the target's state (history, frontiers and the
     waiting events) is loaded from the same frames before the rows are folded."""
     ev = event_columns(ap, ev)
     if not ap.events and ap.any_time:  # change records: running max of the commit time in position order
         w = Window.orderBy("_kf_pos", "_kf_topic", "_kf_partition", "_kf_offset").rowsBetween(
-            Window.unboundedPreceding, Window.currentRow)
+            Window.unboundedPreceding, Window.currentRow
+        )
         ev = ev.withColumn("_kf_et", F.max("_kf_rt").over(w))
     else:
         ev = ev.withColumn("_kf_et", F.col("_kf_rt"))
@@ -529,11 +605,12 @@ def build_stage(ap: AsOfPlan, sink: Any, target: Target, ev: DataFrame, raws: di
             tc = tc.withColumn("eff", F.col("pos"))
             f = _max(_tuple(tc.agg(F.max("pos").alias("m")).collect()[0]["m"]), g_pos)
         else:
-            w = Window.orderBy("pos", "topic", "partition", "offset").rowsBetween(Window.unboundedPreceding,
-                                                                              Window.currentRow)
+            w = Window.orderBy("pos", "topic", "partition", "offset").rowsBetween(
+                Window.unboundedPreceding, Window.currentRow
+            )
             tc = tc.withColumn("eff", _time_clock(F.max("rt").over(w)))
             f = _tuple(tc.agg(F.max("eff").alias("m")).collect()[0]["m"])
-        tabs[tb.index] = tc.select("k", "eff", "pos", "deleted", "after").cache()
+        tabs[tb.index] = tc.select("k", "eff", "pos", "deleted", "after")
         frontiers[tb.index] = f
     for tb in ap.tables:
         ev = ev.withColumn(f"_kf_c{tb.index}", F.col("_kf_pos") if tb.by_position else _time_clock(F.col("_kf_et")))
@@ -541,8 +618,14 @@ def build_stage(ap: AsOfPlan, sink: Any, target: Target, ev: DataFrame, raws: di
     for tb in ap.tables:
         f = frontiers[tb.index]
         c = F.col(f"_kf_c{tb.index}")
-        released = released & (c.isNull() | (F.lit(f is not None) & (c <= _lit_clock(f or (0, "", 0, 0, 0)))))
-    ev = ev.withColumn("_kf_rel", released).cache()
+        if f is None:
+            ok = F.lit(False)
+        elif tb.by_position:  # a snapshot's clock is shared: released once the reads are past it
+            ok = (c < _lit_clock(f)) | ((c == _lit_clock(f)) & (c["d"] != 0))
+        else:
+            ok = c <= _lit_clock(f)
+        released = released & (c.isNull() | ok)
+    ev = ev.withColumn("_kf_rel", released)
     pending = ev.where(~F.col("_kf_rel")).drop("_kf_rel").toArrow()
     meta = {"F": {str(k): v for k, v in frontiers.items()}, "GP": g_pos, "GT": g_time}
     bounds = _bounds(ap, pending, g_pos, g_time)
@@ -558,10 +641,15 @@ def build_stage(ap: AsOfPlan, sink: Any, target: Target, ev: DataFrame, raws: di
                     below = F.col("eff") < _lit_clock(b)
                     rk = F.row_number().over(Window.partitionBy("k").orderBy(F.desc("eff"), F.desc("pos")))
                     h = h.where(~below).unionByName(
-                        h.where(below).withColumn("_r", rk).where(F.col("_r") == 1).drop("_r"))
-                tbl = h.select("k", *[F.col("eff")[n].alias(n) for n in CLOCK],
-                               *[F.col("pos")[n].alias("p" + n) for n in CLOCK], "deleted",
-                               F.col("after").alias("row")).toArrow()
+                        h.where(below).withColumn("_r", rk).where(F.col("_r") == 1).drop("_r")
+                    )
+                tbl = h.select(
+                    "k",
+                    *[F.col("eff")[n].alias(n) for n in CLOCK],
+                    *[F.col("pos")[n].alias("p" + n) for n in CLOCK],
+                    "deleted",
+                    F.col("after").alias("row"),
+                ).toArrow()
                 state.add_history(tb.index, list(zip(*[tbl.column(c).to_pylist() for c in _HIST_COLS], strict=True)))
             state.save_meta(meta, pending if pending.num_rows else None)
     except Exception as exc:
@@ -572,27 +660,44 @@ def build_stage(ap: AsOfPlan, sink: Any, target: Target, ev: DataFrame, raws: di
     rows: list[SparkColumn] = []
     for i, it in enumerate(ap.items):
         tc = tabs[it.table]
-        e = out.select("*", F.col(f"_kf_fk{i}").alias("_j_k"), F.col(f"_kf_c{it.table}").alias("_j_t"),
-                       F.lit(0).alias("_j_tier"))
-        t = tc.select(F.col("k").alias("_j_k"), F.col("eff").alias("_j_t"), F.lit(1).alias("_j_tier"),
-                      F.col("pos").alias("_j_pos"), F.struct(F.col("deleted"), F.col("after")).alias("_j_v"))
+        e = out.select(
+            "*", F.col(f"_kf_fk{i}").alias("_j_k"), F.col(f"_kf_c{it.table}").alias("_j_t"), F.lit(0).alias("_j_tier")
+        )
+        # equal clocks: time -- the event first (a change at the same instant does not count); position --
+        # the change first (only rows of one snapshot share a position: they count for each other)
+        first = 0 if ap.tables[it.table].by_position else 1
+        e = e.withColumn("_j_tier", F.lit(1 - first))
+        t = tc.select(
+            F.col("k").alias("_j_k"),
+            F.col("eff").alias("_j_t"),
+            F.lit(first).alias("_j_tier"),
+            F.col("pos").alias("_j_pos"),
+            F.struct(F.col("deleted"), F.col("after")).alias("_j_v"),
+        )
         u = e.unionByName(t, allowMissingColumns=True)
-        w = Window.partitionBy("_j_k").orderBy("_j_t", "_j_tier", "_j_pos").rowsBetween(Window.unboundedPreceding,
-                                                                                      Window.currentRow)
+        w = (
+            Window.partitionBy("_j_k")
+            .orderBy("_j_t", "_j_tier", "_j_pos")
+            .rowsBetween(Window.unboundedPreceding, Window.currentRow)
+        )
         v = F.last("_j_v", ignorenulls=True).over(w)
-        out = (u.withColumn(f"_kf_r{i}", F.when(F.col("_j_k").isNotNull() & F.col("_j_t").isNotNull() & ~v["deleted"],
-                                                  v["after"]))
-               .where(F.col("_j_tier") == 0).drop("_j_k", "_j_t", "_j_tier", "_j_pos", "_j_v"))
+        out = (
+            u.withColumn(
+                f"_kf_r{i}", F.when(F.col("_j_k").isNotNull() & F.col("_j_t").isNotNull() & ~v["deleted"], v["after"])
+            )
+            .where(F.col("_j_v").isNull())
+            .drop("_j_k", "_j_t", "_j_tier", "_j_pos", "_j_v")
+        )
         rows.append(F.col(f"_kf_r{i}"))
-    return out.withColumn("_kf_asof", _asof_json(ap, rows)).select(*[c for c in ev.columns if not c.startswith("_kf_")
-                                                                      or c in _EV_KEEP], "_kf_asof")
+    return out.withColumn("_kf_asof", _asof_json(ap, rows)).select(
+        *[c for c in ev.columns if not c.startswith("_kf_") or c in _EV_KEEP], "_kf_asof"
+    )
 
 
 _EV_KEEP = ("_kf_topic", "_kf_partition", "_kf_offset", "_kf_key", "_kf_value", "_kf_op", "_kf_order")
 
 
-def _bounds(ap: AsOfPlan, pending: pa.Table | None, g_pos: Clock | None, g_time: int | None
-            ) -> dict[int, Clock | None]:
+def _bounds(ap: AsOfPlan, pending: pa.Table | None, g_pos: Clock | None, g_time: int | None) -> dict[int, Clock | None]:
     """Per table: the clock below which no event can come any more (None: keep every version)."""
     out: dict[int, Clock | None] = {}
     for tb in ap.tables:
@@ -609,8 +714,15 @@ def _bounds(ap: AsOfPlan, pending: pa.Table | None, g_pos: Clock | None, g_time:
 
 
 # --- follow ---------------------------------------------------------------------------------------------------
-def follow_stage(ap: AsOfPlan, spark: Any, sink: Any, target: Target, ev: DataFrame, raws: dict[str, DataFrame],
-                 dead: list[dict[str, Any]]) -> DataFrame:
+def follow_stage(
+    ap: AsOfPlan,
+    spark: Any,
+    sink: Any,
+    target: Target,
+    ev: DataFrame,
+    raws: dict[str, DataFrame],
+    dead: list[dict[str, Any]],
+) -> DataFrame:
     """Apply one batch: table changes into the history, frontiers moved, events released (the waiting ones
     first) with ``_kf_asof``, the rest kept waiting. Runs inside ``transaction``."""
     b = _ACTIVE.get()
@@ -620,15 +732,16 @@ def follow_stage(ap: AsOfPlan, spark: Any, sink: Any, target: Target, ev: DataFr
     before = sink.read_positions(target)
     if not state.exists():
         if any(before.values()):
-            raise SinkError(f"view {target.view.name!r} has stored positions but no as-of state "
-                            f"({state.name('__m')} in schema kappaflow): rebuild it with `kappaflow replay`")
+            raise SinkError(
+                f"view {target.view.name!r} has stored positions but no as-of state "
+                f"({state.name('__m')} in schema kappaflow): rebuild it with `kappaflow replay`"
+            )
         state.create()
     elif not any(before.values()):
         state.truncate()
     meta, pending = state.load_meta()
-    frontiers: dict[int, Clock | None] = {int(k): (tuple(v) if v else None)  # type: ignore[misc]
-                                          for k, v in (meta.get("F") or {}).items()}
-    g_pos: Clock | None = tuple(meta["GP"]) if meta.get("GP") else None  # type: ignore[assignment]
+    frontiers: dict[int, Clock | None] = {int(k): _clock_of(v) for k, v in (meta.get("F") or {}).items()}
+    g_pos: Clock | None = _clock_of(meta.get("GP"))
     g_time: int | None = meta.get("GT")
     evx = event_columns(ap, ev).withColumn("_kf_et", F.col("_kf_rt"))
     for tb in ap.tables:
@@ -637,8 +750,9 @@ def follow_stage(ap: AsOfPlan, spark: Any, sink: Any, target: Target, ev: DataFr
     batch = evx.toArrow()
     # event clocks: running max of the commit time for change records, in position order, from the stored one
     recs = batch.to_pylist()
-    recs.sort(key=lambda r: (_tuple(r["_kf_pos"]) or (-1, "", 0, 0, 0), r["_kf_topic"], r["_kf_partition"],
-                             r["_kf_offset"]))
+    recs.sort(
+        key=lambda r: (_tuple(r["_kf_pos"]) or (-1, "", 0, 0, 0), r["_kf_topic"], r["_kf_partition"], r["_kf_offset"])
+    )
     for r in recs:
         if not ap.events and r["_kf_rt"] is not None:
             g_time = r["_kf_rt"] if g_time is None else max(g_time, r["_kf_rt"])
@@ -672,10 +786,8 @@ def follow_stage(ap: AsOfPlan, spark: Any, sink: Any, target: Target, ev: DataFr
         changed_keys[tb.index] = {r[0] for r in rows}
     for r in recs:
         for tb in ap.tables:
-            r[f"_kf_c{tb.index}"] = (dict(zip(CLOCK, _tuple(r["_kf_pos"]), strict=True)) if tb.by_position and
-                                     _tuple(r["_kf_pos"]) is not None else
-                                     (dict(zip(CLOCK, (r["_kf_et"], "", 0, 1, 0), strict=True))
-                                      if not tb.by_position and r["_kf_et"] is not None else None))
+            c = _tuple(r["_kf_pos"]) if tb.by_position else _time_tuple(r["_kf_et"])
+            r[f"_kf_c{tb.index}"] = dict(zip(CLOCK, c, strict=True)) if c is not None else None
     schema = batch.schema
     allrecs = (pending.to_pylist() if pending is not None else []) + recs
 
@@ -685,7 +797,7 @@ def follow_stage(ap: AsOfPlan, spark: Any, sink: Any, target: Target, ev: DataFr
             if c is None:
                 continue
             f = frontiers.get(tb.index)
-            if f is None or c > f:
+            if f is None or c > f or (tb.by_position and c == f and c[3] == 0):
                 return False
         return True
 
@@ -700,27 +812,40 @@ def follow_stage(ap: AsOfPlan, spark: Any, sink: Any, target: Target, ev: DataFr
             k, c = r[f"_kf_fk{i}"], _tuple(r[f"_kf_c{it.table}"])
             row = None
             if k is not None and c is not None and k in hist:
-                j = bisect.bisect_left(effs[k], c) - 1
+                by_pos = ap.tables[it.table].by_position  # equal clocks: see build_stage
+                j = (bisect.bisect_right(effs[k], c) if by_pos else bisect.bisect_left(effs[k], c)) - 1
                 if j >= 0 and not hist[k][j][2]:
                     row = hist[k][j][3]
             texts[n].append(row)
     pend = pa.Table.from_pylist(waiting, schema=schema) if waiting else None
     gp_list = list(g_pos) if g_pos is not None else None
-    state.save_meta({"F": {str(k): (list(v) if v is not None else None) for k, v in frontiers.items()},
-                     "GP": gp_list, "GT": g_time}, pend)
+    state.save_meta(
+        {
+            "F": {str(k): (list(v) if v is not None else None) for k, v in frontiers.items()},
+            "GP": gp_list,
+            "GT": g_time,
+        },
+        pend,
+    )
     bounds = _bounds(ap, pend, g_pos, g_time)
     for tb in ap.tables:
         bd = bounds[tb.index]
         if bd is not None and changed_keys[tb.index]:
             state.prune(tb.index, bd, sorted(changed_keys[tb.index]))
-    result = [{**{c: r[c] for c in _EV_KEEP + tuple(k for k in cols if not k.startswith("_kf_"))},
-               "_kf_asof": asof_text(ap, texts[n])} for n, r in enumerate(out)]
+    result = [
+        {
+            **{c: r[c] for c in _EV_KEEP + tuple(k for k in cols if not k.startswith("_kf_"))},
+            "_kf_asof": asof_text(ap, texts[n]),
+        }
+        for n, r in enumerate(out)
+    ]
     keep = [c for c in cols if not c.startswith("_kf_") or c in _EV_KEEP]
     fields = [schema.field(c) for c in keep] + [pa.field("_kf_asof", pa.string())]
     tbl = pa.Table.from_pylist(result, schema=pa.schema(fields))
     spark_schema = StructType([*[ev.schema[c] for c in keep], StructField("_kf_asof", StringType())])
-    return spark.createDataFrame(tbl if tbl.num_rows else pa.Table.from_pylist([], schema=pa.schema(fields)),
-                                 schema=spark_schema)
+    return spark.createDataFrame(
+        tbl if tbl.num_rows else pa.Table.from_pylist([], schema=pa.schema(fields)), schema=spark_schema
+    )
 
 
 __all__ = ["AsOfPlan", "AsOfState", "build_stage", "drop", "follow_stage", "swap", "table_schemas", "transaction"]
