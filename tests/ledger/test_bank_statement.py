@@ -10,6 +10,8 @@ a replay after the rename's row changed again (the enrichment never changes afte
 from __future__ import annotations
 
 import uuid
+from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import psycopg
@@ -24,6 +26,16 @@ from kappaflow.ledger import Ledger
 from tests.ledger.test_bank_projections import capture, source_config, view_rows
 
 pytestmark = pytest.mark.integration
+
+
+@pytest.fixture
+def rt(spark: Any, embedded_log: Any, ledger_dsn: str, tmp_path: Path) -> Iterator[Any]:
+    from kappaflow.projections.runtime import Runtime
+    from kappaflow.projections.sinks.postgres import PostgresSink
+
+    runtime = Runtime(spark, str(embedded_log.path), PostgresSink(ledger_dsn), checkpoint_dir=tmp_path / "ckpt")
+    yield runtime
+    runtime.close()
 
 
 def test_statement_lines_carry_the_holders_name_as_of_each_event(ledger_dsn: str, embedded_log: Any, rt: Any) -> None:

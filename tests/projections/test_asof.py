@@ -250,7 +250,7 @@ def test_event_stream_enriched_as_of_another_source_replay_equals_follow(art: An
     assert len(want) < len(written_events), "the test must hold some events back (table behind the events)"
     f = Follower(proj, rt, trigger="0.2s").start()
     try:
-        for rnd in range(5):
+        for rnd in range(3):
             if rnd % 2:  # the table catches up past the events (late table rows reach the log now)
                 write_round(len(tl_changes) // 4, len(tl_events) // 8)
             else:  # events run ahead of the table
@@ -351,8 +351,8 @@ def test_append_only_table_enriched_as_of_same_source_by_position(art: Any) -> N
     assert view() == want, _diff(view(), want)
     f = Follower(Payments, rt, trigger="0.2s").start()
     try:
-        for _ in range(3):
-            step(25)
+        for _ in range(2):
+            step(30)
             assert f.wait_for(lambda s: f.caught_up(), 120), "follower did not catch up within 120 s"
             assert view() == want, _diff(view(), want)
     finally:
