@@ -13,6 +13,7 @@ Python with ``replay(CustomerTotals, Runtime(...))`` / ``follow(...)``.
 
 from kappaflow.projections.api import (
     Aggregate,
+    AsOf,
     Avg,
     CollectList,
     CollectSet,
@@ -32,6 +33,7 @@ from kappaflow.projections.api import (
 
 __all__ = [
     "Aggregate",
+    "AsOf",
     "Avg",
     "CollectList",
     "CollectSet",

@@ -75,6 +75,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from kappaflow.errors import ConfigError
+from kappaflow.projections.joins.asof import AsOf, parse_as_of
 from kappaflow.projections.joins.spec import Lookup, parse_lookups
 from kappaflow.projections.sinks.registry import SINKS
 
@@ -314,6 +315,7 @@ class Projection:
     sink_options: ClassVar[Mapping[str, Mapping[str, Any]]] = {}
     consistency: ClassVar[str] = "transactions"
     lookups: ClassVar[Sequence[Lookup]] = ()
+    as_of: ClassVar[Sequence[AsOf]] = ()  # each event enriched with a table's row as it was then
     window: ClassVar[Window | None] = None
     on_schema_change: ClassVar[str | None] = None  # None: the fold kind's default
     auto_rebuild: ClassVar[bool] = False
@@ -409,6 +411,8 @@ class ProjectionSpec:
     consistency: str = field(default="transactions", compare=False)
     lookups: tuple[Lookup, ...] = ()
     """Many-to-one joins into other tables (``kappaflow.projections.joins``)."""
+    as_of: tuple[AsOf, ...] = ()
+    """Stream-table enrichment: a table's row as it was at each event (``joins/asof.py``)."""
     # what a follower does when a source table's schema changes (``schema_watch.py``): "evolve",
     # "rebuild" or "fail" (resolved: the fold's default when the class sets none), and whether it
     # rebuilds the view itself when one is needed. Not part of the fingerprint: they decide how the
@@ -424,7 +428,8 @@ class ProjectionSpec:
     def topics(self) -> list[str]:
         """Every topic the projection reads (its sources, then the tables its lookups read)."""
         out = [s.topic for s in self.sources]
-        return out + [t for t in dict.fromkeys(lk.topic for lk in self.lookups) if t not in out]
+        out += [t for t in dict.fromkeys(lk.topic for lk in self.lookups) if t not in out]
+        return out + [t for t in dict.fromkeys(a.topic for a in self.as_of) if t not in out]
 
     @property
     def source_topics(self) -> list[str]:
@@ -486,6 +491,8 @@ class ProjectionSpec:
             parts.append("sink_options=" + json.dumps(shape, sort_keys=True, default=repr))
         if self.lookups:  # only when set, so fingerprints of projections without lookups stay as they were
             parts.append("lookups=" + ";".join(lk.describe() for lk in self.lookups))
+        if self.as_of:  # only when set, as lookups
+            parts.append("as_of=" + ";".join(a.describe() for a in self.as_of))
         parts += strategy.code_fingerprint(self)  # last, as always: existing fingerprints stay the same
         return hashlib.sha256("\x1f".join(parts).encode()).hexdigest()[:32]
 
@@ -580,6 +587,8 @@ class ProjectionSpec:
             raise ConfigError(f"{where}: 'consistency': expected 'transactions' (the default) or 'per_key', "
                               f"got {consistency!r}")
         lookups = parse_lookups(where, attr("lookups"), [s.topic for s in sources])
+        as_of = parse_as_of(where, attr("as_of"), sources=sources, kind=fold.kind, sinks=sinks,
+                            consistency=consistency, lookups=lookups)
         policy, auto_rebuild = _schema_policy(where, attr("on_schema_change"), attr("auto_rebuild"), fold)
 
         module = getattr(klass, "__module__", None)
@@ -599,6 +608,7 @@ class ProjectionSpec:
             sink_options=sink_options,
             consistency=consistency,
             lookups=lookups,
+            as_of=as_of,
             on_schema_change=policy,
             auto_rebuild=auto_rebuild,
         )
@@ -746,6 +756,7 @@ __all__ = [
     "SCHEMA_POLICIES",
     "SINK_KINDS",
     "Aggregate",
+    "AsOf",
     "Avg",
     "CollectList",
     "CollectSet",

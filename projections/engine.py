@@ -35,6 +35,7 @@ from kappaflow.projections.api import ProjectionSpec
 from kappaflow.projections.deadletter import write_dead_letters
 from kappaflow.projections.folds import BuildJob, ReadCounter, strategy_for
 from kappaflow.projections.folds.base import collect_bad, read_metrics
+from kappaflow.projections.joins import asof_stage
 from kappaflow.projections.joins import plan as join_plan
 from kappaflow.projections.joins import stage as join_stage
 from kappaflow.projections.plan import Plan
@@ -52,7 +53,12 @@ def prepare(spec: ProjectionSpec, rt: Runtime) -> Plan:
     schemas = load_table_schemas(rt.reader(), [t for t in spec.change_topics if t in spec.source_topics], given)
     if spec.lookups:
         schemas.update(join_plan.lookup_schemas(spec, rt.reader(), schemas))
-    return Plan.build(rt.spark, spec, schemas)
+    if spec.as_of:
+        schemas.update(asof_stage.table_schemas(spec, rt.reader(), schemas))
+    plan = Plan.build(rt.spark, spec, schemas)
+    if spec.as_of:
+        plan.asof = asof_stage.AsOfPlan.build(spec, schemas)
+    return plan
 
 
 def flatten(offsets: Mapping[str, Mapping[int, int]]) -> dict[TopicPartition, int]:
@@ -177,7 +183,7 @@ def apply_batch(
     PostgreSQL sink's transaction (join state, view rows and positions commit together), or beside
     a search/Redis view, committed before its rows and positions are written."""
     sink = sink or rt.sink
-    with join_stage.transaction(plan.join, rt, sink, target):
+    with join_stage.transaction(plan.join, rt, sink, target), asof_stage.transaction(plan.asof, sink, target):
         return _apply_batch(plan, rt, target, raws, before, known_end, sink, deduped_input)
 
 

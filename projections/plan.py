@@ -64,6 +64,7 @@ class Plan:
     view: ViewSpec
     row_columns: tuple[str, ...] = ()  # source columns of the (common) row struct
     join: Any = None  # kappaflow.projections.joins.plan.JoinPlan of a projection with lookups
+    asof: Any = None  # kappaflow.projections.joins.asof_stage.AsOfPlan of a projection with as_of
     # What the fold strategy compiled for itself (grouped: the columns kept per source key; custom:
     # the view key's types): only that strategy reads it, so a new fold kind adds no field here.
     compiled: Any = None

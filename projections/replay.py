@@ -33,6 +33,7 @@ from typing import Any
 
 from kappaflow.projections.api import Projection, ProjectionSpec
 from kappaflow.projections.engine import ProjectionBusy, apply_range, build, flatten, prepare
+from kappaflow.projections.joins import asof_stage
 from kappaflow.projections.joins.stage import drop as join_drop
 from kappaflow.projections.joins.stage import swap as join_swap
 from kappaflow.projections.mirror import copy as copy_mirror
@@ -191,12 +192,17 @@ def rebuild(
         for name, shadow in shadows.items():
             try:
                 join_drop(plan.join, rt, sinks[name], shadow)
+                if plan.asof is not None:
+                    asof_stage.drop(plan.asof, sinks[name], shadow)
                 sinks[name].drop(shadow)
             except Exception:
                 pass
         raise
     for name, sink in sinks.items():
-        join_swap(plan.join, rt, sink, shadows[name])  # plain sink.swap without lookups
+        if plan.asof is not None:  # the view and its as-of state swap in one transaction
+            asof_stage.swap(plan.asof, sink, shadows[name])
+        else:
+            join_swap(plan.join, rt, sink, shadows[name])  # plain sink.swap without lookups
         live = sink.live(plan.view)
         out[name].rows = sink.count(live) if live is not None else 0
     if mirrors:

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from kappaflow.errors import ConfigError
 from kappaflow.projections.api import Projection, ProjectionSpec
 from kappaflow.projections.engine import apply_range, build, flatten, nest, prepare
+from kappaflow.projections.joins import asof_stage
 from kappaflow.projections.joins.stage import drop as join_drop
 from kappaflow.projections.mirror import copy as copy_mirror
 from kappaflow.projections.mirror import is_mirror, open_source
@@ -127,6 +128,8 @@ def verify(
         raise AssertionError("unreachable")
     finally:
         join_drop(plan.join, rt, sink_, scratch)
+        if plan.asof is not None:
+            asof_stage.drop(plan.asof, sink_, scratch)
         sink_.drop(scratch)
 
 

@@ -16,6 +16,12 @@ event to fold, in ledger order, never a row version.
   in ``ACTIVITY_SEARCH_FIELDS``). One replay folds the log once per sink and swaps both; each
   sink keeps its own positions, so a follow of one never waits for the other
   (``kappaflow replay ...:AccountActivity --sink postgres`` rebuilds one of them).
+- `AccountStatement` (view ``account_statement``): the statement lines again, each with the
+  account holder's name AS IT WAS when the money moved (as-of enrichment, ``AsOf``). The
+  holder's name is master data, not an event: it lives in the bank's customer (CRM) database,
+  table ``public.account_holders`` (``stream_id`` primary key, ``name``), captured by a
+  PostgreSQL source ``crm``. A rename changes later lines only; a replay a year later gives
+  every line the name it showed on the day.
 """
 
 from __future__ import annotations
@@ -24,10 +30,11 @@ import datetime as dt
 from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar
 
-from kappaflow.projections import Event, Projection, Source
+from kappaflow.projections import AsOf, Event, Projection, Source
 
 SOURCE = "bank"  # the ledger source name: the topic prefix
 ACCOUNT_TOPIC = f"{SOURCE}.account"
+HOLDERS_TOPIC = "crm.public.account_holders"  # the CRM database's holders table (PostgreSQL source "crm")
 
 # Search field mappings of the activity index (overrides of the mapping derived from the schema):
 # exact keywords for ids and names to filter on, the owner's name as full text plus keyword.
@@ -102,3 +109,30 @@ class AccountActivity(Projection):
             "recorded_at": dt.datetime.fromisoformat(e["recorded_at"]),
         }
 
+
+
+SIGNS = {"Deposited": 1, "TransferReceived": 1, "Withdrawn": -1, "TransferSent": -1}
+
+
+class AccountStatement(Projection):
+    """Statement lines with the holder's name as of each event (the CRM table's row at that moment).
+
+    The ledger and the CRM are two sources, so "at that moment" is by time: a rename committed
+    in the CRM strictly before the event's ``recorded_at`` counts; lines wait until the CRM's
+    capture has passed them (README "As-of enrichment")."""
+
+    name = "account_statement"
+    sources = [Source(ACCOUNT_TOPIC, events=True, key={"position": "position"})]
+    key = ["position"]
+    schema = ("position bigint, stream_id string, account string, event_type string, delta bigint, "
+              "holder_name string, recorded_at timestamp_ltz")
+    as_of = [AsOf("holder", HOLDERS_TOPIC, on={"stream_id": "stream_id"}, columns=["name"])]
+
+    def apply(self, row: dict[str, Any] | None, event: Event) -> dict[str, Any] | None:
+        e = event.after or {}
+        amount = int((e.get("data") or {}).get("amount", 0))
+        return {
+            "stream_id": e["stream_id"], "account": account_of(e["stream_id"]), "event_type": e["event_type"],
+            "delta": SIGNS.get(e["event_type"], 0) * amount, "holder_name": e["holder_name"],
+            "recorded_at": dt.datetime.fromisoformat(e["recorded_at"]),
+        }

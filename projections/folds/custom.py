@@ -36,6 +36,7 @@ from kappaflow.projections.api import CustomFold, Declaration, ProjectionSpec
 from kappaflow.projections.datasource import plan_ranges
 from kappaflow.projections.folds.base import BuildJob, Built, FoldedBatch, FoldStrategy, dead_rows, register
 from kappaflow.projections.folds.custom_folder import FoldJob, fold_arrow_schema, make_folder
+from kappaflow.projections.joins import asof_stage
 from kappaflow.projections.loader import LOAD_RESULT_DDL, make_loader
 from kappaflow.projections.plan import Plan
 from kappaflow.projections.schemas import converted_row, declared_struct, envelope_struct, key_struct, pos_order
@@ -126,8 +127,9 @@ class CustomStrategy(FoldStrategy):
         plan, rt, spec = job.plan, job.rt, job.plan.spec
         total = sum(job.spans)
         parallel = max(1, rt.spark.sparkContext.defaultParallelism)
-        in_place = fold_in_place(plan)
+        in_place = fold_in_place(plan) and plan.asof is None
         read_by_workers = None  # the direct fold reads the log itself: an accumulator counts its records
+        asof_dead: list[dict[str, object]] = []
         if in_place:
             # One Spark task per log partition reads and folds it directly (see custom_folder._run_direct).
             ranges = [(r.topic, r.partition, r.start, r.end) for r in plan_ranges({}, job.end, None)]
@@ -148,6 +150,8 @@ class CustomStrategy(FoldStrategy):
             split = max(20_000, -(-total // (parallel * 2))) if total else None
             raws = {t: job.counted(rt.raw(t, "earliest", job.end, split), t) for t in spec.topics}
             ev = custom_events(plan, raws)
+            if plan.asof is not None:  # each event with the tables' rows as they were then (joins/asof_stage.py)
+                ev = asof_stage.build_stage(plan.asof, job.sink, job.target, ev, raws, asof_dead)
             parts = int(rt.spark.conf.get("spark.sql.shuffle.partitions") or 4)
             folded = sorted_for_fold(plan, ev, parts).mapInArrow(
                 make_folder(fold_job(plan, job.version)), fold_output_type(plan)
@@ -155,7 +159,7 @@ class CustomStrategy(FoldStrategy):
         out = folded.mapInArrow(make_loader(job.sink.config(), job.target), LOAD_RESULT_DDL).collect()
         return Built(
             loaded=sum(r["_kf_loaded"] or 0 for r in out),
-            dead=dead_rows(out),
+            dead=dead_rows(out) + asof_dead,
             records_read=int(read_by_workers.value) if read_by_workers is not None else None,
         )
 
@@ -164,8 +168,11 @@ class CustomStrategy(FoldStrategy):
         deduped_input: bool | None,
     ) -> FoldedBatch:
         """Any non-None `deduped_input` means offset order per log partition, which allows folding in place."""
-        in_place = fold_in_place(plan) and deduped_input is not None
+        in_place = fold_in_place(plan) and deduped_input is not None and plan.asof is None
         ev = custom_events(plan, raws, in_place=in_place)
+        asof_dead: list[dict[str, object]] = []
+        if plan.asof is not None:
+            ev = asof_stage.follow_stage(plan.asof, rt.spark, sink, target, ev, raws, asof_dead)
         if in_place:
             folded = ev.mapInArrow(
                 make_folder(fold_job(plan, 0, sink, target, sorted_input=False)), fold_output_type(plan)
@@ -176,7 +183,7 @@ class CustomStrategy(FoldStrategy):
                 make_folder(fold_job(plan, 0, sink, target)), fold_output_type(plan)
             )
         out = folded.toArrow()
-        dead: list[dict[str, object]] = []
+        dead: list[dict[str, object]] = list(asof_dead)
         dl_mask = pc.is_valid(out.column("_kf_dl_reason"))
         if pc.any(dl_mask).as_py():
             d = out.filter(dl_mask)
@@ -223,6 +230,7 @@ def fold_job(
         sink=sink.config() if (sink is not None and target is not None) else None,
         target=target,
         sorted_input=sorted_input,
+        as_of=plan.asof.job_items() if plan.asof is not None else (),
     )
 
 

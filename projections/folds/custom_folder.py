@@ -41,6 +41,9 @@ class FoldJob:
     key_columns: dict[str, tuple[str, ...]] | None = None  # topic -> source column per view key
     event_topics: frozenset[str] = frozenset()  # topics whose values are domain events (no envelope)
     records_read: Any = None  # direct reads: a Spark accumulator of the log records read
+    # as-of enrichment (joins/asof_stage.py): (name, table topic, columns, output names) per AsOf; the
+    # events carry ``_kf_asof`` ({name: the table's after row as it was, or null}), merged into ``after``
+    as_of: tuple[tuple[str, str, tuple[str, ...], tuple[str, ...]], ...] = ()
 
 
 _MISSING = object()
@@ -93,6 +96,7 @@ class _Folder:
         self.out: list[dict[str, Any]] = []
         self.view_cols = job.view_columns
         self.follow = job.sink is not None
+        self._asof: str | None = None  # the current event's ``_kf_asof`` text (as-of enrichment)
 
     # -- decoding --------------------------------------------------------------------------
     def _event(
@@ -109,6 +113,8 @@ class _Folder:
         obj = orjson.loads(value)
         if type(obj) is not dict:
             raise ValueError(f"expected a JSON object, got {type(obj).__name__}")
+        if self.job.as_of and self._asof is not None:
+            self._enrich(topic, obj)
         if topic in self.job.event_topics:
             pos = obj.get("position")
             return Event(
@@ -143,6 +149,26 @@ class _Folder:
         src = obj.get("source") or {}
         return Event(topic, partition, offset, op, k, before, after, obj.get("ts_ms"), src.get("kf_pos"), src,
                      obj.get("kf_truncate") is True)
+
+    def _enrich(self, topic: str, obj: dict[str, Any]) -> None:
+        """Add each AsOf's columns (``prefix + column``; None without a row) to the event's ``after``:
+        the domain event object of an event topic, the new row of a change event (a delete has none)."""
+        rows = orjson.loads(self._asof or "{}")
+        if topic in self.job.event_topics:
+            target: Any = obj
+        else:
+            env = obj["payload"] if ("payload" in obj and "schema" in obj) else obj
+            target = env.get("after")
+            if type(target) is not dict:
+                return
+        extra: dict[str, Any] = {}
+        for name, table, columns, outs in self.job.as_of:
+            row = rows.get(name)
+            if type(row) is dict:
+                row = self.row_dec[table](row)
+            for c, o in zip(columns, outs, strict=True):
+                extra[o] = row.get(c) if type(row) is dict else None
+        target.update(extra)  # a change row's decoder converts its own columns only: these stay as they are
 
     def _key_dict(self, topic: str, key: bytes) -> Any:
         kobj = orjson.loads(key)
@@ -300,6 +326,7 @@ class _Folder:
         for b in source:
             topics, parts, offs, keys, values = self._columns(b)
             orders = b.column("_kf_order").to_pylist() if events and "_kf_order" in b.schema.names else None
+            asofs = b.column("_kf_asof").to_pylist() if "_kf_asof" in b.schema.names else None
             prev_pos: Any = None
             for i, k in enumerate(self._keys(b)):
                 if k != cur_key:
@@ -318,6 +345,8 @@ class _Folder:
                     if pos is not None and pos == prev_pos:
                         continue
                     prev_pos = pos
+                if asofs is not None:
+                    self._asof = asofs[i]
                 ok, new = self._apply_one(row, k, topics[i], parts[i], offs[i], keys[i], values[i])
                 if ok:
                     row = new

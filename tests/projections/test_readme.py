@@ -105,6 +105,7 @@ def test_the_projection_api_examples_equal_sql_on_the_captured_source(
     try:
         seed(dsn, customers=12, orders=80)
         first_status = {r["id"]: r["status"] for r in _rows(dsn, "SELECT id, status FROM public.orders")}
+        first_city = {r["id"]: r["city"] for r in _rows(dsn, "SELECT id, city FROM public.customers")}
         capture()  # the snapshot
         updates: dict[int, int] = {}
         with psycopg.connect(dsn) as conn:
@@ -201,6 +202,19 @@ def test_the_projection_api_examples_equal_sql_on_the_captured_source(
             FROM public.orders o JOIN public.products p ON p.id = o.product_id
             WHERE o.status <> 'cancelled' GROUP BY p.category ORDER BY 1""")
         assert len(revenue) >= 2
+
+        # as-of enrichment: an order keeps its customer's city as of its last change -- the snapshot's for
+        # orders not changed since (customers 2 and 5 lost their city later), the current one for orders
+        # changed after the cities were (same transaction, later statements)
+        cities = {r["id"]: r["city"] for r in _rows(dsn, "SELECT id, city FROM public.customers")}
+        changed = set(updates) | {81, 82}
+        assert view("order_cities", "id") == [
+            {"id": r["id"], "customer_id": r["customer_id"], "status": r["status"],
+             "customer_city": (cities if r["id"] in changed else first_city)[r["customer_id"]]}
+            for r in current
+        ]
+        assert any(first_city[r["customer_id"]] != cities[r["customer_id"]] and r["id"] not in changed
+                   for r in current), "some order must show a city its customer no longer has"
 
         # event time: hourly windows per customer = SQL's hours over the current rows (nothing is later
         # than the 7 days of allowed lateness here, so no change was refused)
