@@ -291,6 +291,29 @@ def table_changes(ap: AsOfPlan, tb: AsOfTable, raw: DataFrame) -> DataFrame:
     return out.where(F.col("k").isNotNull() & (F.col("op").isNull() | (F.col("op") != "t"))).drop("op")
 
 
+def _check_history(ap: AsOfPlan, tb: AsOfTable, raw: DataFrame) -> None:
+    """Refuse a replay over a table topic that lost versions: with records missing below a
+    partition's last offset (compaction, or retention that deleted the start), old events would be
+    enriched with later rows, so the rebuilt view would differ from the one the follower made --
+    silently. One aggregate per table (count and last offset per partition)."""
+    per = (
+        raw.groupBy("partition")
+        .agg(F.count(F.lit(1)).alias("n"), F.max("offset").alias("last"))
+        .toArrow()
+        .to_pylist()
+    )
+    gaps = sorted((r["partition"], r["last"] + 1 - r["n"], r["last"] + 1) for r in per if r["n"] < r["last"] + 1)
+    if gaps:
+        lost = ", ".join(f"partition {p}: {n} of {total}" for p, n, total in gaps[:4])
+        raise ConfigError(
+            f"projection {ap.projection!r}: an as_of lookup needs every version of table topic {tb.topic!r}, "
+            f"but records are missing from its history ({lost} records gone to compaction or retention); "
+            f"a replay would enrich old events with later rows and differ from the view the follower made. "
+            f"Give that topic cleanup.policy=delete and retention.ms=-1 before capture creates it (Kafka), "
+            f"replay before compaction runs, or use a Lookup (current rows) instead"
+        )
+
+
 def _asof_json(ap: AsOfPlan, rows: list[SparkColumn]) -> SparkColumn:
     """``{"<name>": <after row JSON or null>, ...}``: the same text follow builds in Python."""
     parts: list[SparkColumn] = []
@@ -598,6 +621,7 @@ def build_stage(
     g_row = ev.agg(F.max("_kf_pos").alias("p"), F.max("_kf_et").alias("t")).collect()[0]
     g_pos, g_time = _tuple(g_row["p"]), (int(g_row["t"]) if g_row["t"] is not None else None)
     for tb in ap.tables:
+        _check_history(ap, tb, raws[tb.topic])
         tc = table_changes(ap, tb, raws[tb.topic])
         bad = tc.where(F.col("bad")).select("topic", "partition", "offset", "key").collect()
         dead += _dead(tb, [r.asDict() for r in bad])
