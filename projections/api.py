@@ -75,7 +75,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from kappaflow.errors import ConfigError
-from kappaflow.projections.joins.spec import Lookup, parse_lookups
+from kappaflow.projections.joins.spec import Lookup, Nested, parse_lookups, parse_nested
 from kappaflow.projections.sinks.registry import SINKS
 
 NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,62}$")
@@ -314,6 +314,7 @@ class Projection:
     sink_options: ClassVar[Mapping[str, Mapping[str, Any]]] = {}
     consistency: ClassVar[str] = "transactions"
     lookups: ClassVar[Sequence[Lookup]] = ()
+    nested: ClassVar[Sequence[Nested]] = ()
     window: ClassVar[Window | None] = None
     on_schema_change: ClassVar[str | None] = None  # None: the fold kind's default
     auto_rebuild: ClassVar[bool] = False
@@ -409,6 +410,8 @@ class ProjectionSpec:
     consistency: str = field(default="transactions", compare=False)
     lookups: tuple[Lookup, ...] = ()
     """Many-to-one joins into other tables (``kappaflow.projections.joins``)."""
+    nested: tuple[Nested, ...] = ()
+    """One-to-many collections: the child rows of each driving row as a list column (``joins``)."""
     # what a follower does when a source table's schema changes (``schema_watch.py``): "evolve",
     # "rebuild" or "fail" (resolved: the fold's default when the class sets none), and whether it
     # rebuilds the view itself when one is needed. Not part of the fingerprint: they decide how the
@@ -417,18 +420,33 @@ class ProjectionSpec:
     auto_rebuild: bool = field(default=False, compare=False)
 
     def view_options(self) -> dict[str, Any]:
-        """``ViewSpec.options`` for the sinks: ``{"search": {...}, "redis": {...}}`` (validated names)."""
-        return {k: dict(v) for k, v in self.sink_options.items() if v}
+        """``ViewSpec.options`` for the sinks: ``{"search": {...}, "redis": {...}}`` (validated names).
+        A nested collection is mapped as a search ``nested`` field unless ``fields`` says otherwise."""
+        out = {k: dict(v) for k, v in self.sink_options.items() if v}
+        if self.nested and "search" in self.sinks:
+            search = out.setdefault("search", {})
+            fields = dict(search.get("fields") or {})
+            for nc in self.nested:
+                fields.setdefault(nc.name, "nested")
+            search["fields"] = fields
+        return out
+
+    @property
+    def joined(self) -> bool:
+        """The view combines tables (lookups or nested collections): it runs through the join stage."""
+        return bool(self.lookups or self.nested)
 
     @property
     def topics(self) -> list[str]:
-        """Every topic the projection reads (its sources, then the tables its lookups read)."""
+        """Every topic the projection reads (its sources, then the tables its lookups and nested
+        collections read)."""
         out = [s.topic for s in self.sources]
-        return out + [t for t in dict.fromkeys(lk.topic for lk in self.lookups) if t not in out]
+        joined = [*(lk.topic for lk in self.lookups), *(nc.topic for nc in self.nested)]
+        return out + [t for t in dict.fromkeys(joined) if t not in out]
 
     @property
     def source_topics(self) -> list[str]:
-        """The topics whose rows or events the fold is driven by (``sources``; not lookup tables)."""
+        """The topics whose rows or events the fold is driven by (``sources``; not joined tables)."""
         return [s.topic for s in self.sources]
 
     @property
@@ -486,6 +504,8 @@ class ProjectionSpec:
             parts.append("sink_options=" + json.dumps(shape, sort_keys=True, default=repr))
         if self.lookups:  # only when set, so fingerprints of projections without lookups stay as they were
             parts.append("lookups=" + ";".join(lk.describe() for lk in self.lookups))
+        if self.nested:  # likewise
+            parts.append("nested=" + ";".join(nc.describe() for nc in self.nested))
         parts += strategy.code_fingerprint(self)  # last, as always: existing fingerprints stay the same
         return hashlib.sha256("\x1f".join(parts).encode()).hexdigest()[:32]
 
@@ -580,6 +600,7 @@ class ProjectionSpec:
             raise ConfigError(f"{where}: 'consistency': expected 'transactions' (the default) or 'per_key', "
                               f"got {consistency!r}")
         lookups = parse_lookups(where, attr("lookups"), [s.topic for s in sources])
+        nested = parse_nested(where, attr("nested"), [s.topic for s in sources])
         policy, auto_rebuild = _schema_policy(where, attr("on_schema_change"), attr("auto_rebuild"), fold)
 
         module = getattr(klass, "__module__", None)
@@ -599,6 +620,7 @@ class ProjectionSpec:
             sink_options=sink_options,
             consistency=consistency,
             lookups=lookups,
+            nested=nested,
             on_schema_change=policy,
             auto_rebuild=auto_rebuild,
         )
@@ -608,6 +630,20 @@ class ProjectionSpec:
                 raise ConfigError(
                     f"{where}: 'lookups': lookups feed the folds over current rows (latest-row and grouped "
                     f"views); a {spec.kind} fold over joined rows is not supported yet"
+                )
+        if nested:
+            if not spec.strategy.holds_nested:
+                raise ConfigError(
+                    f"{where}: 'nested': a nested collection belongs to one document per driving row (a latest-row "
+                    f"view); it cannot be combined with a {spec.kind} fold"
+                    + (" ('aggregates')" if spec.kind == "grouped" else "")
+                )
+            flat = [s for s in sinks if not SINKS[s].holds_nested]
+            if flat:
+                raise ConfigError(
+                    f"{where}: 'nested': sink(s) {flat} cannot hold a nested collection (a list of rows in a view "
+                    f"column); write the view to a document store: "
+                    f"{[k for k, kind in SINKS.items() if kind.holds_nested]}"
                 )
         return spec
 
@@ -760,6 +796,7 @@ __all__ = [
     "Lookup",
     "Max",
     "Min",
+    "Nested",
     "Projection",
     "ProjectionSpec",
     "Source",
