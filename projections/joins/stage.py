@@ -403,11 +403,11 @@ def build_stage(
         df = df.select("*", jp.key_text(jp.driving, F.col("_kf_key")).alias("_kf_dk"))
     for np_ in jp.nested:
         j = np_.index
-        kids = (
+        by_parent = (
             tables[np_.topic_index].where(F.col(f"nfk{j}").isNotNull())
             .groupBy(F.col(f"nfk{j}").alias(f"_kf_nk{j}")).agg(F.collect_list("row").alias(f"_kf_nr{j}"))
         )
-        df = df.join(kids, df["_kf_dk"] == kids[f"_kf_nk{j}"], "left")
+        df = df.join(by_parent, df["_kf_dk"] == by_parent[f"_kf_nk{j}"], "left")
     return jp.assemble(
         df,
         F.col("_kf_row"),
