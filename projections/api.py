@@ -426,8 +426,10 @@ class ProjectionSpec:
         if self.nested and "search" in self.sinks:
             search = out.setdefault("search", {})
             fields = dict(search.get("fields") or {})
+            shown = getattr(self.fold, "columns", None)  # a latest-row view's `columns` (None: every column)
             for nc in self.nested:
-                fields.setdefault(nc.name, "nested")
+                if shown is None or nc.name in shown:
+                    fields.setdefault(nc.name, "nested")
             search["fields"] = fields
         return out
 
