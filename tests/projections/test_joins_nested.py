@@ -5,7 +5,9 @@
   parent inserts, updates and deletes (children arriving before their parent too), folded by the
   follow code path (``engine.apply_range``, what each follower micro-batch runs), equal a
   plain-Python reference (``ref_customers``, written from the README's "Nested collections") after
-  every batch and a fresh replay at the end;
+  every batch and a fresh replay at the end; beside it, product documents (Redis) with a lookup
+  (the category's name, renamed: fan-out) and the product's orders nested (late products, products
+  deleted, orders moved between products);
 * a crash between the join state's commit and the store's write, with children moved away from a
   parent and deleted, converges when the batch is read again;
 * bad definitions fail at load time with a ConfigError naming the projection and the attribute.
@@ -21,7 +23,7 @@ from typing import Any
 import pytest
 
 from kappaflow.errors import ConfigError, SinkError
-from kappaflow.projections import Count, Nested, Projection
+from kappaflow.projections import Count, Lookup, Nested, Projection
 from kappaflow.projections.engine import prepare
 from kappaflow.projections.replay import as_spec, replay
 from kappaflow.projections.sinks.redis import RedisSink
@@ -55,6 +57,42 @@ def customer_docs(source: str, sinks: tuple[str, ...] = DOC_SINKS) -> type[Proje
     )
 
 
+def product_docs(source: str) -> type[Projection]:
+    """Products with their category's name (a lookup) and their orders nested (default order: the
+    order's key; every column; an int32 foreign key into an int64 key), in Redis."""
+    t = f"{source}.public."
+    return type(
+        "ProductDocs",
+        (Projection,),
+        {
+            "name": "jp_" + uuid.uuid4().hex[:8],
+            "sources": [t + "products"],
+            "key": ["id"],
+            "columns": list(PRODUCT_COLS),
+            "sinks": ("redis",),
+            "lookups": [Lookup("category", t + "categories", on={"category_id": "id"}, columns=["name"])],
+            "nested": [Nested("orders", t + "orders", on={"id": "product_id"})],
+        },
+    )
+
+
+PRODUCT_COLS = ("id", "title", "category_name", "orders")
+
+
+def ref_products(rows: dict[str, dict[tuple[Any, ...], dict[str, Any]]]) -> dict[Any, Any]:
+    out = {}
+    for (pid,), p in rows["products"].items():
+        cat = rows["categories"].get((p["category_id"],)) if p["category_id"] is not None else None
+        kids = sorted((o for o in rows["orders"].values() if o["product_id"] == pid), key=lambda o: o["id"])
+        out[(pid,)] = {
+            "id": pid,
+            "title": p["title"],
+            "category_name": cat["name"] if cat else None,
+            "orders": [dict(o) for o in kids],
+        }
+    return out
+
+
 def _status_key(o: dict[str, Any]) -> tuple[Any, ...]:
     """Ascending by status, NULLs first, then by the order's key (the README's order)."""
     return (o["status"] is not None, o["status"] or "", o["id"])
@@ -83,12 +121,16 @@ def _seed(shop: Shop) -> None:
             {
                 "id": o,
                 "customer_id": 1 + o % 3,
-                "product_id": o,
+                "product_id": 1 + o % 4,  # product 4 comes later
                 "amount": Decimal(o * 10) / 4,
                 "status": "new" if o % 2 else None,
             }
         )
     w["orders"].insert({"id": 9, "customer_id": 6, "product_id": 1, "amount": None, "status": "paid"})  # late parent
+    for g in (1, 2):
+        w["categories"].insert({"id": g, "name": f"cat{g}"})
+    for p in (1, 2, 3):
+        w["products"].insert({"id": p, "title": f"prod{p}", "category_id": 1 + p % 2, "added": None})
     shop.flush()
 
 
@@ -119,7 +161,7 @@ def _random_batch(shop: Shop, rnd: random.Random, step: int) -> str:
                     {
                         "id": i,
                         "customer_id": cust,
-                        "product_id": step,
+                        "product_id": rnd.choice([1, 2, 3, 4, None]),
                         "amount": Decimal(rnd.randint(1, 9999)) / 100,
                         "status": rnd.choice(["new", "paid", None]),
                     }
@@ -130,6 +172,7 @@ def _random_batch(shop: Shop, rnd: random.Random, step: int) -> str:
                     rnd.choice(
                         [
                             {"customer_id": cust},
+                            {"product_id": rnd.choice([1, 2, 3, 4, None])},
                             {"status": rnd.choice(["paid", "sent"])},
                             {"amount": Decimal(rnd.randint(1, 999)) / 10},
                         ]
@@ -148,13 +191,15 @@ def test_nested_collections_follow_equals_reference_and_fresh_replay(drt: Any) -
     source = "n" + uuid.uuid4().hex[:7]
     shop = Shop(log, source)
     _seed(shop)
-    docs = customer_docs(source)
+    docs, products = customer_docs(source), product_docs(source)
     replay(docs, rt)
-    plan = prepare(as_spec(docs), rt)
+    replay(products, rt)
+    plan, pplan = prepare(as_spec(docs), rt), prepare(as_spec(products), rt)
     want = _want(ref_customers(shop.rows), CUSTOMER_COLS)
     for s in DOC_SINKS:
         got = _view(rt, docs, CUSTOMER_COLS, s)
         assert got == want, f"{s} after the replay: {_diff(got, want)}"
+    assert _view(rt, products, PRODUCT_COLS, "redis") == _want(ref_products(shop.rows), PRODUCT_COLS)
     mapping = rt.sinks["search"].mapping(plan.view)  # type: ignore[attr-defined]
     assert mapping["properties"]["orders"]["type"] == "nested", mapping
     w = shop.w
@@ -167,6 +212,11 @@ def test_nested_collections_follow_equals_reference_and_fresh_replay(drt: Any) -
             w["customers"].insert({"id": 2, "name": "back", "city": "Rome"}),  # back, with its children
             w["orders"].update((5,), {"customer_id": None}),
         ),  # to no parent
+        lambda: (
+            w["categories"].update((1,), {"name": "renamed"}),  # lookup fan-out beside the nested lists
+            w["products"].insert({"id": 4, "title": "late", "category_id": 2, "added": None}),  # a late parent
+            w["products"].delete((2,)),
+        ),
     ]
     rnd = random.Random(1130)
     history: list[str] = []
@@ -179,14 +229,20 @@ def test_nested_collections_follow_equals_reference_and_fresh_replay(drt: Any) -
             history += [_random_batch(shop, rnd, 10 * step + i) for i in range(3)]
         for s in DOC_SINKS:
             _follow_to_end(rt, plan, rt.sinks[s])
+        _follow_to_end(rt, pplan, rt.sinks["redis"])
         want = _want(ref_customers(shop.rows), CUSTOMER_COLS)
         for s in DOC_SINKS:
             got = _view(rt, docs, CUSTOMER_COLS, s)
             assert got == want, f"{s} after {history}: {_diff(got, want)}"
+        got, want = _view(rt, products, PRODUCT_COLS, "redis"), _want(ref_products(shop.rows), PRODUCT_COLS)
+        assert got == want, f"products after {history}: {_diff(got, want)}"
     followed = {s: _view(rt, docs, CUSTOMER_COLS, s) for s in DOC_SINKS}
+    followed_products = _view(rt, products, PRODUCT_COLS, "redis")
     replay(docs, rt)
+    replay(products, rt)
     for s, rows in followed.items():
         assert _view(rt, docs, CUSTOMER_COLS, s) == rows, f"{s}: a fresh replay differs from the followed view"
+    assert _view(rt, products, PRODUCT_COLS, "redis") == followed_products
 
 
 @pytest.mark.timeout(600)
