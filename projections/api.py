@@ -289,6 +289,9 @@ class Projection:
     ``apply`` (custom fold), ``sinks`` (where the view lives: any of "postgres", "search",
     "redis"; default postgres only), ``sink_options`` (per-sink view options, e.g.
     ``{"search": {"fields": {"name": "text"}}, "redis": {"ttl_s": 3600, "format": "hash"}}``),
+    ``lookups`` (``Lookup``: many-to-one joins into other captured tables), ``nested`` (``Nested``:
+    the child rows of each driving row as a list column, for search and Redis views; see
+    ``kappaflow.projections.joins``),
     ``consistency`` (``"transactions"``, the default: follow micro-batches and replays end at a
     consistent cut of each source, so the view never shows part of a source transaction;
     ``"per_key"``: read to the log's end for the lowest latency, order per key only),

@@ -275,14 +275,15 @@ def home_for(jp: JoinPlan, rt: Any, sink: Any, view: ViewSpec) -> StateHome:
     if sink.builds(view) is None:
         raise ConfigError(
             f"projection {jp.projection!r}: the {sink.kind} sink has neither a transaction shared with the views "
-            "database nor builds to key join state by; a projection with lookups cannot be folded into it"
+            "database nor builds to key join state by; a projection with lookups or nested collections cannot be "
+            "folded into it"
         )
     dsn = getattr(rt, "dsn", None)
     if not dsn:
         raise ConfigError(
-            f"projection {jp.projection!r}: a projection with lookups keeps its join state in the PostgreSQL views "
-            f"database, also for its {sink.kind} view: set views.postgres.dsn (kappaflow.toml [views.postgres] or "
-            "KAPPAFLOW_VIEWS__POSTGRES__DSN)"
+            f"projection {jp.projection!r}: a projection with lookups or nested collections keeps its join state in "
+            f"the PostgreSQL views database, also for its {sink.kind} view: set views.postgres.dsn "
+            "(kappaflow.toml [views.postgres] or KAPPAFLOW_VIEWS__POSTGRES__DSN)"
         )
     return BesideBuilds(jp, sink, dsn)
 
