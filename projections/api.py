@@ -426,13 +426,13 @@ class ProjectionSpec:
         """``ViewSpec.options`` for the sinks: ``{"search": {...}, "redis": {...}}`` (validated names).
         A nested collection is mapped as a search ``nested`` field unless ``fields`` says otherwise."""
         out = {k: dict(v) for k, v in self.sink_options.items() if v}
-        if self.nested and "search" in self.sinks:
+        shown = getattr(self.fold, "columns", None)  # a latest-row view's `columns` (None: every column)
+        nested = [nc.name for nc in self.nested if shown is None or nc.name in shown]
+        if nested and "search" in self.sinks:
             search = out.setdefault("search", {})
             fields = dict(search.get("fields") or {})
-            shown = getattr(self.fold, "columns", None)  # a latest-row view's `columns` (None: every column)
-            for nc in self.nested:
-                if shown is None or nc.name in shown:
-                    fields.setdefault(nc.name, "nested")
+            for name in nested:
+                fields.setdefault(name, "nested")
             search["fields"] = fields
         return out
 

@@ -326,3 +326,36 @@ def test_bad_nested_collections_fail_at_load_time_naming_projection_and_attribut
     assert "'nested'['name']" in msg and "clashes" in msg
     msg = error(nested=[Nested("orders", t + "customers", on={"id": "id"})])
     assert "'nested'['orders'].topic" in msg and "driving table" in msg
+
+
+def test_search_mapping_of_a_nested_collection_and_its_view_options() -> None:
+    from pyspark.sql.types import ArrayType, DecimalType, LongType, StringType, StructField, StructType
+
+    from kappaflow.projections.sinks.base import ViewColumn, ViewSpec
+    from kappaflow.projections.sinks.search import derive_mapping
+
+    element = StructType(
+        [StructField("id", LongType()), StructField("amount", DecimalType(12, 2)), StructField("status", StringType())]
+    )
+    view = ViewSpec("v", "v", ("id",), (ViewColumn("id", LongType(), False), ViewColumn("orders", ArrayType(element))))
+    props = derive_mapping(view, overrides={"orders": "nested", "orders.status": "keyword"})["properties"]
+    assert props["orders"] == {
+        "type": "nested",
+        "properties": {
+            "id": {"type": "long"},
+            "amount": {"type": "scaled_float", "scaling_factor": 100},
+            "status": {"type": "keyword"},
+        },
+    }
+    assert "type" not in derive_mapping(view)["properties"]["orders"]  # without it: plain objects, as before
+    with pytest.raises(ConfigError, match="'nested' needs a list of rows"):
+        derive_mapping(view, overrides={"id": "nested"})
+
+    docs = customer_docs("x")
+    assert as_spec(docs).view_options()["search"]["fields"] == {"orders": "nested"}
+    hidden = type("Hidden", (docs,), {"columns": ["id", "name"]})  # the collection is not shown: no field
+    assert "search" not in as_spec(hidden).view_options()
+    own = type("Own", (docs,), {"sink_options": {"search": {"fields": {"orders": {"type": "object"}}}}})
+    assert as_spec(own).view_options()["search"]["fields"] == {"orders": {"type": "object"}}
+    other = type("Other", (docs,), {"nested": [Nested("orders", "x.public.orders", on={"id": "customer_id"})]})
+    assert as_spec(other).fingerprint() != as_spec(docs).fingerprint()
