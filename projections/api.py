@@ -76,7 +76,7 @@ from typing import Any, ClassVar
 
 from kappaflow.errors import ConfigError
 from kappaflow.projections.joins.asof import AsOf, parse_as_of
-from kappaflow.projections.joins.spec import Lookup, parse_lookups
+from kappaflow.projections.joins.spec import Lookup, Nested, parse_lookups, parse_nested
 from kappaflow.projections.sinks.registry import SINKS
 
 NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,62}$")
@@ -290,6 +290,9 @@ class Projection:
     ``apply`` (custom fold), ``sinks`` (where the view lives: any of "postgres", "search",
     "redis"; default postgres only), ``sink_options`` (per-sink view options, e.g.
     ``{"search": {"fields": {"name": "text"}}, "redis": {"ttl_s": 3600, "format": "hash"}}``),
+    ``lookups`` (``Lookup``: many-to-one joins into other captured tables), ``nested`` (``Nested``:
+    the child rows of each driving row as a list column, for search and Redis views; see
+    ``kappaflow.projections.joins``),
     ``consistency`` (``"transactions"``, the default: follow micro-batches and replays end at a
     consistent cut of each source, so the view never shows part of a source transaction;
     ``"per_key"``: read to the log's end for the lowest latency, order per key only),
@@ -316,6 +319,7 @@ class Projection:
     consistency: ClassVar[str] = "transactions"
     lookups: ClassVar[Sequence[Lookup]] = ()
     as_of: ClassVar[Sequence[AsOf]] = ()  # each event enriched with a table's row as it was then
+    nested: ClassVar[Sequence[Nested]] = ()
     window: ClassVar[Window | None] = None
     on_schema_change: ClassVar[str | None] = None  # None: the fold kind's default
     auto_rebuild: ClassVar[bool] = False
@@ -413,6 +417,8 @@ class ProjectionSpec:
     """Many-to-one joins into other tables (``kappaflow.projections.joins``)."""
     as_of: tuple[AsOf, ...] = ()
     """Stream-table enrichment: a table's row as it was at each event (``joins/asof.py``)."""
+    nested: tuple[Nested, ...] = ()
+    """One-to-many collections: the child rows of each driving row as a list column (``joins``)."""
     # what a follower does when a source table's schema changes (``schema_watch.py``): "evolve",
     # "rebuild" or "fail" (resolved: the fold's default when the class sets none), and whether it
     # rebuilds the view itself when one is needed. Not part of the fingerprint: they decide how the
@@ -421,19 +427,35 @@ class ProjectionSpec:
     auto_rebuild: bool = field(default=False, compare=False)
 
     def view_options(self) -> dict[str, Any]:
-        """``ViewSpec.options`` for the sinks: ``{"search": {...}, "redis": {...}}`` (validated names)."""
-        return {k: dict(v) for k, v in self.sink_options.items() if v}
+        """``ViewSpec.options`` for the sinks: ``{"search": {...}, "redis": {...}}`` (validated names).
+        A nested collection is mapped as a search ``nested`` field unless ``fields`` says otherwise."""
+        out = {k: dict(v) for k, v in self.sink_options.items() if v}
+        shown = getattr(self.fold, "columns", None)  # a latest-row view's `columns` (None: every column)
+        nested = [nc.name for nc in self.nested if shown is None or nc.name in shown]
+        if nested and "search" in self.sinks:
+            search = out.setdefault("search", {})
+            fields = dict(search.get("fields") or {})
+            for name in nested:
+                fields.setdefault(name, "nested")
+            search["fields"] = fields
+        return out
+
+    @property
+    def joined(self) -> bool:
+        """The view combines tables (lookups or nested collections): it runs through the join stage."""
+        return bool(self.lookups or self.nested)
 
     @property
     def topics(self) -> list[str]:
-        """Every topic the projection reads (its sources, then the tables its lookups read)."""
+        """Every topic the projection reads (its sources, then the tables its lookups and nested
+        collections read)."""
         out = [s.topic for s in self.sources]
-        out += [t for t in dict.fromkeys(lk.topic for lk in self.lookups) if t not in out]
-        return out + [t for t in dict.fromkeys(a.topic for a in self.as_of) if t not in out]
+        joined = [*(lk.topic for lk in self.lookups), *(nc.topic for nc in self.nested), *(a.topic for a in self.as_of)]
+        return out + [t for t in dict.fromkeys(joined) if t not in out]
 
     @property
     def source_topics(self) -> list[str]:
-        """The topics whose rows or events the fold is driven by (``sources``; not lookup tables)."""
+        """The topics whose rows or events the fold is driven by (``sources``; not joined tables)."""
         return [s.topic for s in self.sources]
 
     @property
@@ -493,6 +515,8 @@ class ProjectionSpec:
             parts.append("lookups=" + ";".join(lk.describe() for lk in self.lookups))
         if self.as_of:  # only when set, as lookups
             parts.append("as_of=" + ";".join(a.describe() for a in self.as_of))
+        if self.nested:  # likewise
+            parts.append("nested=" + ";".join(nc.describe() for nc in self.nested))
         parts += strategy.code_fingerprint(self)  # last, as always: existing fingerprints stay the same
         return hashlib.sha256("\x1f".join(parts).encode()).hexdigest()[:32]
 
@@ -589,6 +613,7 @@ class ProjectionSpec:
         lookups = parse_lookups(where, attr("lookups"), [s.topic for s in sources])
         as_of = parse_as_of(where, attr("as_of"), sources=sources, kind=fold.kind, sinks=sinks,
                             consistency=consistency, lookups=lookups)
+        nested = parse_nested(where, attr("nested"), [s.topic for s in sources])
         policy, auto_rebuild = _schema_policy(where, attr("on_schema_change"), attr("auto_rebuild"), fold)
 
         module = getattr(klass, "__module__", None)
@@ -609,6 +634,7 @@ class ProjectionSpec:
             consistency=consistency,
             lookups=lookups,
             as_of=as_of,
+            nested=nested,
             on_schema_change=policy,
             auto_rebuild=auto_rebuild,
         )
@@ -618,6 +644,20 @@ class ProjectionSpec:
                 raise ConfigError(
                     f"{where}: 'lookups': lookups feed the folds over current rows (latest-row and grouped "
                     f"views); a {spec.kind} fold over joined rows is not supported yet"
+                )
+        if nested:
+            if not spec.strategy.holds_nested:
+                raise ConfigError(
+                    f"{where}: 'nested': a nested collection belongs to one document per driving row (a latest-row "
+                    f"view); it cannot be combined with a {spec.kind} fold"
+                    + (" ('aggregates')" if spec.kind == "grouped" else "")
+                )
+            flat = [s for s in sinks if not SINKS[s].holds_nested]
+            if flat:
+                raise ConfigError(
+                    f"{where}: 'nested': sink(s) {flat} cannot hold a nested collection (a list of rows in a view "
+                    f"column); write the view to a document store: "
+                    f"{[k for k, kind in SINKS.items() if kind.holds_nested]}"
                 )
         return spec
 
@@ -771,6 +811,7 @@ __all__ = [
     "Lookup",
     "Max",
     "Min",
+    "Nested",
     "Projection",
     "ProjectionSpec",
     "Source",

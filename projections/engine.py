@@ -51,7 +51,7 @@ def prepare(spec: ProjectionSpec, rt: Runtime) -> Plan:
     """Load the source schemas and compile the projection."""
     given = {s.topic: s.schema for s in spec.sources if s.schema is not None}
     schemas = load_table_schemas(rt.reader(), [t for t in spec.change_topics if t in spec.source_topics], given)
-    if spec.lookups:
+    if spec.joined:
         schemas.update(join_plan.lookup_schemas(spec, rt.reader(), schemas))
     if spec.as_of:
         schemas.update(asof_stage.table_schemas(spec, rt.reader(), schemas))

@@ -299,7 +299,7 @@ class Follower:
         needing a rebuild and raise."""
         spec, rt = self.spec, self.rt
         same = self._same_definition()
-        if same and spec.on_schema_change == "evolve" and strategy_for(spec).evolves_in_place and not spec.lookups:
+        if same and spec.on_schema_change == "evolve" and strategy_for(spec).evolves_in_place and not spec.joined:
             try:
                 target = self.sink.evolve(self.plan.view)
                 _record(rt, self.plan, new_generation=False, replayed=False)

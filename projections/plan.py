@@ -63,7 +63,7 @@ class Plan:
     schemas: dict[str, TableSchema]
     view: ViewSpec
     row_columns: tuple[str, ...] = ()  # source columns of the (common) row struct
-    join: Any = None  # kappaflow.projections.joins.plan.JoinPlan of a projection with lookups
+    join: Any = None  # kappaflow.projections.joins.plan.JoinPlan of a joined projection (lookups, nested)
     asof: Any = None  # kappaflow.projections.joins.asof_stage.AsOfPlan of a projection with as_of
     # What the fold strategy compiled for itself (grouped: the columns kept per source key; custom:
     # the view key's types): only that strategy reads it, so a new fold kind adds no field here.

@@ -234,8 +234,8 @@ def assess(plan: Plan, spark: Any, schemas: dict[str, TableSchema]) -> SchemaCha
     change = f"{what}: the view would {_view_text(plan.view, evo)}"
     if policy == "rebuild":
         return SchemaChange(tables, "rebuild", change + " (on_schema_change = 'rebuild')", again, evo)
-    if spec.lookups:
-        return SchemaChange(tables, "rebuild", change + " (a view with lookups is rebuilt, not evolved in place)",
+    if spec.joined:
+        return SchemaChange(tables, "rebuild", change + " (a joined view is rebuilt, not evolved in place)",
                             again, evo)
     return SchemaChange(tables, "evolve", change, again, evo)
 

@@ -4,7 +4,8 @@
   retraction-aware), ``Customers`` (latest row per customer), ``CustomerActivity`` (a
   custom Python fold); ``ProductSearch``, ``OrderSearch`` and ``OrderDocuments`` (search
   indexes; the last joins orders with customers and products), ``CategoryRevenue`` (revenue per
-  product category over a join), ``CustomerCache`` (Redis);
+  product category over a join), ``CustomerCache`` and ``CustomerDocuments`` (Redis; the latter
+  a customer with the list of its orders);
 - ``demo``: ``run_demo()`` runs the whole flow: a PostgreSQL (a private one when none is
   configured), the shop tables with data, ``source add``, ``capture --until-caught-up``,
   ``replay``, and prints the view.
@@ -16,6 +17,7 @@ from examples.shop.projections import (
     CategoryRevenue,
     CustomerActivity,
     CustomerCache,
+    CustomerDocuments,
     Customers,
     CustomerTotals,
     OrderDocuments,
@@ -27,6 +29,7 @@ __all__ = [
     "CategoryRevenue",
     "CustomerActivity",
     "CustomerCache",
+    "CustomerDocuments",
     "CustomerTotals",
     "Customers",
     "OrderDocuments",

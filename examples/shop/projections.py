@@ -13,6 +13,9 @@ Redis caches of the same tables, each declaring its sink (``sinks``) and that si
 - ``CategoryRevenue`` (PostgreSQL view ``category_revenue``): orders and revenue per product
   category, grouped over orders joined with products (an order whose product moves category
   moves its revenue);
+- ``CustomerDocuments`` (Redis view ``customer_documents``, one JSON document per customer): the
+  customer with the list of its orders (a nested collection), oldest first; an order added, changed,
+  moved to another customer or deleted rewrites the documents it enters and leaves;
 - ``CustomerCache`` (Redis view ``customer_cache``, one hash per customer): what a service
   reads with ``kappaflow.projections.sinks.redis.get(client, "customer_cache", 42)``;
 - ``CustomerTotalsCache`` (PostgreSQL view and Redis hashes ``customer_totals_cache``): the
@@ -30,7 +33,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar
 
-from kappaflow.projections import Count, Event, Lookup, Max, Projection, Sum
+from kappaflow.projections import Count, Event, Lookup, Max, Nested, Projection, Sum
 
 
 class CustomerTotals(Projection):
@@ -152,6 +155,22 @@ class CategoryRevenue(Projection):
 
 
 # --- Redis caches ---------------------------------------------------------------------------------
+class CustomerDocuments(Projection):
+    """Every customer as one JSON document with the list of its current orders (a nested collection,
+    oldest first), what a service shows on a customer page with one read. The join state (customers
+    and orders, current rows) lives in the PostgreSQL views database, one per key namespace build."""
+
+    name = "customer_documents"
+    sources = ["shop.public.customers"]
+    key = ["id"]
+    columns = ["id", "name", "email", "city", "orders"]
+    nested: ClassVar[Sequence[Nested]] = [
+        Nested("orders", "shop.public.orders", on={"id": "customer_id"},
+               columns=["id", "product_id", "amount", "status", "created_at"], order_by=["created_at"]),
+    ]
+    sinks: ClassVar[Sequence[str]] = ("redis",)  # JSON documents (the Redis sink's default format)
+
+
 class CustomerCache(Projection):
     """The current row of every customer as a Redis hash (readable with HGETALL by any client).
 

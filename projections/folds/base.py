@@ -148,6 +148,10 @@ class FoldStrategy(abc.ABC):
     """Only the latest record of each log key matters (declarative folds): the log is read with
     ``latestPerKey``, so a batch or a replay never carries superseded records."""
 
+    holds_nested: ClassVar[bool] = False
+    """One view row per driving row, so a nested collection (``Projection.nested``: the child rows of
+    that row as a list column) can be attached to it (latest-row views)."""
+
     evolves_in_place: ClassVar[bool] = False
     """A source column added or widened can reach the live view in place (``on_schema_change =
     "evolve"``: new view columns added, view columns widened by the sink's ``evolve``) because the

@@ -52,7 +52,7 @@ class DeclarativeStrategy(FoldStrategy):
     def compile(self, spark: SparkSession, spec: ProjectionSpec, schemas: dict[str, TableSchema]) -> Plan:
         row_cols = schemas[spec.source_topics[0]].column_names
         join = None
-        if spec.lookups:  # the fold sees the joined row: driving columns + each lookup's prefixed ones
+        if spec.joined:  # the fold sees the joined row: driving columns + each lookup's prefixed ones
             join = JoinPlan.build(spec, schemas)
             row_cols = (*row_cols, *join.extra_columns)
         plan = Plan(spec, schemas, view=cast(ViewSpec, None), row_columns=row_cols, join=join)  # view: set below

@@ -82,6 +82,7 @@ class LatestStrategy(DeclarativeStrategy):
     fold: ClassVar[type[LatestFold]] = LatestFold
     priority: ClassVar[int] = 0
     evolves_in_place: ClassVar[bool] = True
+    holds_nested: ClassVar[bool] = True
 
     def default_schema_policy(self, fold: Any) -> str:
         """A view of every column evolves with its table (a new column appears in it); a view with an

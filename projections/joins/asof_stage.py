@@ -297,10 +297,7 @@ def _check_history(ap: AsOfPlan, tb: AsOfTable, raw: DataFrame) -> None:
     enriched with later rows, so the rebuilt view would differ from the one the follower made --
     silently. One aggregate per table (count and last offset per partition)."""
     per = (
-        raw.groupBy("partition")
-        .agg(F.count(F.lit(1)).alias("n"), F.max("offset").alias("last"))
-        .toArrow()
-        .to_pylist()
+        raw.groupBy("partition").agg(F.count(F.lit(1)).alias("n"), F.max("offset").alias("last")).toArrow().to_pylist()
     )
     gaps = sorted((r["partition"], r["last"] + 1 - r["n"], r["last"] + 1) for r in per if r["n"] < r["last"] + 1)
     if gaps:

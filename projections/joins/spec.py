@@ -147,4 +147,80 @@ def chain(lk: Lookup, by_name: Mapping[str, Lookup]) -> list[str]:
     return list(reversed(path))
 
 
-__all__ = ["HOWS", "Lookup", "chain", "parse_lookups"]
+@dataclass(frozen=True)
+class Nested:
+    """One one-to-many collection: the rows of `topic` whose foreign key ``on`` points at the driving row,
+    as a list column ``name`` of the view row (a customer document with its orders).
+
+    ``on``: driving key column -> child column, covering the driving table's whole primary key
+    (``{"id": "customer_id"}``). ``columns``: child columns in each element (default: all).
+    ``order_by``: child columns the list is sorted by, ascending, NULLs first; the child's primary
+    key breaks ties (default order: the child key). Only a document store holds such a view
+    (search: a ``nested`` field; Redis: a JSON list); it is a latest-row view of the driving table.
+    """
+
+    name: str
+    topic: str
+    on: Mapping[str, str]
+    columns: Sequence[str] | None = None
+    order_by: Sequence[str] = ()
+
+    def describe(self) -> str:
+        """Stable text for the projection's fingerprint."""
+        return repr((self.name, self.topic, sorted(self.on.items()),
+                     tuple(self.columns) if self.columns is not None else None, tuple(self.order_by)))
+
+
+def parse_nested(where: str, raw: Any, source_topics: Sequence[str]) -> tuple[Nested, ...]:
+    """Validate ``Projection.nested``: shape and names (schemas are checked in ``plan.py``)."""
+    if raw is None or (isinstance(raw, (list, tuple)) and not raw):
+        return ()
+    if isinstance(raw, Nested):
+        raw = [raw]
+    if not isinstance(raw, (list, tuple)):
+        raise ConfigError(f"{where}: 'nested': expected a list of Nested(...), got {raw!r}")
+    out: list[Nested] = []
+    seen: set[str] = set()
+    for nc in raw:
+        if not isinstance(nc, Nested):
+            raise ConfigError(f"{where}: 'nested': expected Nested(...) items, got {nc!r}")
+        if not isinstance(nc.name, str) or not _NAME_RE.match(nc.name) or nc.name.startswith("_kf_"):
+            raise ConfigError(f"{where}: 'nested': collection name {nc.name!r} is not an identifier")
+        at = f"{where}: 'nested'[{nc.name!r}]"
+        if nc.name in seen:
+            raise ConfigError(f"{at}: collection name used twice")
+        seen.add(nc.name)
+        if not isinstance(nc.topic, str) or not nc.topic:
+            raise ConfigError(f"{at}.topic: expected a topic name, got {nc.topic!r}")
+        if (
+            not isinstance(nc.on, Mapping)
+            or not nc.on
+            or not all(isinstance(k, str) and isinstance(v, str) and k and v for k, v in nc.on.items())
+        ):
+            raise ConfigError(
+                f"{at}.on: expected a dict of driving key column -> child column, e.g. {{'id': 'customer_id'}}, "
+                f"got {nc.on!r}"
+            )
+        for attr in ("columns", "order_by"):
+            val = getattr(nc, attr)
+            if val is None and attr == "columns":
+                continue
+            if isinstance(val, str) or not isinstance(val, (list, tuple)) or not all(
+                isinstance(c, str) and c for c in val
+            ):
+                raise ConfigError(f"{at}.{attr}: expected a list of column names, got {val!r}")
+        if nc.topic in source_topics:
+            raise ConfigError(
+                f"{at}.topic: {nc.topic!r} is the driving table; a collection of the driving table's own rows "
+                "(a tree) is not supported"
+            )
+        out.append(nc)
+    if len(source_topics) != 1:
+        raise ConfigError(
+            f"{where}: 'nested': a projection with nested collections is driven by exactly one source table "
+            f"(one document per parent row), got sources {list(source_topics)}"
+        )
+    return tuple(out)
+
+
+__all__ = ["HOWS", "Lookup", "Nested", "chain", "parse_lookups", "parse_nested"]

@@ -221,6 +221,9 @@ class BesideBuilds(StateHome):
                 f"{kind} sink: view {view!r} (build {build}): the join state is behind the view's positions "
                 f"({'; '.join(lag[:3])}; restored from an older backup?): rebuilding from the log"
             )
+        # the state ahead of the store: a batch whose state committed was not (all) written to the store;
+        # the old parents of its moved and deleted child rows stay pending (``state.JoinState.apply``)
+        state.carry_pending = bool(behind(dict(before), folded))
         return state
 
     def before_write(self, target: Target, after: Positions) -> None:
@@ -272,14 +275,15 @@ def home_for(jp: JoinPlan, rt: Any, sink: Any, view: ViewSpec) -> StateHome:
     if sink.builds(view) is None:
         raise ConfigError(
             f"projection {jp.projection!r}: the {sink.kind} sink has neither a transaction shared with the views "
-            "database nor builds to key join state by; a projection with lookups cannot be folded into it"
+            "database nor builds to key join state by; a projection with lookups or nested collections cannot be "
+            "folded into it"
         )
     dsn = getattr(rt, "dsn", None)
     if not dsn:
         raise ConfigError(
-            f"projection {jp.projection!r}: a projection with lookups keeps its join state in the PostgreSQL views "
-            f"database, also for its {sink.kind} view: set views.postgres.dsn (kappaflow.toml [views.postgres] or "
-            "KAPPAFLOW_VIEWS__POSTGRES__DSN)"
+            f"projection {jp.projection!r}: a projection with lookups or nested collections keeps its join state in "
+            f"the PostgreSQL views database, also for its {sink.kind} view: set views.postgres.dsn "
+            "(kappaflow.toml [views.postgres] or KAPPAFLOW_VIEWS__POSTGRES__DSN)"
         )
     return BesideBuilds(jp, sink, dsn)
 
@@ -332,7 +336,8 @@ def _dead_letters(jp: JoinPlan, raws: dict[str, DataFrame], observed: dict[int, 
             continue
         ts = jp.topics[ti]
         names = [lp.name for lp in jp.lookups if lp.topic_index == ti]
-        reason = (f"{BAD_REASON}; a record of {ts.topic}, looked up by {names}: the join counts it as a delete "
+        names += [np_.name for np_ in jp.nested if np_.topic_index == ti]
+        reason = (f"{BAD_REASON}; a record of {ts.topic}, joined by {names}: the join counts it as a delete "
                   "of that row")
         for r in jp.bad_records(ts, raws[ts.topic]).collect():
             out.append({"topic": r["topic"], "partition": r["partition"], "offset": r["offset"], "key": r["key"],
@@ -375,7 +380,7 @@ def build_stage(
                 frame = drv if ts.index == 0 else tables[ts.index]
                 rows = frame.select(
                     "k", "kb", "p", F.col("off").alias("ver"), jp.row_text(F.col("row")).alias("row"),
-                    *[f"fk{j}" for j in ts.children],
+                    *[f"fk{j}" for j in ts.children], *[f"nfk{j}" for j in ts.nested],
                 ).toArrow()
                 state.load(ts, rows)
     except Exception as exc:
@@ -395,6 +400,15 @@ def build_stage(
             *[F.col(f"fk{c.index}").alias(f"_kf_fk{c.index}") for c in kids],
         )
         df = df.join(right, df[f"_kf_fk{i}"] == right[f"_kf_jk{i}"], "left")
+    if jp.nested:  # each parent's current children, gathered by their parent key (sorted in assemble)
+        df = df.select("*", jp.key_text(jp.driving, F.col("_kf_key")).alias("_kf_dk"))
+    for np_ in jp.nested:
+        j = np_.index
+        by_parent = (
+            tables[np_.topic_index].where(F.col(f"nfk{j}").isNotNull())
+            .groupBy(F.col(f"nfk{j}").alias(f"_kf_nk{j}")).agg(F.collect_list("row").alias(f"_kf_nr{j}"))
+        )
+        df = df.join(by_parent, df["_kf_dk"] == by_parent[f"_kf_nk{j}"], "left")
     return jp.assemble(
         df,
         F.col("_kf_row"),
@@ -402,6 +416,7 @@ def build_stage(
         [F.col(f"_kf_jk{lp.index}").isNotNull() for lp in jp.lookups],
         _head(F.lit(version).cast("bigint")),
         F.col("_kf_deleted"),
+        [F.col(f"_kf_nr{np_.index}") for np_ in jp.nested],
     )
 
 
@@ -441,7 +456,7 @@ def follow_stage(
     if b is None:
         raise SinkError(f"projection {jp.projection!r}: a join batch runs inside joins.stage.transaction()")
     state = b.home.follow_state(target, sink.read_positions(target))
-    n = len(jp.lookups)
+    n, m = len(jp.lookups), len(jp.nested)
     observed = _observers(jp, raws)
     frames = []
     for ts in jp.topics:
@@ -460,6 +475,10 @@ def follow_stage(
                     (F.col(f"fk{j}") if j in ts.children else F.lit(None).cast("string")).alias(f"fk{j}")
                     for j in range(n)
                 ],
+                *[
+                    (F.col(f"nfk{j}") if j in ts.nested else F.lit(None).cast("string")).alias(f"nfk{j}")
+                    for j in range(m)
+                ],
             )
         )
     changes = frames[0]
@@ -470,7 +489,8 @@ def follow_stage(
     joined = state.apply(tbl)
     schema = StructType(
         [StructField("k", StringType()), StructField("kb", BinaryType()), StructField("p", IntegerType()),
-         *[StructField(f"r{i}", StringType()) for i in range(n + 1)]]
+         *[StructField(f"r{i}", StringType()) for i in range(n + 1)],
+         *[StructField(f"n{j}", StringType()) for j in range(m)]]
     )
     df = spark.createDataFrame(joined if joined.num_rows else pa.Table.from_pylist([], schema=_arrow(schema)),
                                schema=schema)
@@ -489,6 +509,7 @@ def follow_stage(
         [F.col(f"r{lp.index + 1}").isNotNull() for lp in jp.lookups],
         head,
         F.lit(False),
+        [jp.parse_rows(F.col(f"n{np_.index}"), jp.topics[np_.topic_index]) for np_ in jp.nested],
     )
 
 

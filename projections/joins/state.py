@@ -4,16 +4,25 @@ One table per (view target, table of the join) in the ``kappaflow`` schema of th
 database: ``k`` (canonical key text, primary key), ``kb`` (the record key, so a view row can be
 deleted by key), ``p`` (log partition), ``ver`` (offset of the change that made the row),
 ``row`` (the kept columns as JSON text, written and read by Spark with the same options) and
-one indexed ``fk<j>`` column per lookup whose foreign key is in this table. A follow batch
-(``apply``) runs inside the transaction that also writes the view rows and the positions:
+one indexed ``fk<j>`` column per lookup whose foreign key is in this table, one indexed
+``nfk<j>`` column (the parent's key text) per nested collection of this table's rows. A follow
+batch (``apply``) runs inside the transaction that also writes the view rows and the positions:
 
 1. COPY the batch's latest change per (table, key) into a temp staging table;
+1b. (nested collections) the parents the batch's child rows belong to BEFORE the change go to the
+   ``__tp`` table ("pending"): a moved or deleted child must leave its old parent's document,
+   and after step 2 nothing else remembers that parent. Pending keys are emptied at the start of a
+   batch once the store has written everything the state folded (``carry_pending`` False), and
+   kept while the state is ahead of the store (a crash between the state's commit and the store's
+   write: the re-run must rewrite those old parents too);
 2. delete / upsert the state rows (guarded by ``ver``: re-applying a change is a no-op);
 3. affected driving keys = the driving keys of the batch + the driving rows that reach a
    changed looked-up row through their chain of foreign keys, under the NEW state (fan-out,
-   found through the ``fk<j>`` indexes);
+   found through the ``fk<j>`` indexes) + the parents of the batch's child rows under the new
+   state + the pending keys;
 4. read the joined rows of the affected keys (a driving key whose row is gone comes back
-   with a NULL driving row: the view row is deleted).
+   with a NULL driving row: the view row is deleted), with each nested collection's child rows
+   as a JSON array (through the ``nfk<j>`` index; sorted by the Spark stage).
 A crash anywhere rolls all of it back together with the view rows and positions.
 """
 
@@ -38,7 +47,7 @@ def _q(name: str) -> Any:
     return sql.Identifier(name)
 
 
-def _table_name(base: str, index: int) -> str:
+def _table_name(base: str, index: int | str) -> str:
     suffix = f"__t{index}"
     name = base + suffix
     if len(name.encode()) <= _MAX_IDENT:
@@ -60,6 +69,7 @@ class JoinState:
         self.conn = conn
         self.base = base
         self.jp = jp
+        self.carry_pending = False  # keep the pending parents of earlier batches (see step 1b)
 
     def table(self, ts: TopicState | int) -> str:
         return _table_name(self.base, ts if isinstance(ts, int) else ts.index)
@@ -69,9 +79,19 @@ class JoinState:
 
         return sql.SQL("{}.{}").format(_q(KF_SCHEMA), _q(self.table(ts)))
 
+    def pending(self) -> Any:
+        """The pending parents table (step 1b; only with nested collections)."""
+        from psycopg import sql
+
+        return sql.SQL("{}.{}").format(_q(KF_SCHEMA), _q(_table_name(self.base, "p")))
+
+    def _all(self) -> list[Any]:
+        """Every table of the state."""
+        return [self.rel(ts) for ts in self.jp.topics] + ([self.pending()] if self.jp.nested else [])
+
     # --- DDL ---------------------------------------------------------------------------------
     def exists(self) -> bool:
-        names = [self.table(ts) for ts in self.jp.topics]
+        names = [self.table(ts) for ts in self.jp.topics] + ([_table_name(self.base, "p")] if self.jp.nested else [])
         row = self.conn.execute(
             "SELECT count(*) FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace "
             "WHERE n.nspname = %s AND c.relname = ANY(%s) AND c.relkind = 'r'",
@@ -89,41 +109,44 @@ class JoinState:
             self.conn.execute(sql.SQL("DROP TABLE IF EXISTS {}").format(rel))
             cols: list[Any] = [sql.SQL("k text PRIMARY KEY"), sql.SQL("kb bytea"), sql.SQL("p integer"),
                     sql.SQL("ver bigint NOT NULL"), sql.SQL("row text")]
-            cols += [sql.SQL("{} text").format(_q(f"fk{j}")) for j in ts.children]
+            fks = [f"fk{j}" for j in ts.children] + [f"nfk{j}" for j in ts.nested]
+            cols += [sql.SQL("{} text").format(_q(c)) for c in fks]
             self.conn.execute(sql.SQL("CREATE TABLE {} ({})").format(rel, sql.SQL(", ").join(cols)))
-            for j in ts.children:
-                ix = "kf_jx_" + hashlib.sha1(f"{self.table(ts)}{j}{time.time_ns()}".encode()).hexdigest()[:16]
-                self.conn.execute(sql.SQL("CREATE INDEX {} ON {} ({})").format(_q(ix), rel, _q(f"fk{j}")))
+            for c in fks:
+                ix = "kf_jx_" + hashlib.sha1(f"{self.table(ts)}{c}{time.time_ns()}".encode()).hexdigest()[:16]
+                self.conn.execute(sql.SQL("CREATE INDEX {} ON {} ({})").format(_q(ix), rel, _q(c)))
+        if self.jp.nested:
+            self.conn.execute(sql.SQL("DROP TABLE IF EXISTS {}").format(self.pending()))
+            self.conn.execute(sql.SQL("CREATE TABLE {} (k text PRIMARY KEY, kb bytea)").format(self.pending()))
 
     def drop(self) -> None:
         from psycopg import sql
 
-        for ts in self.jp.topics:
-            self.conn.execute(sql.SQL("DROP TABLE IF EXISTS {}").format(self.rel(ts)))
+        for rel in self._all():
+            self.conn.execute(sql.SQL("DROP TABLE IF EXISTS {}").format(rel))
 
     def replace(self, other: JoinState) -> None:
         """Make `other`'s tables (a rebuilt shadow's) this target's: drop these, rename those.
         Run inside the transaction of the view swap."""
         from psycopg import sql
 
-        for ts in self.jp.topics:
-            self.conn.execute(sql.SQL("DROP TABLE IF EXISTS {}").format(self.rel(ts)))
-            self.conn.execute(
-                sql.SQL("ALTER TABLE IF EXISTS {} RENAME TO {}").format(other.rel(ts), _q(self.table(ts)))
-            )
+        names = [self.table(ts) for ts in self.jp.topics] + ([_table_name(self.base, "p")] if self.jp.nested else [])
+        for mine, theirs, name in zip(self._all(), other._all(), names, strict=True):
+            self.conn.execute(sql.SQL("DROP TABLE IF EXISTS {}").format(mine))
+            self.conn.execute(sql.SQL("ALTER TABLE IF EXISTS {} RENAME TO {}").format(theirs, _q(name)))
 
     def truncate(self) -> None:
         from psycopg import sql
 
-        for ts in self.jp.topics:
-            self.conn.execute(sql.SQL("TRUNCATE {}").format(self.rel(ts)))
+        for rel in self._all():
+            self.conn.execute(sql.SQL("TRUNCATE {}").format(rel))
 
     # --- load (replay) -----------------------------------------------------------------------
     def load(self, ts: TopicState, rows: pa.Table) -> int:
         """COPY state rows (``k, kb, p, ver, row, fk<j>...``) into an empty table."""
         from psycopg import sql
 
-        cols = ["k", "kb", "p", "ver", "row", *[f"fk{j}" for j in ts.children]]
+        cols = ["k", "kb", "p", "ver", "row", *[f"fk{j}" for j in ts.children], *[f"nfk{j}" for j in ts.nested]]
         stmt = sql.SQL("COPY {} ({}) FROM STDIN").format(self.rel(ts), sql.SQL(", ").join(_q(c) for c in cols))
         data = [rows.column(c).to_pylist() for c in cols]
         with self.conn.cursor() as cur, cur.copy(stmt) as cp:
@@ -134,12 +157,13 @@ class JoinState:
     # --- apply (follow) ----------------------------------------------------------------------
     def apply(self, changes: pa.Table) -> pa.Table:
         """Steps 1-4 of the module docstring: `changes` has ``ti, k, kb, p, off, deleted, row,
-        fk0..fk<n-1>``; returns ``k, kb, p, r0`` (driving row text) and ``r<i+1>`` per lookup i."""
+        fk0..fk<n-1>, nfk0..nfk<m-1>``; returns ``k, kb, p, r0`` (driving row text), ``r<i+1>`` per
+        lookup i and ``n<j>`` (a JSON array of child row texts, NULL for none) per nested collection j."""
         from psycopg import sql
 
         jp = self.jp
         n = len(jp.lookups)
-        fkcols = [f"fk{j}" for j in range(n)]
+        fkcols = [f"fk{j}" for j in range(n)] + [f"nfk{j}" for j in range(len(jp.nested))]
         stg, aff = "kf_join_stg", "kf_join_aff"
         fkdefs = sql.SQL("").join(sql.SQL(", {} text").format(_q(c)) for c in fkcols)
         self.conn.execute(sql.SQL("DROP TABLE IF EXISTS pg_temp.{}").format(_q(stg)))
@@ -158,6 +182,19 @@ class JoinState:
             for r in zip(*data, strict=True):
                 cp.write_row(r)
         self.conn.execute(sql.SQL("ANALYZE pg_temp.{}").format(_q(stg)))
+        # 1b. nested collections: the parents of the batch's child rows before the change are pending
+        if jp.nested:
+            if not self.carry_pending:
+                self.conn.execute(sql.SQL("TRUNCATE {}").format(self.pending()))
+            for np_ in jp.nested:
+                self.conn.execute(
+                    sql.SQL(
+                        "INSERT INTO {pend} (k, kb) SELECT DISTINCT d.k, d.kb FROM {child} s JOIN {drv} d "
+                        "ON d.k = s.{nfk} WHERE s.k IN (SELECT k FROM pg_temp.{stg} WHERE ti = {ti}) "
+                        "ON CONFLICT (k) DO NOTHING"
+                    ).format(pend=self.pending(), child=self.rel(np_.topic_index), drv=self.rel(0),
+                             nfk=_q(f"nfk{np_.index}"), stg=_q(stg), ti=sql.Literal(np_.topic_index))
+                )
         # 2. the state: newest change per (table, key), guarded by the offset
         for ts in jp.topics:
             rel = self.rel(ts)
@@ -169,8 +206,9 @@ class JoinState:
                     rel, latest
                 )
             )
-            own = ["kb", "p", "ver", "row", *[f"fk{j}" for j in ts.children]]
-            src = ["kb", "p", "off", "row", *[f"fk{j}" for j in ts.children]]
+            fks = [f"fk{j}" for j in ts.children] + [f"nfk{j}" for j in ts.nested]
+            own = ["kb", "p", "ver", "row", *fks]
+            src = ["kb", "p", "off", "row", *fks]
             self.conn.execute(
                 sql.SQL(
                     "INSERT INTO {rel} AS s (k, {own}) SELECT k, {src} FROM ({latest}) c WHERE NOT c.deleted "
@@ -211,6 +249,20 @@ class JoinState:
                     fk=_q(f"fk{lp.index}"), stg=_q(stg), ti=sql.Literal(lp.topic_index),
                 )
             )
+        for np_ in jp.nested:  # the children's parents now, and the pending ones (their parents before)
+            self.conn.execute(
+                sql.SQL(
+                    "INSERT INTO pg_temp.{aff} (k, kb) SELECT DISTINCT d.k, d.kb FROM {child} s JOIN {drv} d "
+                    "ON d.k = s.{nfk} WHERE s.k IN (SELECT k FROM pg_temp.{stg} WHERE ti = {ti}) "
+                    "ON CONFLICT (k) DO NOTHING"
+                ).format(aff=_q(aff), child=self.rel(np_.topic_index), drv=self.rel(0),
+                         nfk=_q(f"nfk{np_.index}"), stg=_q(stg), ti=sql.Literal(np_.topic_index))
+            )
+        if jp.nested:
+            self.conn.execute(
+                sql.SQL("INSERT INTO pg_temp.{} (k, kb) SELECT k, kb FROM {} ON CONFLICT (k) DO NOTHING").format(
+                    _q(aff), self.pending())
+            )
         # 4. the joined rows of the affected keys (current state)
         sel: list[Any] = [sql.SQL("a.k"), sql.SQL("a.kb"), sql.SQL("d.p"), sql.SQL("d.row AS r0")]
         joins = []
@@ -223,13 +275,17 @@ class JoinState:
                 )
             )
             sel.append(sql.SQL("{}.row AS {}").format(alias, _q(f"r{lp.index + 1}")))
+        for np_ in jp.nested:
+            sel.append(sql.SQL(
+                "(SELECT json_agg(c.row::json)::text FROM {} c WHERE c.{} = a.k AND d.k IS NOT NULL) AS {}"
+            ).format(self.rel(np_.topic_index), _q(f"nfk{np_.index}"), _q(f"n{np_.index}")))
         query = sql.SQL("SELECT {} FROM pg_temp.{} a LEFT JOIN {} d ON d.k = a.k {}").format(
             sql.SQL(", ").join(sel), _q(aff), self.rel(0), sql.SQL(" ").join(joins)
         )
         with self.conn.cursor() as cur:
             cur.execute(query)
             rows = cur.fetchall()
-        names = ["k", "kb", "p", "r0", *[f"r{i + 1}" for i in range(n)]]
+        names = ["k", "kb", "p", "r0", *[f"r{i + 1}" for i in range(n)], *[f"n{j}" for j in range(len(jp.nested))]]
         cols_out = list(zip(*rows, strict=True)) if rows else [() for _ in names]
         return pa.table(
             {

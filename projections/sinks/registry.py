@@ -64,6 +64,9 @@ class SinkKind:
     grouped_state: bool = False
     """The sink keeps a grouped view's keyed state (``Sink.grouped_state()``); a grouped projection's
     view in any other sink mirrors the one in such a sink."""
+    holds_nested: bool = False
+    """A view column may hold a list of rows (a document store: search ``nested`` fields, Redis JSON):
+    what a nested collection (``Projection.nested``) needs."""
 
     @property
     def setting_key(self) -> str:
@@ -126,12 +129,14 @@ register(SinkKind(
     "search", "search", SearchSettings, "url", "kappaflow.projections.sinks.search.sink:SearchSink.from_settings",
     options="kappaflow.projections.sinks.search.options:SearchSinkOptions",
     shape_options=("index", "fields", "string_default", "settings"),
+    holds_nested=True,
 ))
 register(SinkKind(
     "redis", "Redis", RedisSettings, "url", "kappaflow.projections.sinks.redis.sink:RedisSink.from_settings",
     options="kappaflow.projections.sinks.redis.options:RedisSinkOptions",
     option_aliases={"format": "value_format", "ttl": "ttl_s"},
     shape_options=("prefix", "value_format"),
+    holds_nested=True,
 ))
 
 

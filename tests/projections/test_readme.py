@@ -134,7 +134,7 @@ def test_the_projection_api_examples_equal_sql_on_the_captured_source(
                    if isinstance(c, type) and issubclass(c, Projection) and c is not Projection}
         assert {"customer_directory", "customer_orders", "order_history", "product_catalogue", "order_details",
                 "category_revenue", "hourly_revenue", "customer_city_cache", "customer_cards",
-                "customer_city_list"} <= set(classes)
+                "customer_city_list", "customer_with_orders"} <= set(classes)
         assert classes["customer_cards"].on_schema_change == "evolve"
         for proj in classes.values():
             replay(proj, rt)
@@ -215,6 +215,17 @@ def test_the_projection_api_examples_equal_sql_on_the_captured_source(
         ]
         assert any(first_city[r["customer_id"]] != cities[r["customer_id"]] and r["id"] not in changed
                    for r in current), "some order must show a city its customer no longer has"
+        # nested collections: one search document per customer with its current orders, by status then id
+        nested_view = prepare(as_spec(classes["customer_with_orders"]), rt).view
+        docs_live = rt.sinks["search"].live(nested_view)
+        assert docs_live is not None
+        want_docs = {c["id"]: {**c, "orders": []} for c in _rows(dsn, "SELECT id, name, city FROM public.customers")}
+        for o in _rows(dsn, 'SELECT id, customer_id, amount, status FROM public.orders '
+                            'ORDER BY status COLLATE "C", id'):
+            want_docs[o.pop("customer_id")]["orders"].append(o)
+        got_docs = {r["id"]: {k: r[k] for k in ("id", "name", "city", "orders")}
+                    for r in rt.sinks["search"].scan(docs_live)}
+        assert got_docs == want_docs and sum(len(d["orders"]) for d in got_docs.values()) == 79
 
         # event time: hourly windows per customer = SQL's hours over the current rows (nothing is later
         # than the 7 days of allowed lateness here, so no change was refused)

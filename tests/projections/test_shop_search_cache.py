@@ -31,6 +31,7 @@ from examples.shop.demo import SHOP_TABLES, seed
 from examples.shop.projections import (
     CategoryRevenue,
     CustomerCache,
+    CustomerDocuments,
     CustomerTotalsCache,
     OrderDocuments,
     OrderSearch,
@@ -128,7 +129,8 @@ def shop(pg_server: Any, spark: Any, search_server: Any, redis_server: Any, tmp_
     world = Shop(source_dsn, tmp_path / "log", slot=f"kf_shop_{suffix}", rt=rt, config=tmp_path / "kappaflow.toml")
     try:
         assert sorted(rt.sinks) == ["postgres", "redis", "search"]
-        for cls in (ProductSearch, OrderSearch, CustomerCache, CustomerTotalsCache, OrderDocuments, CategoryRevenue):
+        for cls in (ProductSearch, OrderSearch, CustomerCache, CustomerTotalsCache, OrderDocuments, CategoryRevenue,
+                    CustomerDocuments):
             world.projections[cls.__name__] = _unique(cls, suffix)
         yield world
     finally:
@@ -350,8 +352,14 @@ DOC_COLUMNS = ("id", "status", "amount", "created_at", "customer_id", "customer_
 
 
 def _check_joins(shop: Shop) -> None:
-    """OrderDocuments (search) and CategoryRevenue (PostgreSQL) equal SQL joins of the source tables."""
+    """OrderDocuments (search), CategoryRevenue (PostgreSQL) and CustomerDocuments (Redis, nested orders)
+    equal SQL joins of the source tables."""
     with psycopg.connect(shop.source_dsn, row_factory=dict_row) as conn:
+        customers = {r["id"]: {**r, "orders": []} for r in conn.execute(
+            "SELECT id, name, email, city FROM public.customers").fetchall()}
+        for o in conn.execute("SELECT id, customer_id, product_id, amount, status, created_at FROM public.orders "
+                              "ORDER BY created_at, id").fetchall():
+            customers[o.pop("customer_id")]["orders"].append(o)
         docs = {r["id"]: r for r in conn.execute(
             "SELECT o.id, o.status, o.amount, o.created_at, o.customer_id, c.name AS customer_name, "
             "c.city AS customer_city, o.product_id, p.name AS product_name, p.category AS product_category "
@@ -368,6 +376,8 @@ def _check_joins(shop: Shop) -> None:
     live = pg.live(view)
     assert live is not None
     assert _view_rows(pg, live, "product_category") == revenue
+    sink, target = shop.live("CustomerDocuments")
+    assert _view_rows(sink, target) == customers
 
 
 def test_shop_order_documents_and_category_revenue_join_the_tables(shop: Shop, search_server: Any,
@@ -377,7 +387,7 @@ def test_shop_order_documents_and_category_revenue_join_the_tables(shop: Shop, s
         conn.execute("INSERT INTO public.orders (id, customer_id, product_id, amount) "
                      "SELECT 1000, 3, id, price FROM public.products WHERE name = 'Leather boots'")
     shop.capture()
-    for name in ("OrderDocuments", "CategoryRevenue"):
+    for name in ("OrderDocuments", "CategoryRevenue", "CustomerDocuments"):
         replay(shop.projections[name], shop.rt)
     _check_joins(shop)
     alias = _alias(shop, "OrderDocuments")
@@ -393,7 +403,7 @@ def test_shop_order_documents_and_category_revenue_join_the_tables(shop: Shop, s
         conn.execute("DELETE FROM public.customers WHERE id = 2")
     assert shop.capture() > 0
     group = [Follower(shop.projections[n], shop.rt, trigger="0.2s", checkpoint=str(tmp_path / f"follow-{n}"))
-             for n in ("OrderDocuments", "CategoryRevenue")]
+             for n in ("OrderDocuments", "CategoryRevenue", "CustomerDocuments")]
     try:
         for f in group:
             f.start()

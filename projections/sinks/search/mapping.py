@@ -1,5 +1,6 @@
 """Search mappings derived from the view's Spark schema: strict, with per-field overrides (text vs
-keyword, analyzers) from the sink options or ``view.options["search"]["fields"]``."""
+keyword, analyzers) from the sink options or ``view.options["search"]["fields"]``; ``"nested"`` maps a
+list of rows (a nested collection) as a ``nested`` field, so a query matches within one element."""
 
 from __future__ import annotations
 
@@ -52,6 +53,13 @@ def _string_mapping(default: str) -> dict[str, Any]:
 def _field_mapping(path: str, t: Any, overrides: Mapping[str, Any], string_default: str) -> dict[str, Any]:
     if path in overrides:
         o = overrides[path]
+        if o == "nested":  # a list of rows, each searched as its own object (Projection.nested)
+            inner = t[1] if isinstance(t, tuple) and t[0] == "array" else t
+            if not (isinstance(inner, tuple) and inner[0] == "struct"):
+                raise ConfigError(f"search field override {path!r}: 'nested' needs a list of rows (array of "
+                                  f"struct), the field has type {t!r}")
+            sub = {k: v for k, v in overrides.items() if k != path}
+            return {"type": "nested", **_field_mapping(path, inner, sub, string_default)}
         if isinstance(o, str):
             return _string_mapping(o) if o in ("text", "keyword", "text+keyword") else {"type": o}
         if not isinstance(o, Mapping):
@@ -87,8 +95,8 @@ def derive_mapping(view: ViewSpec, *, overrides: Mapping[str, Any] | None = None
     Strict (``dynamic: strict``): a document with a field the view does not declare is
     rejected (dead-lettered) instead of silently widening the mapping. String key columns
     are ``keyword`` (exact, sortable). ``overrides`` maps a field path (``"name"``,
-    ``"address.city"``) to ``"text"``, ``"keyword"``, ``"text+keyword"``, a type name or a
-    full mapping (``{"type": "text", "analyzer": "english"}``).
+    ``"address.city"``) to ``"text"``, ``"keyword"``, ``"text+keyword"``, ``"nested"`` (a list
+    of rows as a ``nested`` field), a type name or a full mapping (``{"type": "text", "analyzer": "english"}``).
     """
     overrides = dict(overrides or {})
     names = set(view.column_names)
