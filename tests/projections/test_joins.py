@@ -229,6 +229,10 @@ def test_bad_lookups_fail_at_load_time_naming_projection_and_attribute(jrt: Any)
     assert "'lookups'['x'].via" in msg
     msg = class_error(lookups=[Lookup("x", t + "products", on={"product_id": "id"}, how="outer")])
     assert "'lookups'['x'].how" in msg
+    # an apply() fold folds events: it is pointed to AsOf (rows as they were), not given current rows
+    msg = class_error(lookups=[Lookup("product", t + "products", on={"product_id": "id"})],
+                      schema="id int, n int", apply=lambda self, row, event: {"n": 1})
+    assert "'lookups'" in msg and "as_of = [AsOf(...)]" in msg and "replay" in msg
 
 
 # --- differential: seeded random interleavings on every table --------------------------------------
