@@ -1,0 +1,191 @@
+"""Replay while following (issue 16 item 2): the replay builds beside the live view, the follower
+takes the rebuilt view between two batches and follows it on; on_definition_change at start."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import threading
+from pathlib import Path
+from typing import Any
+
+import psycopg
+import pytest
+
+from kappaflow.errors import ConfigError
+from kappaflow.projections.follow import Follower
+from kappaflow.projections.handover import HandoverFailed
+from kappaflow.projections.replay import as_spec, replay
+from kappaflow.projections.simulate import TableWriter
+from tests.projections import defs
+from tests.projections.pj_helpers import orders_schema, totals_reference, view_rows
+from tests.projections.test_follow import RUNNER, more_changes, positions, wait
+from tests.projections.test_replay import random_history
+
+pytestmark = pytest.mark.integration
+
+
+class WriterLoop:
+    """Appends changes to the orders table all the time, from its own thread (the only writer of `w`)."""
+
+    def __init__(self, w: TableWriter, seed: int) -> None:
+        self.w, self.rnd = w, random.Random(seed)
+        self.stop_ = threading.Event()
+        self.rounds = 0
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, name="writer-loop", daemon=True)
+
+    def _run(self) -> None:
+        try:
+            while not self.stop_.wait(0.02):  # pacing, not synchronisation
+                more_changes(self.w, self.rnd, 4, 5000 + self.rounds)
+                self.rounds += 1
+        except BaseException as exc:
+            self.error = exc
+
+    def __enter__(self) -> WriterLoop:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def stop(self) -> None:
+        self.stop_.set()
+        self.thread.join(timeout=30)
+        assert self.error is None, f"the writer loop failed: {self.error!r}"
+
+
+def values(dsn: str, view: str) -> list[tuple[Any, ...]]:
+    """The view's rows without their version (a grouped/custom row's version is a write watermark)."""
+    return [r[:-1] for r in view_rows(dsn, view, "*")]
+
+
+def test_replay_while_following_hands_over_with_nothing_lost_or_twice(rt: Any, embedded_log: Any,
+                                                                     pg_dsn: str) -> None:
+    w = TableWriter(embedded_log, orders_schema("rwf"), partitions=2)
+    random_history(w, seed=5, n=150)
+    changes = defs.custom("rwf", name="rwf_changes")  # counts every change per order: twice would show
+    totals = defs.totals("rwf", name="rwf_totals")
+    followers = {p.name: Follower(p, rt, trigger="0.2s").start() for p in (changes, totals)}
+    try:
+        with WriterLoop(w, seed=11) as writer:
+            for p in (changes, totals):
+                f = followers[p.name]
+                assert f.wait_for(lambda s: s.batches > 0, 180), f"{f.name}: no first batch"
+                query, rounds = f.query, writer.rounds
+                res = replay(p, rt, handover_timeout_s=90)
+                assert res.sinks["postgres"].handed_over, res
+                assert writer.rounds > rounds, "no change was appended during the replay"
+                # the same streaming query, never restarted, and its batches go on past the swap
+                assert f.handovers == 1 and f.query is query and f.restarts == 0 and f.healthy
+                at_swap = f.stats.batches
+                assert f.wait_for(lambda s, n=at_swap: s.batches >= n + 2, 120), f"{f.name}: no batch after the swap"
+        for f in followers.values():
+            assert f.wait_for(lambda s, f=f: f.caught_up(), 180), f"{f.name} did not catch up"
+        assert view_rows(pg_dsn, totals.name, "customer_id, n, total, last, statuses") == totals_reference(w.rows)
+        followed = values(pg_dsn, changes.name)
+    finally:
+        for f in followers.values():
+            f.stop()
+    assert followed
+    replay(changes, rt)  # a fresh replay of the whole log (nothing follows now: the plain path)
+    assert values(pg_dsn, changes.name) == followed
+
+
+def test_on_definition_change_fail_or_rebuild(rt: Any, embedded_log: Any, pg_dsn: str) -> None:
+    w = TableWriter(embedded_log, orders_schema("odc"), partitions=2)
+    random_history(w, seed=9, n=80)
+    v1 = defs.totals("odc", name="odc_totals")
+    f = Follower(v1, rt, trigger="0.2s").start()
+    try:
+        assert f.wait_for(lambda s: f.caught_up(), 180)
+    finally:
+        f.stop()
+    built = view_rows(pg_dsn, v1.name, "*")
+    v2 = defs.totals("odc", name="odc_totals")
+    v2.where = "status = 'paid'"  # an edited definition: another fingerprint
+    with pytest.raises(ConfigError, match="definition fingerprint differs.*on_definition_change"):
+        Follower(v2, rt, trigger="0.2s").start()  # "fail", the default
+    v2.on_definition_change = "fail"  # the projection's own setting wins over the runtime's
+    with pytest.raises(ConfigError, match="definition fingerprint differs"):
+        Follower(v2, rt, trigger="0.2s", on_definition_change="rebuild").start()
+    assert view_rows(pg_dsn, v1.name, "*") == built, "a refused start changed the view"
+    v2.on_definition_change = None
+    f = Follower(v2, rt, trigger="0.2s", on_definition_change="rebuild").start()
+    try:
+        more_changes(w, random.Random(3), 30, 7000)
+        assert f.wait_for(lambda s: f.caught_up(), 180)
+        assert f.rebuilds == 1
+        paid = {k: r for k, r in w.rows.items() if r["status"] == "paid"}
+        assert view_rows(pg_dsn, v2.name, "customer_id, n, total, last, statuses") == totals_reference(paid)
+    finally:
+        f.stop()
+    with rt.registry() as reg:
+        assert reg.get(v2.name).fingerprint == as_spec(v2).fingerprint()
+    with pytest.raises(ConfigError, match="on_definition_change"):
+        Follower(v2, rt, on_definition_change="sometimes")
+
+
+def test_replay_refuses_cleanly_when_the_follower_dies_mid_handover(rt: Any, embedded_log: Any, pg_dsn: str,
+                                                                    tmp_path: Path) -> None:
+    source = "rwd"
+    w = TableWriter(embedded_log, orders_schema(source), partitions=2)
+    random_history(w, seed=17, n=120)
+    proj = defs.custom(source, name=f"{source}_changes")  # the name follow_runner.py gives it
+    env = {**os.environ, "PYSPARK_PYTHON": sys.executable}
+    proc = subprocess.Popen(
+        [sys.executable, str(RUNNER), str(embedded_log.path), pg_dsn, str(tmp_path / "ckpt-sub"), source, "custom"],
+        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+    )
+    outcome: list[BaseException | None] = []
+    try:
+        ends = embedded_log.end_offsets(w.topic)
+        wait(lambda: all(positions(pg_dsn, proj.name).get((w.topic, p), 0) >= e for p, e in ends.items()), 180,
+             "the subprocess follower to catch up")
+
+        def run_replay() -> None:
+            try:
+                replay(proj, rt, handover_timeout_s=60, catch_up_rounds=0)
+                outcome.append(None)
+            except BaseException as exc:
+                outcome.append(exc)
+
+        with WriterLoop(w, seed=23):  # changes after the build: the follower has a range to catch up
+            t = threading.Thread(target=run_replay, name="replay", daemon=True)
+            t.start()
+            with psycopg.connect(pg_dsn, autocommit=True) as conn:
+                def claimed() -> bool:
+                    row = conn.execute("SELECT state FROM kappaflow.handovers WHERE projection = %s",
+                                       (proj.name,)).fetchone()
+                    return bool(row and row[0] == "taking")
+
+                deadline = 180
+                wait(lambda: claimed() or not t.is_alive(), deadline, "the follower to claim the rebuilt view")
+                assert t.is_alive(), f"the replay ended before the follower claimed the view: {outcome}"
+                os.killpg(proc.pid, signal.SIGKILL)  # mid-handover: between its claim and its report
+            t.join(timeout=120)
+        assert not t.is_alive(), "the replay did not give up within its bounded wait"
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+    assert len(outcome) == 1 and isinstance(outcome[0], HandoverFailed), outcome
+    assert "died" in str(outcome[0])
+    with psycopg.connect(pg_dsn) as conn:  # no offer and no shadow left behind
+        assert conn.execute("SELECT count(*) FROM kappaflow.handovers").fetchone() == (0,)
+        left = conn.execute("SELECT count(*) FROM pg_tables WHERE tablename LIKE %s",
+                            (f"%{proj.name}%handover%",)).fetchone()
+        assert left == (0,), "the handover shadow was left behind"
+    # the live view is intact: a new follower resumes from its positions and equals a fresh replay
+    f = Follower(proj, rt, trigger="0.2s").start()
+    try:
+        assert f.wait_for(lambda s: f.caught_up(), 180)
+        followed = values(pg_dsn, proj.name)
+    finally:
+        f.stop()
+    replay(proj, rt)
+    assert values(pg_dsn, proj.name) == followed
