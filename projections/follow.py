@@ -35,7 +35,14 @@ PostgreSQL's; failures back off and restart the same way.
 
 One follower per projection and sink: the follower holds the sink's projection lock
 (``Sink.try_lock``: a PostgreSQL advisory lock, a Redis / search lease) for its lifetime;
-it is released when the process dies, kill -9 included.
+it is released when the process dies, kill -9 included. A replay of a followed projection
+therefore builds without that lock and offers its rebuilt view; the follower's supervisor
+looks for an offer between batches and takes it (``handover.py``: catch-up and swap under the
+follower's lock, then the same query follows the new view).
+
+Definition changes: at start, a view built by another definition of the projection (registry
+fingerprint) stops the follower (``on_definition_change = "fail"``, the default) or is rebuilt
+by it, blue/green, before it follows (``"rebuild"``).
 """
 
 from __future__ import annotations

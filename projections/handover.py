@@ -111,24 +111,34 @@ class Handovers:
         )
 
     def get(self, projection: str, sink: str) -> Offer | None:
-        return self._offer(self.conn.execute(
-            f"SELECT {self._COLS} FROM {TABLE} WHERE projection = %s AND sink = %s", (projection, sink)).fetchone())
+        return self._offer(
+            self.conn.execute(
+                f"SELECT {self._COLS} FROM {TABLE} WHERE projection = %s AND sink = %s", (projection, sink)
+            ).fetchone()
+        )
 
     def ready(self, projection: str, sink: str) -> bool:
         """Whether a shadow is offered (the follower's cheap poll)."""
-        return self.conn.execute(
-            f"SELECT 1 FROM {TABLE} WHERE projection = %s AND sink = %s AND state = 'ready'", (projection, sink)
-        ).fetchone() is not None
+        return (
+            self.conn.execute(
+                f"SELECT 1 FROM {TABLE} WHERE projection = %s AND sink = %s AND state = 'ready'", (projection, sink)
+            ).fetchone()
+            is not None
+        )
 
     def claim(self, projection: str, sink: str) -> Offer | None:
         """``ready`` -> ``taking``; None when there is no offer (or it was withdrawn first)."""
-        return self._offer(self.conn.execute(
-            f"UPDATE {TABLE} SET state = 'taking', updated_at = now() "
-            f"WHERE projection = %s AND sink = %s AND state = 'ready' RETURNING {self._COLS}",
-            (projection, sink)).fetchone())
+        return self._offer(
+            self.conn.execute(
+                f"UPDATE {TABLE} SET state = 'taking', updated_at = now() "
+                f"WHERE projection = %s AND sink = %s AND state = 'ready' RETURNING {self._COLS}",
+                (projection, sink),
+            ).fetchone()
+        )
 
-    def finish(self, projection: str, sink: str, state: str, message: str | None = None,
-               generation: int | None = None) -> None:
+    def finish(
+        self, projection: str, sink: str, state: str, message: str | None = None, generation: int | None = None
+    ) -> None:
         self.conn.execute(
             f"UPDATE {TABLE} SET state = %s, message = %s, generation = %s, updated_at = now() "
             "WHERE projection = %s AND sink = %s",
@@ -137,9 +147,13 @@ class Handovers:
 
     def withdraw(self, projection: str, sink: str) -> bool:
         """Take back an offer nobody claimed; False when the follower claimed it first."""
-        return self.conn.execute(
-            f"DELETE FROM {TABLE} WHERE projection = %s AND sink = %s AND state = 'ready' RETURNING 1",
-            (projection, sink)).fetchone() is not None
+        return (
+            self.conn.execute(
+                f"DELETE FROM {TABLE} WHERE projection = %s AND sink = %s AND state = 'ready' RETURNING 1",
+                (projection, sink),
+            ).fetchone()
+            is not None
+        )
 
     def forget(self, projection: str, sink: str) -> None:
         self.conn.execute(f"DELETE FROM {TABLE} WHERE projection = %s AND sink = %s", (projection, sink))
@@ -180,22 +194,28 @@ def await_handover(
         handovers.forget(spec_name, sink_name)
         if not shadow_swapped(sink, shadow):
             _drop(sink, shadow)
-        raise HandoverFailed(f"{where}: the follower refused the rebuilt view: {offer.message}; the live view "
-                             "is unchanged and still followed")
+        raise HandoverFailed(
+            f"{where}: the follower refused the rebuilt view: {offer.message}; the live view "
+            "is unchanged and still followed"
+        )
     if handovers.withdraw(spec_name, sink_name) or offer is None:
         _drop(sink, shadow)
         if not sink.is_locked(spec_name):
-            raise HandoverFailed(f"{where}: the follower stopped before it took the rebuilt view; the live view is "
-                                 "unchanged and the shadow was dropped: run the replay again")
+            raise HandoverFailed(
+                f"{where}: the follower stopped before it took the rebuilt view; the live view is "
+                "unchanged and the shadow was dropped: run the replay again"
+            )
         raise HandoverFailed(
             f"{where}: the follower holding the projection's lock did not take the rebuilt view within "
             f"{timeout_s:g} s (it is stuck in a long batch, restarting, or not polling); the live view is "
-            "unchanged and the shadow was dropped: run the replay again (or raise --handover-timeout)")
+            "unchanged and the shadow was dropped: run the replay again (or raise --handover-timeout)"
+        )
     # Claimed ('taking'): the follower is catching the shadow up. Alive (its lock held): it will finish.
     if not sink.try_lock(spec_name):
         raise HandoverFailed(
             f"{where}: the follower claimed the rebuilt view but has not swapped it in within {timeout_s:g} s; "
-            "it keeps the shadow and swaps it in when its catch-up ends (see the follower's log)")
+            "it keeps the shadow and swaps it in when its catch-up ends (see the follower's log)"
+        )
     # The follower died mid-handover: its lock is ours now, no one else swaps.
     try:
         swapped = shadow_swapped(sink, shadow)
@@ -205,10 +225,14 @@ def await_handover(
     finally:
         sink.unlock(spec_name)
     if swapped:
-        raise HandoverFailed(f"{where}: the follower swapped the rebuilt view in and then died before reporting "
-                             "it; the new view is live, start the follower again")
-    raise HandoverFailed(f"{where}: the follower died while taking the rebuilt view; the live view is unchanged "
-                         "(the shadow was dropped): start the follower again, then run the replay again")
+        raise HandoverFailed(
+            f"{where}: the follower swapped the rebuilt view in and then died before reporting "
+            "it; the new view is live, start the follower again"
+        )
+    raise HandoverFailed(
+        f"{where}: the follower died while taking the rebuilt view; the live view is unchanged "
+        "(the shadow was dropped): start the follower again, then run the replay again"
+    )
 
 
 def _drop(sink: Sink, shadow: Target) -> None:
@@ -219,6 +243,13 @@ def _drop(sink: Sink, shadow: Target) -> None:
 
 
 __all__ = [
-    "DEFINITION_POLICIES", "HANDOVER_POLL_S", "SHADOW_LABEL", "HandoverFailed", "Handovers", "Offer",
-    "await_handover", "build_lock_name", "shadow_swapped",
+    "DEFINITION_POLICIES",
+    "HANDOVER_POLL_S",
+    "SHADOW_LABEL",
+    "HandoverFailed",
+    "Handovers",
+    "Offer",
+    "await_handover",
+    "build_lock_name",
+    "shadow_swapped",
 ]

@@ -4,8 +4,11 @@ A projection's view lives in every sink it names (``Projection.sinks``); a repla
 all of them, or the ones selected (``sinks=["redis"]``, CLI ``--sink redis``). Steps
 (each is tested):
 
-1. take the projection's lock in every selected sink (one replay or follow per
-   projection and sink at a time: PostgreSQL advisory lock, search/Redis lease);
+1. take the projection's build lock and its lock in every selected sink (one replay or follow
+   per projection and sink at a time: PostgreSQL advisory lock, search/Redis lease); a sink
+   whose lock a follower holds is not waited for: the replay builds its shadow (steps 2-4)
+   without that lock and hands it over to the follower, which catches it up and swaps it in
+   between two batches (``handover.py``);
 2. note the log's end offsets E and create an empty shadow beside each live view
    (a leftover shadow from an interrupted replay is dropped first: a replay killed with
    -9 never leaves a half view live, and the next replay restarts cleanly);
@@ -352,7 +355,8 @@ def replay(
         owned = {n: s for n, s in selected.items() if n not in followed}
         handed = {n: s for n, s in selected.items() if n in followed}
         per_sink: dict[str, SinkReplay] = {}
-        events, build_s, positions, rounds = 0, 0.0, {}, 0
+        events, build_s, rounds = 0, 0.0, 0
+        positions: dict[tuple[str, int], int] = {}
         if handed:
             per_sink, events, build_s, positions, rounds = hand_over(
                 plan, rt, handed, catch_up_rounds=catch_up_rounds, progress=progress, timeout_s=handover_timeout_s)

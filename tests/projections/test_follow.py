@@ -216,8 +216,12 @@ def test_a_follower_that_lost_its_lock_takes_it_again_before_writing(
         f.stop()
 
 
-def test_a_second_follower_of_the_same_projection_is_refused(rt: Any, embedded_log: Any) -> None:
+def test_a_second_follower_of_the_same_projection_is_refused(rt: Any, embedded_log: Any, pg_dsn: str) -> None:
+    """A second follower is refused; so is a replay while another replay builds the view (a replay of a
+    followed projection hands its view over to the follower: test_replay_while_following.py)."""
     from kappaflow.projections.engine import ProjectionBusy
+    from kappaflow.projections.handover import build_lock_name
+    from kappaflow.projections.sinks.postgres import PostgresSink
 
     w = TableWriter(embedded_log, orders_schema("busy"), partitions=1)
     w.insert(order(1, 1, 100, "new", 0))
@@ -227,8 +231,10 @@ def test_a_second_follower_of_the_same_projection_is_refused(rt: Any, embedded_l
     try:
         with pytest.raises(ProjectionBusy):
             Follower(proj, rt).start()
-        with pytest.raises(ProjectionBusy):
-            replay(proj, rt)
+        with PostgresSink(pg_dsn) as builder:
+            assert builder.try_lock(build_lock_name(proj.name))
+            with pytest.raises(ProjectionBusy, match="is being replayed in the postgres sink by another process"):
+                replay(proj, rt)
     finally:
         f.stop()
 

@@ -16,6 +16,7 @@ import psycopg
 import pytest
 
 from kappaflow.errors import ConfigError
+from kappaflow.projections.engine import prepare
 from kappaflow.projections.follow import Follower
 from kappaflow.projections.handover import HandoverFailed
 from kappaflow.projections.replay import as_spec, replay
@@ -64,36 +65,84 @@ def values(dsn: str, view: str) -> list[tuple[Any, ...]]:
     return [r[:-1] for r in view_rows(dsn, view, "*")]
 
 
-def test_replay_while_following_hands_over_with_nothing_lost_or_twice(rt: Any, embedded_log: Any,
-                                                                     pg_dsn: str) -> None:
+@pytest.fixture(params=["postgres", "redis"])
+def sink_rt(request: pytest.FixtureRequest, spark: Any, embedded_log: Any, pg_dsn: str, tmp_path: Path) -> Any:
+    """(sink name, runtime): the view in PostgreSQL, or in Redis (the registry and the offers stay in the
+    PostgreSQL views database)."""
+    from kappaflow.projections.runtime import Runtime
+    from kappaflow.projections.sinks.postgres import PostgresSink
+
+    pg = PostgresSink(pg_dsn)
+    sinks: dict[str, Any] = {"postgres": pg}
+    if request.param == "redis":
+        from kappaflow.projections.sinks.redis import RedisSink
+
+        sinks["redis"] = RedisSink(request.getfixturevalue("redis_server").url)
+    rt = Runtime(spark, str(embedded_log.path), pg, dsn=pg_dsn, checkpoint_dir=tmp_path / "ckpt", sinks=sinks)
+    try:
+        yield request.param, rt
+    finally:
+        rt.close()
+
+
+def view_of(rt: Any, sink: str, proj: type[Any]) -> dict[int, tuple[int, int, int]]:
+    """defs.custom's view in `sink`: order id -> (customer, changes, version)."""
+    spec = as_spec(proj)
+    s = rt.sinks[sink]
+    live = s.live(prepare(spec, rt).view)
+    assert live is not None, f"{spec.name}/{sink}: no live view"
+    return {int(r["id"]): (int(r["customer_id"]), int(r["changes"]), int(r["_kf_version"])) for r in s.scan(live)}
+
+
+def test_replay_while_following_hands_over_with_nothing_lost_or_twice(sink_rt: Any, embedded_log: Any) -> None:
+    sink, rt = sink_rt
     w = TableWriter(embedded_log, orders_schema("rwf"), partitions=2)
     random_history(w, seed=5, n=150)
-    changes = defs.custom("rwf", name="rwf_changes")  # counts every change per order: twice would show
-    totals = defs.totals("rwf", name="rwf_totals")
-    followers = {p.name: Follower(p, rt, trigger="0.2s").start() for p in (changes, totals)}
+    proj = defs.custom("rwf", name="rwf_changes")  # counts every change of an order: applied twice would show
+    proj.sinks = (sink,)
+    f = Follower(proj, rt, trigger="0.2s").start()
     try:
         with WriterLoop(w, seed=11) as writer:
-            for p in (changes, totals):
-                f = followers[p.name]
-                assert f.wait_for(lambda s: s.batches > 0, 180), f"{f.name}: no first batch"
-                query, rounds = f.query, writer.rounds
-                res = replay(p, rt, handover_timeout_s=90)
-                assert res.sinks["postgres"].handed_over, res
-                assert writer.rounds > rounds, "no change was appended during the replay"
-                # the same streaming query, never restarted, and its batches go on past the swap
-                assert f.handovers == 1 and f.query is query and f.restarts == 0 and f.healthy
-                at_swap = f.stats.batches
-                assert f.wait_for(lambda s, n=at_swap: s.batches >= n + 2, 120), f"{f.name}: no batch after the swap"
-        for f in followers.values():
-            assert f.wait_for(lambda s, f=f: f.caught_up(), 180), f"{f.name} did not catch up"
-        assert view_rows(pg_dsn, totals.name, "customer_id, n, total, last, statuses") == totals_reference(w.rows)
-        followed = values(pg_dsn, changes.name)
+            assert f.wait_for(lambda s: s.batches > 0, 180), f"{f.name}: no first batch"
+            query, rounds = f.query, writer.rounds
+            res = replay(proj, rt, handover_timeout_s=90)
+            assert res.sinks[sink].handed_over, res
+            assert writer.rounds > rounds, "no change was appended during the replay"
+            # the same streaming query, never restarted, and its batches go on past the swap
+            assert f.handovers == 1 and f.query is query and f.restarts == 0 and f.healthy
+            at_swap = f.stats.batches
+            assert f.wait_for(lambda s: s.batches >= at_swap + 2, 120), f"{f.name}: no batch after the swap"
+        assert f.wait_for(lambda s: f.caught_up(), 180), f"{f.name} did not catch up"
+        followed = view_of(rt, sink, proj)
     finally:
-        for f in followers.values():
-            f.stop()
+        f.stop()
+    with rt.registry() as reg:
+        assert reg.get(proj.name).generation == 2  # created by the follower, then the handover's swap
     assert followed
-    replay(changes, rt)  # a fresh replay of the whole log (nothing follows now: the plain path)
-    assert values(pg_dsn, changes.name) == followed
+    # every change (before, during and after the replay) exactly once: the number of changes per order
+    # since its last insert, from the writer's own history in plain Python
+    assert {k: v[:2] for k, v in followed.items()} == changes_reference(embedded_log, w.topic)
+    replay(proj, rt)  # and a fresh replay of the whole log (nothing follows now: the plain path)
+    assert {k: v[:2] for k, v in view_of(rt, sink, proj).items()} == {k: v[:2] for k, v in followed.items()}
+
+
+def changes_reference(log: Any, topic: str) -> dict[int, tuple[int, int]]:
+    """defs.custom's view from the log in plain Python: order id -> (customer, changes since its insert)."""
+    import orjson
+
+    out: dict[int, tuple[int, int]] = {}
+    records = []
+    for p in range(log.partitions(topic)):
+        records += [r.value for r in log.read(topic, p, 0, 1_000_000) if r.value is not None]  # no tombstones
+    for value in records:  # per key, the log is in order; keys are independent
+        ev = orjson.loads(value)
+        if ev["op"] == "d":
+            out.pop(ev["before"]["id"], None)
+            continue
+        after = ev["after"]
+        prev = out.get(after["id"])
+        out[after["id"]] = (after["customer_id"], (prev[1] if prev else 0) + 1)
+    return out
 
 
 def test_on_definition_change_fail_or_rebuild(rt: Any, embedded_log: Any, pg_dsn: str) -> None:
@@ -108,7 +157,7 @@ def test_on_definition_change_fail_or_rebuild(rt: Any, embedded_log: Any, pg_dsn
     built = view_rows(pg_dsn, v1.name, "*")
     v2 = defs.totals("odc", name="odc_totals")
     v2.where = "status = 'paid'"  # an edited definition: another fingerprint
-    with pytest.raises(ConfigError, match="definition fingerprint differs.*on_definition_change"):
+    with pytest.raises(ConfigError, match=r"definition fingerprint differs.*on_definition_change"):
         Follower(v2, rt, trigger="0.2s").start()  # "fail", the default
     v2.on_definition_change = "fail"  # the projection's own setting wins over the runtime's
     with pytest.raises(ConfigError, match="definition fingerprint differs"):
@@ -130,22 +179,29 @@ def test_on_definition_change_fail_or_rebuild(rt: Any, embedded_log: Any, pg_dsn
         Follower(v2, rt, on_definition_change="sometimes")
 
 
-def test_replay_refuses_cleanly_when_the_follower_dies_mid_handover(rt: Any, embedded_log: Any, pg_dsn: str,
-                                                                    tmp_path: Path) -> None:
+def test_replay_refuses_cleanly_when_the_follower_dies_mid_handover(
+    rt: Any, embedded_log: Any, pg_dsn: str, tmp_path: Path
+) -> None:
     source = "rwd"
     w = TableWriter(embedded_log, orders_schema(source), partitions=2)
     random_history(w, seed=17, n=120)
-    proj = defs.custom(source, name=f"{source}_changes")  # the name follow_runner.py gives it
+    proj = defs.custom(source)  # what follow_runner.py follows for KIND "custom"
     env = {**os.environ, "PYSPARK_PYTHON": sys.executable}
     proc = subprocess.Popen(
         [sys.executable, str(RUNNER), str(embedded_log.path), pg_dsn, str(tmp_path / "ckpt-sub"), source, "custom"],
-        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
     )
     outcome: list[BaseException | None] = []
     try:
         ends = embedded_log.end_offsets(w.topic)
-        wait(lambda: all(positions(pg_dsn, proj.name).get((w.topic, p), 0) >= e for p, e in ends.items()), 180,
-             "the subprocess follower to catch up")
+        wait(
+            lambda: all(positions(pg_dsn, proj.name).get((w.topic, p), 0) >= e for p, e in ends.items()),
+            180,
+            "the subprocess follower to catch up",
+        )
 
         def run_replay() -> None:
             try:
@@ -158,9 +214,11 @@ def test_replay_refuses_cleanly_when_the_follower_dies_mid_handover(rt: Any, emb
             t = threading.Thread(target=run_replay, name="replay", daemon=True)
             t.start()
             with psycopg.connect(pg_dsn, autocommit=True) as conn:
+
                 def claimed() -> bool:
-                    row = conn.execute("SELECT state FROM kappaflow.handovers WHERE projection = %s",
-                                       (proj.name,)).fetchone()
+                    row = conn.execute(
+                        "SELECT state FROM kappaflow.handovers WHERE projection = %s", (proj.name,)
+                    ).fetchone()
                     return bool(row and row[0] == "taking")
 
                 deadline = 180
@@ -177,8 +235,9 @@ def test_replay_refuses_cleanly_when_the_follower_dies_mid_handover(rt: Any, emb
     assert "died" in str(outcome[0])
     with psycopg.connect(pg_dsn) as conn:  # no offer and no shadow left behind
         assert conn.execute("SELECT count(*) FROM kappaflow.handovers").fetchone() == (0,)
-        left = conn.execute("SELECT count(*) FROM pg_tables WHERE tablename LIKE %s",
-                            (f"%{proj.name}%handover%",)).fetchone()
+        left = conn.execute(
+            "SELECT count(*) FROM pg_tables WHERE tablename LIKE %s", (f"%{proj.name}%handover%",)
+        ).fetchone()
         assert left == (0,), "the handover shadow was left behind"
     # the live view is intact: a new follower resumes from its positions and equals a fresh replay
     f = Follower(proj, rt, trigger="0.2s").start()
