@@ -121,7 +121,9 @@ def parse_trigger(text: str) -> str:
 class Follower:
     """A running follow of one projection into one sink. ``start()``, then ``stop()`` or ``run_until(...)``.
 
-    `sink` names the sink (default: the projection's only sink, else its first)."""
+    `sink` names the sink (default: the projection's only sink, else its first).
+    `on_definition_change` ("fail" / "rebuild"): what to do at start when the view was built by
+    another definition of the projection; the projection's own ``on_definition_change`` wins."""
 
     def __init__(
         self,
