@@ -241,3 +241,21 @@ def test_replay_refuses_cleanly_when_the_follower_dies_mid_handover(
     finally:
         f.stop()
     assert {r[0]: (r[1], r[2]) for r in followed} == changes_reference(embedded_log, w.topic)
+
+
+def test_on_definition_change_values_are_checked_at_load(tmp_path: Path) -> None:
+    """A bad value is a ConfigError naming the field, at load (no Spark, no store)."""
+    from kappaflow.config import Settings
+
+    cfg = tmp_path / "kappaflow.toml"
+    cfg.write_text('[follow]\non_definition_change = "rebuild"\n')
+    assert Settings.load(cfg, environ={}).follow.on_definition_change == "rebuild"
+    assert type(Settings.load(cfg, environ={}).follow).model_fields["on_definition_change"].default == "fail"
+    with pytest.raises(ConfigError, match=r"follow\.on_definition_change"):
+        Settings.load(cfg, environ={"KAPPAFLOW_FOLLOW__ON_DEFINITION_CHANGE": "sometimes"})
+    p = defs.totals("odv", name="odv_totals")
+    p.on_definition_change = "always"
+    with pytest.raises(ConfigError, match="'on_definition_change': expected 'fail' or 'rebuild'"):
+        as_spec(p)
+    p.on_definition_change = "rebuild"
+    assert as_spec(p).on_definition_change == "rebuild"
