@@ -182,6 +182,7 @@ class Follower:
         self._batch_mutex = threading.RLock()
         self._handover_db: Handovers | None = None
         self._next_poll = 0.0
+        self._definition_rebuilt = False  # on_definition_change = "rebuild" rebuilt this sink's view
 
     @property
     def name(self) -> str:
@@ -278,7 +279,7 @@ class Follower:
                 self._auto_rebuild()
                 plan = self.plan
             built_by = self._shared.setdefault("fingerprint", reg.fingerprint if reg is not None else None)
-            if reg is not None and not created and built_by != spec.fingerprint():
+            if reg is not None and not created and built_by != spec.fingerprint() and not self._definition_rebuilt:
                 if self.on_definition_change != "rebuild":
                     raise ConfigError(
                         f"projection {spec.name!r} changed since its view was built (definition fingerprint "
@@ -289,6 +290,7 @@ class Follower:
                             "on_definition_change = 'rebuild': rebuilding it now (new build beside the live view, "
                             "then swap)", self.name)
                 self._auto_rebuild()
+                self._definition_rebuilt = True  # a retried start does not rebuild it again
                 plan = self.plan
         generation = _record(rt, plan, new_generation=created, replayed=False)
         positions = sink.read_positions(self.target)
@@ -607,7 +609,7 @@ class Follower:
         generation = _record(rt, plan, new_generation=True, replayed=True)
         db.finish(spec.name, name, "swapped", generation=generation)
         self.handovers += 1
-        log.info("follower %s: took the rebuilt view from the replay (%d records caught up) and swapped it in "
+        log.info("follower %s: took the rebuilt view from the replay (caught it up by %d offsets) and swapped it in "
                  "(generation %d); following on", self.name, moved, generation)
 
     def _reopen(self) -> None:
