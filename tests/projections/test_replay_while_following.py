@@ -60,10 +60,10 @@ class WriterLoop:
         assert self.error is None, f"the writer loop failed: {self.error!r}"
 
 
-@pytest.fixture(params=["postgres", "redis"])
+@pytest.fixture(params=["postgres", "redis", "search"])
 def sink_rt(request: pytest.FixtureRequest, spark: Any, embedded_log: Any, pg_dsn: str, tmp_path: Path) -> Any:
-    """(sink name, runtime): the view in PostgreSQL, or in Redis (the registry and the offers stay in the
-    PostgreSQL views database)."""
+    """(sink name, runtime): the view in PostgreSQL, Redis or OpenSearch (the registry and the offers stay
+    in the PostgreSQL views database)."""
     from kappaflow.projections.runtime import Runtime
     from kappaflow.projections.sinks.postgres import PostgresSink
 
@@ -73,6 +73,10 @@ def sink_rt(request: pytest.FixtureRequest, spark: Any, embedded_log: Any, pg_ds
         from kappaflow.projections.sinks.redis import RedisSink
 
         sinks["redis"] = RedisSink(request.getfixturevalue("redis_server").url)
+    if request.param == "search":
+        from kappaflow.projections.sinks.search import SearchSink
+
+        sinks["search"] = SearchSink(request.getfixturevalue("search_server").url)
     rt = Runtime(spark, str(embedded_log.path), pg, dsn=pg_dsn, checkpoint_dir=tmp_path / "ckpt", sinks=sinks)
     try:
         yield request.param, rt
