@@ -173,9 +173,11 @@ def shadow_swapped(sink: Sink, shadow: Target) -> bool:
 
 def await_handover(
     handovers: Handovers, spec_name: str, sink_name: str, sink: Sink, shadow: Target, timeout_s: float
-) -> Offer:
+) -> Offer | None:
     """Step 6: wait (at most `timeout_s`) until the follower swapped the shadow in; HandoverFailed
-    (live view intact, shadow dropped unless it was swapped in) otherwise."""
+    (live view intact, shadow dropped unless it was swapped in) otherwise. None: the lock's holder
+    went away before it claimed the offer (a follower stopped, a dead process's lease ran out) and
+    `sink` took the projection's lock: the caller catches the shadow up and swaps it in itself."""
     deadline = time.monotonic() + timeout_s
     offer = handovers.get(spec_name, sink_name)
     while time.monotonic() < deadline:
@@ -199,6 +201,14 @@ def await_handover(
             "is unchanged and still followed"
         )
     if handovers.withdraw(spec_name, sink_name) or offer is None:
+        if sink.try_lock(spec_name):  # nobody follows it any more: the replay finishes as a plain one
+            log.info(
+                "projection %r in the %s sink: the lock's holder went away before taking the rebuilt view; "
+                "the replay swaps it in itself",
+                spec_name,
+                sink_name,
+            )
+            return None
         _drop(sink, shadow)
         if not sink.is_locked(spec_name):
             raise HandoverFailed(

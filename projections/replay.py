@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kappaflow.projections.api import Projection, ProjectionSpec
-from kappaflow.projections.engine import ProjectionBusy, apply_range, build, flatten, prepare
+from kappaflow.projections.engine import ProjectionBusy, apply_range, build, flatten, nest, prepare
 from kappaflow.projections.handover import SHADOW_LABEL, HandoverFailed, Handovers, await_handover, build_lock_name
 from kappaflow.projections.joins.stage import drop as join_drop
 from kappaflow.projections.joins.stage import swap as join_swap
@@ -277,9 +277,13 @@ def hand_over(
             log.info("replay %s: the %s view is followed: handing the rebuilt view over to its follower",
                      spec.name, name)
             try:
-                await_handover(db, spec.name, name, sink, shadows[name], timeout_s)
+                taken = await_handover(db, spec.name, name, sink, shadows[name], timeout_s)
             except HandoverFailed as exc:
                 failed = failed or exc
+                continue
+            if taken is None:  # the follower went away first and the lock is ours: as a plain replay
+                out[name].rows = _finish_alone(plan, rt, sink, shadows[name], catch_up_rounds)
+                _record(rt, plan, new_generation=True, replayed=True)
                 continue
             live = sink.live(plan.view)
             out[name].rows = sink.count(live) if live is not None else 0
@@ -323,6 +327,23 @@ def _copy_mirrors(
         for s in sources.values():
             s.close()
     return out, positions
+
+
+def _finish_alone(plan: Plan, rt: Runtime, sink: Sink, shadow: Target, catch_up_rounds: int) -> int:
+    """Steps 4-5 for a handover shadow whose follower went away (the caller holds the lock now): catch
+    it up from its stored positions, swap it in; the live view's row count."""
+    spec = plan.spec
+    log_ = rt.reader()
+    partitions = {t: log_.partitions(t) for t in spec.topics}
+    for _ in range(max(catch_up_rounds, 1)):
+        start = nest(sink.read_positions(shadow), spec.topics, partitions)
+        end = rt.read_end(spec.topics, spec.consistency)
+        if all(end[t].get(p, 0) <= o for t, parts in start.items() for p, o in parts.items()):
+            break
+        apply_range(plan, rt, shadow, start, end, sink=sink)
+    join_swap(plan.join, rt, sink, shadow)
+    live = sink.live(plan.view)
+    return sink.count(live) if live is not None else 0
 
 
 def replay(

@@ -263,3 +263,47 @@ def test_on_definition_change_values_are_checked_at_load(tmp_path: Path) -> None
         as_spec(p)
     p.on_definition_change = "rebuild"
     assert as_spec(p).on_definition_change == "rebuild"
+
+
+def test_a_lock_holder_that_goes_away_before_claiming_leaves_the_swap_to_the_replay(
+    rt: Any, embedded_log: Any, pg_dsn: str
+) -> None:
+    """The follow lock is held by a process that takes no offer (and then goes away, as a killed holder
+    whose lock is released): the replay takes the lock and swaps its view in itself."""
+    from kappaflow.projections.sinks.postgres import PostgresSink
+
+    w = TableWriter(embedded_log, orders_schema("rwg"), partitions=2)
+    random_history(w, seed=29, n=80)
+    proj = defs.custom("rwg", name="rwg_changes")
+    holder = PostgresSink(pg_dsn)
+    assert holder.try_lock(proj.name)
+    outcome: list[Any] = []
+
+    def run_replay() -> None:
+        try:
+            outcome.append(replay(proj, rt, handover_timeout_s=120))
+        except BaseException as exc:
+            outcome.append(exc)
+
+    t = threading.Thread(target=run_replay, name="replay", daemon=True)
+    t.start()
+    try:
+        with psycopg.connect(pg_dsn, autocommit=True) as conn:
+
+            def offered() -> bool:
+                row = conn.execute("SELECT state FROM kappaflow.handovers WHERE projection = %s", (proj.name,))
+                found = row.fetchone()
+                return bool(found and found[0] == "ready")
+
+            wait(lambda: offered() or not t.is_alive(), 180, "the replay to offer its view")
+        assert t.is_alive(), f"the replay ended before offering its view: {outcome}"
+    finally:
+        holder.close()  # the holder goes away: its session lock with it
+    t.join(timeout=120)
+    assert not t.is_alive(), "the replay did not finish"
+    assert len(outcome) == 1 and not isinstance(outcome[0], BaseException), outcome
+    assert not outcome[0].sinks["postgres"].handed_over
+    rows = view_rows(pg_dsn, proj.name, "id, customer_id, changes")
+    assert {r[0]: (r[1], r[2]) for r in rows} == changes_reference(embedded_log, w.topic)
+    with PostgresSink(pg_dsn) as other:
+        assert other.try_lock(proj.name), "the replay kept the projection's lock"
