@@ -480,6 +480,10 @@ class FollowConfig(_Model):
 
     # "module:Class" or "module" (every projection class it offers), as on the command line
     projections: list[str] = Field(default_factory=list)
+    # what a follower does at start when a projection's definition changed since its view was built
+    # (its fingerprint differs): "fail" (stop, say to replay) or "rebuild" (rebuild it blue/green, then
+    # follow); a projection's own ``on_definition_change`` wins
+    on_definition_change: Literal["fail", "rebuild"] = "fail"
 
 
 class UiConfig(_Model):

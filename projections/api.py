@@ -301,7 +301,11 @@ class Projection:
     and widens widened ones in place; ``"rebuild"``, the default otherwise, stops the follower
     with a message naming the change when the view would change, until ``kappaflow replay``;
     ``"fail"`` stops it on any change) and ``auto_rebuild`` (True: the follower rebuilds the
-    view itself, blue/green, where it would stop for a rebuild, then follows on).
+    view itself, blue/green, where it would stop for a rebuild, then follows on) and
+    ``on_definition_change`` (what a follower does at start when this class changed since its view
+    was built, i.e. its fingerprint differs: ``"fail"`` stops with a message to replay, ``"rebuild"``
+    rebuilds the view itself, blue/green, then follows; None, the default: the runtime's
+    ``[follow] on_definition_change``, itself ``"fail"`` unless set).
     """
 
     name: ClassVar[str]
@@ -323,6 +327,7 @@ class Projection:
     window: ClassVar[Window | None] = None
     on_schema_change: ClassVar[str | None] = None  # None: the fold kind's default
     auto_rebuild: ClassVar[bool] = False
+    on_definition_change: ClassVar[str | None] = None  # None: the runtime's ([follow] on_definition_change)
 
     def apply(self, row: dict[str, Any] | None, event: Event) -> dict[str, Any] | None:
         """Custom fold: the view row after `event` (None removes it). Override to use."""
@@ -425,6 +430,9 @@ class ProjectionSpec:
     # view meets a change, never what a replay of the log gives.
     on_schema_change: str = field(default="rebuild", compare=False)
     auto_rebuild: bool = field(default=False, compare=False)
+    # what a follower does when the definition changed since the view was built ("fail" / "rebuild";
+    # None: the follower's own setting). Not part of the fingerprint, like the schema policy.
+    on_definition_change: str | None = field(default=None, compare=False)
 
     def view_options(self) -> dict[str, Any]:
         """``ViewSpec.options`` for the sinks: ``{"search": {...}, "redis": {...}}`` (validated names).
@@ -615,6 +623,10 @@ class ProjectionSpec:
                             consistency=consistency, lookups=lookups)
         nested = parse_nested(where, attr("nested"), [s.topic for s in sources])
         policy, auto_rebuild = _schema_policy(where, attr("on_schema_change"), attr("auto_rebuild"), fold)
+        on_definition_change = attr("on_definition_change")
+        if on_definition_change is not None and on_definition_change not in ("fail", "rebuild"):
+            raise ConfigError(f"{where}: 'on_definition_change': expected 'fail' or 'rebuild' (or None: the "
+                              f"runtime's [follow] on_definition_change), got {on_definition_change!r}")
 
         module = getattr(klass, "__module__", None)
         spec = cls(
@@ -637,6 +649,7 @@ class ProjectionSpec:
             nested=nested,
             on_schema_change=policy,
             auto_rebuild=auto_rebuild,
+            on_definition_change=on_definition_change,
         )
         if lookups:
             strategy = spec.strategy

@@ -320,6 +320,23 @@ def sink_rejections(
     return out
 
 
+def swap_in(plan: Plan, rt: Runtime, sink: Sink, shadow: Target) -> Target:
+    """Make `shadow` the live view together with the state its input stage keeps beside it (a join's
+    state, an as-of history): replay, a follower taking a handover and a replay finishing one alone
+    all swap through here, so none of them can swap a view without its state."""
+    if plan.asof is not None:  # the view and its as-of state swap in one transaction
+        return asof_stage.swap(plan.asof, sink, shadow)
+    return join_stage.swap(plan.join, rt, sink, shadow)  # plain sink.swap without lookups
+
+
+def drop_state(plan: Plan, rt: Runtime, sink: Sink, target: Target) -> None:
+    """Drop the input-stage state kept beside `target` (a failed shadow's, a verify scratch's); the
+    caller drops the view itself."""
+    join_stage.drop(plan.join, rt, sink, target)
+    if plan.asof is not None:
+        asof_stage.drop(plan.asof, sink, target)
+
+
 def apply_range(
     plan: Plan, rt: Runtime, target: Target, start: Offsets, end: Offsets, sink: Sink | None = None
 ) -> BatchResult:
@@ -339,8 +356,10 @@ __all__ = [
     "apply_batch",
     "apply_range",
     "build",
+    "drop_state",
     "flatten",
     "prepare",
     "sink_rejections",
+    "swap_in",
     "watermark",
 ]

@@ -35,7 +35,14 @@ PostgreSQL's; failures back off and restart the same way.
 
 One follower per projection and sink: the follower holds the sink's projection lock
 (``Sink.try_lock``: a PostgreSQL advisory lock, a Redis / search lease) for its lifetime;
-it is released when the process dies, kill -9 included.
+it is released when the process dies, kill -9 included. A replay of a followed projection
+therefore builds without that lock and offers its rebuilt view; the follower's supervisor
+looks for an offer between batches and takes it (``handover.py``: catch-up and swap under the
+follower's lock, then the same query follows the new view).
+
+Definition changes: at start, a view built by another definition of the projection (registry
+fingerprint) stops the follower (``on_definition_change = "fail"``, the default) or is rebuilt
+by it, blue/green, before it follows (``"rebuild"``).
 """
 
 from __future__ import annotations
@@ -58,8 +65,17 @@ from pyspark.sql import functions as F
 from kappaflow.errors import ConfigError, KappaflowError, Retry, SinkError
 from kappaflow.logs import describe
 from kappaflow.projections.api import Projection, ProjectionSpec
-from kappaflow.projections.engine import BatchResult, ProjectionBusy, apply_batch, nest, prepare
+from kappaflow.projections.engine import (
+    BatchResult,
+    ProjectionBusy,
+    apply_batch,
+    apply_range,
+    nest,
+    prepare,
+    swap_in,
+)
 from kappaflow.projections.folds import strategy_for
+from kappaflow.projections.handover import DEFINITION_POLICIES, HANDOVER_POLL_S, Handovers
 from kappaflow.projections.mirror import is_mirror, open_source, sync
 from kappaflow.projections.replay import _record, as_spec
 from kappaflow.projections.schema_watch import (
@@ -71,7 +87,7 @@ from kappaflow.projections.schema_watch import (
     needs_rebuild_message,
     refused_message,
 )
-from kappaflow.projections.sinks.base import ViewSchemaMismatch
+from kappaflow.projections.sinks.base import Target, ViewSchemaMismatch
 from kappaflow.projections.sinks.errors import SinkStateLostError
 
 log = logging.getLogger("kappaflow.projections")
@@ -112,7 +128,9 @@ def parse_trigger(text: str) -> str:
 class Follower:
     """A running follow of one projection into one sink. ``start()``, then ``stop()`` or ``run_until(...)``.
 
-    `sink` names the sink (default: the projection's only sink, else its first)."""
+    `sink` names the sink (default: the projection's only sink, else its first).
+    `on_definition_change` ("fail" / "rebuild"): what to do at start when the view was built by
+    another definition of the projection; the projection's own ``on_definition_change`` wins."""
 
     def __init__(
         self,
@@ -127,8 +145,18 @@ class Follower:
         max_restarts: int = 20,
         backoff_s: float = 1.0,
         max_backoff_s: float = 60.0,
+        on_definition_change: str = "fail",
+        _shared: dict[str, Any] | None = None,
     ) -> None:
         self.spec = as_spec(projection)
+        if on_definition_change not in DEFINITION_POLICIES:
+            raise ConfigError(f"on_definition_change: expected one of {list(DEFINITION_POLICIES)}, "
+                              f"got {on_definition_change!r}")
+        # the projection's own setting wins over the runtime's ([follow] on_definition_change)
+        self.on_definition_change = self.spec.on_definition_change or on_definition_change
+        # shared by the followers of one projection (FollowerGroup): the registry's fingerprint as the
+        # first of them read it, so every sink is rebuilt after a definition change, not only the first
+        self._shared: dict[str, Any] = _shared if _shared is not None else {}
         self.rt = rt
         self.sink_name = sink or self.spec.sinks[0]
         rt.sinks_for(self.spec, [self.sink_name])  # a clear error now if it is not configured
@@ -156,6 +184,12 @@ class Follower:
         self._ckpt: str | None = None  # the running query's checkpoint directory
         self.schema_changes: list[str] = []  # source schema changes taken (followed or evolved), in order
         self._rebuild_pending = False  # auto_rebuild: the next restart rebuilds the view first
+        self.handovers = 0  # rebuilt views taken from a replay and swapped in (handover.py)
+        # a batch and a handover never run at once: the handover swaps the view the batch writes
+        self._batch_mutex = threading.RLock()
+        self._handover_db: Handovers | None = None
+        self._next_poll = 0.0
+        self._definition_rebuilt = False  # on_definition_change = "rebuild" rebuilt this sink's view
 
     @property
     def name(self) -> str:
@@ -251,11 +285,20 @@ class Follower:
                             self.name, reg.needs_rebuild)
                 self._auto_rebuild()
                 plan = self.plan
-            if reg is not None and not created and reg.fingerprint != spec.fingerprint():
-                raise ConfigError(
-                    f"projection {spec.name!r} changed since its view was built (definition fingerprint differs); "
-                    f"rebuild it with `kappaflow replay {spec.class_path or spec.name}` before following"
-                )
+            built_by = self._shared.setdefault("fingerprint", reg.fingerprint if reg is not None else None)
+            if reg is not None and not created and built_by != spec.fingerprint() and not self._definition_rebuilt:
+                if self.on_definition_change != "rebuild":
+                    raise ConfigError(
+                        f"projection {spec.name!r} changed since its view was built (definition fingerprint "
+                        f"differs); rebuild it with `kappaflow replay {spec.class_path or spec.name}` before "
+                        "following, or set on_definition_change = \"rebuild\" (projection or [follow])"
+                    )
+                log.warning("follower %s: the projection's definition changed since its view was built; "
+                            "on_definition_change = 'rebuild': rebuilding it now (new build beside the live view, "
+                            "then swap)", self.name)
+                self._auto_rebuild()
+                self._definition_rebuilt = True  # a retried start does not rebuild it again
+                plan = self.plan
         generation = _record(rt, plan, new_generation=created, replayed=False)
         positions = sink.read_positions(self.target)
         log_ = rt.reader()
@@ -378,6 +421,10 @@ class Follower:
         log.info("follower %s: took the projection lock again", self.name)
 
     def _batch(self, df: DataFrame, batch_id: int) -> None:
+        with self._batch_mutex:
+            self._run_batch(df, batch_id)
+
+    def _run_batch(self, df: DataFrame, batch_id: int) -> None:
         started = time.monotonic()
         try:
             spec = self.spec
@@ -447,6 +494,8 @@ class Follower:
         while not self._stopping.wait(0.1):
             q = self.query
             if q is None or q.isActive:
+                if q is not None:
+                    self._poll_handover()
                 continue
             exc = self.error or (q.exception() and RuntimeError(str(q.exception())))
             if exc is None:  # stopped without an error (by someone else): nothing to do
@@ -498,6 +547,77 @@ class Follower:
             except BaseException as again:  # still down: back off further
                 exc, what = again, "restart failed"
         return False
+
+    # --- handover: a replay's rebuilt view, caught up and swapped in between two batches ----------
+    def _poll_handover(self) -> None:
+        """Every ``HANDOVER_POLL_S``: take a rebuilt view a replay offers (``handover.py``)."""
+        if self._pg is not None or not self.rt.dsn or time.monotonic() < self._next_poll:
+            return
+        self._next_poll = time.monotonic() + HANDOVER_POLL_S
+        try:
+            if self._handover_db is None:
+                self._handover_db = Handovers(self.rt.dsn)
+            if self._handover_db.ready(self.spec.name, self.sink_name):
+                with self._batch_mutex:
+                    self._take_handover(self._handover_db)
+        except Exception as exc:  # the views database is down: batches fail and recover on their own
+            log.warning("follower %s: looking for a rebuilt view to take failed: %s", self.name, describe(exc))
+            db, self._handover_db = self._handover_db, None
+            if db is not None:
+                try:
+                    db.close()
+                except Exception:
+                    pass
+
+    def _take_handover(self, db: Handovers) -> None:
+        """Steps 4-5 of ``handover.py``: claim the offered shadow, fold the log from its positions up to
+        the live view's (per partition, the larger) into it, swap it in under this follower's lock and
+        record the new generation. A shadow of another definition is refused, with the reason."""
+        spec, rt, name = self.spec, self.rt, self.sink_name
+        offer = db.claim(spec.name, name)
+        if offer is None:  # withdrawn by the replay meanwhile
+            return
+        plan = self.plan
+        refusal = None
+        if offer.fingerprint != spec.fingerprint():
+            refusal = ("it runs another definition of the projection (fingerprint differs): restart it with the "
+                       "new one (with on_definition_change = 'rebuild' it rebuilds the view itself), or stop it "
+                       "and replay")
+        elif offer.view != plan.view.to_dict():
+            refusal = ("the rebuilt view's columns differ from the follower's (a source schema changed between "
+                       "them?): run the replay again")
+        if refusal is not None:
+            log.warning("follower %s: refused the rebuilt view offered by a replay: %s", self.name, refusal)
+            db.finish(spec.name, name, "refused", refusal)
+            return
+        shadow = Target(plan.view, offer.shadow, shadow=True)
+        try:
+            self._check_lock()
+            live = self.sink.read_positions(self.target)
+            built = self.sink.read_positions(shadow)
+            if not built:
+                raise SinkError(f"the rebuilt view {offer.shadow!r} has no stored positions (dropped?)")
+            end = {tp: max(live.get(tp, 0), built.get(tp, 0)) for tp in {*live, *built}}
+            moved = sum(end.values()) - sum(built.values())
+            if moved:
+                log_ = rt.reader()
+                partitions = {t: log_.partitions(t) for t in spec.topics}
+                apply_range(plan, rt, shadow, nest(built, spec.topics, partitions),
+                            nest(end, spec.topics, partitions), sink=self.sink)
+            self._check_lock()
+            swap_in(plan, rt, self.sink, shadow)
+        except Exception as exc:
+            reason = f"taking it failed: {describe(exc)}"
+            log.warning("follower %s: the rebuilt view offered by a replay: %s; following the live view on",
+                        self.name, reason)
+            db.finish(spec.name, name, "refused", reason)
+            return
+        self.target = self.sink.live(plan.view) or self.target
+        generation = _record(rt, plan, new_generation=True, replayed=True)
+        db.finish(spec.name, name, "swapped", generation=generation)
+        self.handovers += 1
+        log.info("follower %s: took the rebuilt view from the replay (caught it up by %d offsets) and swapped it in "
+                 "(generation %d); following on", self.name, moved, generation)
 
     def _reopen(self) -> None:
         """Fresh store connections for the batches (and a mirror's PostgreSQL reads): the old one
@@ -553,7 +673,7 @@ class Follower:
         return False
 
     def _release(self) -> None:
-        for attr in ("sink", "_lock_sink", "_pg"):
+        for attr in ("sink", "_lock_sink", "_pg", "_handover_db"):
             s = getattr(self, attr)
             if s is not None:
                 try:
@@ -706,7 +826,8 @@ class FollowerGroup:
     ) -> None:
         self.spec = as_spec(projection)
         selected = rt.sinks_for(self.spec, sinks)
-        self.followers = {name: Follower(self.spec, rt, sink=name, **kwargs) for name in selected}
+        shared: dict[str, Any] = {}
+        self.followers = {name: Follower(self.spec, rt, sink=name, _shared=shared, **kwargs) for name in selected}
 
     def __getitem__(self, sink: str) -> Follower:
         return self.followers[sink]

@@ -23,9 +23,7 @@ from dataclasses import dataclass, field
 
 from kappaflow.errors import ConfigError
 from kappaflow.projections.api import Projection, ProjectionSpec
-from kappaflow.projections.engine import apply_range, build, flatten, nest, prepare
-from kappaflow.projections.joins import asof_stage
-from kappaflow.projections.joins.stage import drop as join_drop
+from kappaflow.projections.engine import apply_range, build, drop_state, flatten, nest, prepare
 from kappaflow.projections.mirror import copy as copy_mirror
 from kappaflow.projections.mirror import is_mirror, open_source
 from kappaflow.projections.plan import Plan
@@ -127,9 +125,7 @@ def verify(
             end = new_end
         raise AssertionError("unreachable")
     finally:
-        join_drop(plan.join, rt, sink_, scratch)
-        if plan.asof is not None:
-            asof_stage.drop(plan.asof, sink_, scratch)
+        drop_state(plan, rt, sink_, scratch)
         sink_.drop(scratch)
 
 

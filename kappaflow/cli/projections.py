@@ -76,10 +76,16 @@ def replay(
     projection: Annotated[
         str, typer.Argument(help="module:Class of the projection, e.g. examples.shop:CustomerTotals")
     ],
-    wait: Annotated[float, typer.Option("--wait", help="Seconds to wait for a running follower to stop.")] = 0.0,
+    wait: Annotated[float, typer.Option(
+        "--wait", help="Seconds to wait for another replay (or a mirror's follower) to finish.")] = 0.0,
     sink: SinkOption = None,
+    handover_timeout: Annotated[float, typer.Option(
+        "--handover-timeout", help="Followed view: seconds to wait for its follower to take the rebuilt view.")] = 60.0,
 ) -> None:
-    """Rebuild a view from the log into a shadow in each of its sinks, catch up, swap it in atomically."""
+    """Rebuild a view from the log into a shadow in each of its sinks, catch up, swap it in atomically.
+
+    A view a follower keeps current is rebuilt beside it and handed over: the follower catches the
+    rebuilt view up and swaps it in between two batches, then follows it (no stop, nothing lost)."""
     from kappaflow.projections.replay import lock_sinks, replay_sinks, unlock_sinks
     from kappaflow.projections.replay import replay as run_replay
 
@@ -88,7 +94,10 @@ def replay(
     try:
         # The locks first: a followed projection is refused at once, not after Spark's start-up.
         selected = replay_sinks(spec, rt, sink)
-        lock_sinks(spec, selected, wait)
+        followed = lock_sinks(spec, selected, wait, handover=bool(rt.dsn))
+        if followed:
+            err_console.print(f"{spec.name} is followed in {', '.join(followed)}: building the new view beside "
+                              "the live one, then handing it over to the follower")
         try:
             _start_spark(ctx, rt)
             progress = Progress(
@@ -109,11 +118,13 @@ def replay(
                     secs = max(time.monotonic() - started, 1e-6)
                     progress.update(task, completed=done, total=max(total, 1), rate=f"{done / secs:,.0f} events/s")
 
-                res = run_replay(spec, rt, progress=report, sinks=sink, locked=True)
+                res = run_replay(spec, rt, progress=report, sinks=sink, locked=True, followed=followed,
+                                 handover_timeout_s=handover_timeout)
         finally:
             unlock_sinks(spec, list(selected.values()))
         per_sink = ", ".join(
             f"{k} {r.rows:,} rows" + (f" ({r.dead_letters} dead letters)" if r.dead_letters else "")
+            + (" (swapped in by its follower)" if r.handed_over else "")
             for k, r in res.sinks.items()
         )
         console.print(
@@ -162,7 +173,7 @@ def follow(
     rt = _runtime(ctx, spark=False)
     try:
         runtime = FollowRuntime(specs, rt, sinks=sink, trigger=trigger, max_records_per_batch=max_records,
-                                checkpoint=checkpoint)
+                                checkpoint=checkpoint, on_definition_change=s.follow.on_definition_change)
         for spec in specs:
             _refuse_if_locked(spec, {f.sink_name: rt.sink_for(spec.name, f.sink_name)
                                      for f in runtime.groups[spec.name].followers.values()})
