@@ -16,6 +16,7 @@ watermark of the end offsets), as grouped and custom views do.
 
 from __future__ import annotations
 
+import abc
 import contextlib
 import contextvars
 import time
@@ -38,7 +39,7 @@ from kappaflow.projections.sinks.errors import SinkStateLostError
 
 
 # --- where a target's join state lives -------------------------------------------------------------
-class StateHome:
+class StateHome(abc.ABC):
     """Where the join state of a sink's targets lives, and how its commits line up with the sink's
     (two homes, picked by the sink's capabilities, never its kind):
 
@@ -58,14 +59,17 @@ class StateHome:
         self.jp = jp
         self.sink = sink
 
+    @abc.abstractmethod
     def begin_build(self, target: Target, positions: Positions) -> JoinState:
         """Fresh, empty state for a build of `target` folded up to `positions` (inside ``build``)."""
         raise NotImplementedError
 
+    @abc.abstractmethod
     def build(self) -> contextlib.AbstractContextManager[Any]:
         """The transaction a replay's state load runs in."""
         raise NotImplementedError
 
+    @abc.abstractmethod
     def follow_state(self, target: Target, before: Positions) -> JoinState:
         """The state a batch of `target` starting at `before` folds into (created for a new view;
         inside the batch's transaction)."""
@@ -75,12 +79,14 @@ class StateHome:
     def batch(self) -> Iterator[None]:
         yield
 
-    def before_write(self, target: Target, after: Positions) -> None:
+    def before_write(self, target: Target, after: Positions) -> None:  # noqa: B027 - optional hook
         """The batch's state changes are final: called before the sink writes rows and positions."""
 
+    @abc.abstractmethod
     def swap(self, shadow: Target) -> Target:
         raise NotImplementedError
 
+    @abc.abstractmethod
     def drop(self, target: Target) -> None:
         raise NotImplementedError
 
