@@ -18,7 +18,7 @@ from kappaflow.projections.sinks.base import ViewColumn, ViewSchemaMismatch, Vie
 from kappaflow.projections.sinks.errors import SinkStateLostError
 from kappaflow.projections.sinks.search import (
     ElasticsearchClient,
-    SearchClient,
+    OpenSearchClient,
     SearchSink,
     _HttpError,
     derive_mapping,
@@ -60,10 +60,9 @@ def test_mapping_from_the_view_schema_with_overrides() -> None:
 
 
 # --- retries (pure logic: a scripted client) ---------------------------------------------------------
-class _ScriptedClient(SearchClient):
-    """Answers bulk requests from a script: an exception to raise, or per-item statuses."""
-
-    flavor = "opensearch"
+class _ScriptedClient(OpenSearchClient):
+    """The OpenSearch adapter with its bulk call answered from a script (an exception to raise, or
+    per-item statuses), to drive the sink's retry rules through exact 429/503 sequences."""
 
     def __init__(self, script: list[Any]) -> None:
         super().__init__(None)
