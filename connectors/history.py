@@ -15,11 +15,14 @@ writing history into a topic that will lose it. Shared by the PostgreSQL and MyS
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
+from typing import Any
+from urllib.parse import urlsplit
 
 from kappaflow.errors import ConfigError
 from kappaflow.log.base import CleanupPolicy, TopicConfig
 
-__all__ = ["check_existing_topics", "check_keep_history", "history_tables", "table_topic_config"]
+__all__ = ["check_existing_topics", "check_keep_history", "history_state", "history_tables", "history_topic_names",
+           "table_topic_config"]
 
 
 def check_keep_history(source: str, tables: list[str], keep_history: list[str]) -> None:
@@ -83,3 +86,27 @@ def check_existing_topics(source: str, existing: Mapping[str, TopicConfig], topi
         "cleanup.policy=delete,retention.ms=-1,retention.bytes=-1 (a replay of an as-of view still "
         "refuses a history with records missing)"
     )
+
+
+def history_topic_names(config: Any) -> dict[str, str]:
+    """keep_history table -> its topic, from a source config alone (no server): a bare table name is
+    in schema ``public`` (PostgreSQL) or the DSN's database (MySQL/MariaDB), as capture reads it."""
+    out = {}
+    for t in getattr(config, "keep_history", None) or ():
+        if "." not in t:
+            default = "public" if config.kind == "postgres" else urlsplit(config.dsn).path.lstrip("/")
+            t = f"{default}.{t}"
+        out[t] = f"{config.name}.{t}"
+    return out
+
+
+def history_state(config: TopicConfig | None) -> str:
+    """What `kappaflow source status` and `doctor` say of a keep_history table's topic."""
+    if config is None:
+        return "not created yet (capture creates it with cleanup.policy=delete)"
+    if config.compacted:
+        return "cleanup.policy=compact: compaction removes old versions (see sources.<name>.keep_history)"
+    if config.retention_ms not in (None, -1) or config.retention_bytes not in (None, -1):
+        return (f"cleanup.policy=delete with retention.ms={config.retention_ms}, "
+                f"retention.bytes={config.retention_bytes}: old versions are deleted")
+    return "every version kept (cleanup.policy=delete, no retention limit)"

@@ -195,6 +195,12 @@ def status(
             from kappaflow.cli.snapshot import ondemand_status
 
             info["ondemand"] = ondemand_status(src, log)
+        if getattr(src, "keep_history", None):  # whether those topics really keep every version
+            from kappaflow.connectors.history import history_state, history_topic_names
+
+            topics = log.list_topics()
+            info["keep_history"] = {topic: history_state(topics.get(topic))
+                                    for topic in history_topic_names(src).values()}
     if as_json:
         typer.echo(json.dumps(info, default=str))
         return

@@ -3,16 +3,22 @@ limit on Kafka), through capture and compaction; what capture refuses. Real Post
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import orjson
 import pytest
 from pg_helpers import capture, config, records
+from typer.testing import CliRunner
 
+from kappaflow.cli.app import app
 from kappaflow.config import Settings
+from kappaflow.doctor import Status, check_log
 from kappaflow.errors import ConfigError
 from kappaflow.log.base import CleanupPolicy, Log, TopicConfig
+from kappaflow.log.embedded import EmbeddedLog
 
 pytestmark = pytest.mark.integration
 
@@ -101,3 +107,35 @@ def test_keep_history_table_must_be_captured(tmp_path: Any, embedded_log: Log, p
     missing = f"public.{source_name}_nope"
     with pytest.raises(ConfigError, match=rf"sources\.{source_name}\.keep_history: \['{missing}'\] not captured"):
         capture(config(pg_dsn, source_name, [], keep_history=[missing]), embedded_log)
+
+
+def test_cli_moves_a_compacted_topic_to_keep_history(tmp_path: Path, pg_dsn: str, sql: Callable[..., Any],
+                                                     source_name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The fix capture's error names: `log delete`, capture again; `source status` and `doctor` show it."""
+    kept, other = _tables(sql, source_name)
+    topic = f"{source_name}.{kept}"
+    (tmp_path / "kappaflow.toml").write_text(
+        f'[log]\nurl = "log"\n\n[sources.{source_name}]\nkind = "postgres"\ndsn = "{pg_dsn}"\n'
+        f'tables = ["{kept}", "{other}"]\nkeep_history = ["{kept}"]\n')
+    settings = Settings.load(tmp_path / "kappaflow.toml")
+    cfg = settings.source(source_name)
+    monkeypatch.chdir(tmp_path)
+    with EmbeddedLog(tmp_path / "log") as log:
+        capture(config(pg_dsn, source_name, [kept, other]), log)  # before keep_history: compacted
+    res = CliRunner().invoke(app, ["source", "status", source_name, "--json"])
+    assert res.exit_code == 0, res.output
+    assert "compaction removes old versions" in json.loads(res.output)["keep_history"][topic]
+    with EmbeddedLog(tmp_path / "log") as log, pytest.raises(ConfigError, match=r"cleanup\.policy=compact"):
+        capture(cfg, log)
+    res = CliRunner().invoke(app, ["log", "delete", topic, "--yes"])
+    assert res.exit_code == 0 and f"deleted {topic}" in res.output, res.output
+    with EmbeddedLog(tmp_path / "log") as log:
+        capture(cfg, log)
+        assert not log.topic_config(topic).compacted
+    res = CliRunner().invoke(app, ["source", "status", source_name, "--json"])
+    assert json.loads(res.output)["keep_history"] == {topic: "every version kept (cleanup.policy=delete, no "
+                                                             "retention limit)"}, res.output
+    findings = {f.check: f for f in check_log(settings)}
+    assert findings[f"topic {topic}"].status is Status.OK, findings
+    res = CliRunner().invoke(app, ["log", "delete", "no.such.topic", "--yes"])
+    assert res.exit_code != 0 and "no.such.topic" in res.output
