@@ -21,19 +21,32 @@ from urllib.parse import urlsplit
 from kappaflow.errors import ConfigError
 from kappaflow.log.base import CleanupPolicy, TopicConfig
 
-__all__ = ["check_existing_topics", "check_keep_history", "history_state", "history_tables", "history_topic_names",
-           "table_topic_config"]
+__all__ = ["check_existing_topics", "check_keep_history", "default_schema", "history_state", "history_tables",
+           "history_topic_names", "table_topic_config"]
 
 
-def check_keep_history(source: str, tables: list[str], keep_history: list[str]) -> None:
-    """At load time: every listed table is captured (when the source names its tables), once.
+def default_schema(config: Any) -> str:
+    """Where a bare table name is, as capture reads it: schema ``public`` (PostgreSQL), the DSN's
+    database (MySQL/MariaDB)."""
+    return "public" if config.kind == "postgres" else urlsplit(config.dsn).path.lstrip("/")
+
+
+def _qualified(name: str, default: str) -> str:
+    return name if "." in name else f"{default}.{name}"
+
+
+def check_keep_history(source: str, tables: list[str], keep_history: list[str], default: str) -> None:
+    """At load time: every listed table is captured (when the source names its tables), once
+    (``default``: the schema or database of a bare name).
 
     ValueError (the config model's validator turns it into the file's ConfigError)."""
     where = f"sources.{source}.keep_history"
-    dupes = sorted({t for t in keep_history if keep_history.count(t) > 1})
+    names = [_qualified(t, default) for t in keep_history]
+    dupes = sorted({t for t in names if names.count(t) > 1})
     if dupes:
         raise ValueError(f"{where}: {dupes} listed more than once")
-    missing = [t for t in keep_history if tables and t not in tables]
+    captured = {_qualified(t, default) for t in tables}
+    missing = [t for t, q in zip(keep_history, names, strict=True) if tables and q not in captured]
     if missing:
         raise ValueError(f"{where}: {missing} not among the source's tables {tables}; a table must be "
                          "captured for its topic to keep its history (add it to tables)")
@@ -93,9 +106,7 @@ def history_topic_names(config: Any) -> dict[str, str]:
     in schema ``public`` (PostgreSQL) or the DSN's database (MySQL/MariaDB), as capture reads it."""
     out = {}
     for t in getattr(config, "keep_history", None) or ():
-        if "." not in t:
-            default = "public" if config.kind == "postgres" else urlsplit(config.dsn).path.lstrip("/")
-            t = f"{default}.{t}"
+        t = _qualified(t, default_schema(config))
         out[t] = f"{config.name}.{t}"
     return out
 

@@ -23,7 +23,7 @@ from urllib.parse import quote, urlsplit, urlunsplit
 import pydantic
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 
-from kappaflow.connectors.history import check_keep_history
+from kappaflow.connectors.history import check_keep_history, default_schema
 from kappaflow.connectors.outbox import OutboxSettings, check_outbox_tables
 from kappaflow.errors import ConfigError
 from kappaflow.projections.sinks.postgres.settings import PostgresSettings
@@ -196,7 +196,8 @@ class _DbSource(_SourceBase):
 
     @model_validator(mode="after")
     def _keep_history_captured(self) -> Self:
-        check_keep_history(self.name, self.tables, self.keep_history)
+        if self.keep_history:
+            check_keep_history(self.name, self.tables, self.keep_history, default_schema(self))
         return self
 
     @field_validator("dsn")

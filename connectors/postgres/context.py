@@ -90,7 +90,8 @@ class PgCapture:
                               f"{sorted(self.tables)}")
         try:
             # tables whose topics keep every version (connectors/history.py)
-            self.keep_history = history_tables(source, keep_history, self.tables)
+            self.keep_history = history_tables(
+                source, [".".join(slots.split_table_name(t)) for t in keep_history], self.tables)
             for qualified, mapper in self.mappers.items():
                 if qualified in self.tables:
                     mapper.bind_table(self.tables[qualified])  # an outbox checks its columns here
