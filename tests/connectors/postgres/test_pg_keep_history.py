@@ -95,14 +95,24 @@ def test_keep_history_refuses_a_retention_limit(kafka_log: Log, pg_dsn: str, sql
         capture(config(pg_dsn, source_name, [kept, other], keep_history=[kept]), kafka_log)
 
 
-def test_keep_history_table_must_be_captured(tmp_path: Any, embedded_log: Log, pg_dsn: str,
-                                             sql: Callable[..., Any], source_name: str) -> None:
+def test_keep_history_table_must_be_captured(tmp_path: Path, embedded_log: Log, pg_dsn: str, sql: Callable[..., Any],
+                                             source_name: str, monkeypatch: pytest.MonkeyPatch) -> None:
     kept, other = _tables(sql, source_name)
     (tmp_path / "kappaflow.toml").write_text(
         f'[sources.{source_name}]\nkind = "postgres"\ndsn = "{pg_dsn}"\ntables = ["{other}"]\n'
         f'keep_history = ["{kept}"]\n')
     with pytest.raises(ConfigError, match=rf"sources\.{source_name}\.keep_history: \['{kept}'\] not among"):
         Settings.load(tmp_path / "kappaflow.toml")
+    # `source add --keep-history` saves it, and refuses an uncaptured table the same way
+    (tmp_path / "kappaflow.toml").write_text("")
+    monkeypatch.chdir(tmp_path)
+    res = CliRunner().invoke(app, ["source", "add", source_name, "--postgres", pg_dsn, "--tables", f"{kept},{other}",
+                                   "--keep-history", kept, "--no-check"])
+    assert res.exit_code == 0, res.output
+    assert Settings.load(tmp_path / "kappaflow.toml").source(source_name).keep_history == [kept]  # type: ignore[union-attr]
+    res = CliRunner().invoke(app, ["source", "add", "other", "--postgres", pg_dsn, "--tables", other,
+                                   "--keep-history", kept, "--no-check"])
+    assert res.exit_code != 0 and "keep_history" in res.output and kept in res.output, res.output
     # a source capturing every table: checked against the server's tables when capture starts
     missing = f"public.{source_name}_nope"
     with pytest.raises(ConfigError, match=rf"sources\.{source_name}\.keep_history: \['{missing}'\] not captured"):
