@@ -21,8 +21,15 @@ from urllib.parse import urlsplit
 from kappaflow.errors import ConfigError
 from kappaflow.log.base import CleanupPolicy, TopicConfig
 
-__all__ = ["check_existing_topics", "check_keep_history", "default_schema", "history_state", "history_tables",
-           "history_topic_names", "table_topic_config"]
+__all__ = [
+    "check_existing_topics",
+    "check_keep_history",
+    "default_schema",
+    "history_state",
+    "history_tables",
+    "history_topic_names",
+    "table_topic_config",
+]
 
 
 def default_schema(config: Any) -> str:
@@ -48,8 +55,10 @@ def check_keep_history(source: str, tables: list[str], keep_history: list[str], 
     captured = {_qualified(t, default) for t in tables}
     missing = [t for t, q in zip(keep_history, names, strict=True) if tables and q not in captured]
     if missing:
-        raise ValueError(f"{where}: {missing} not among the source's tables {tables}; a table must be "
-                         "captured for its topic to keep its history (add it to tables)")
+        raise ValueError(
+            f"{where}: {missing} not among the source's tables {tables}; a table must be "
+            "captured for its topic to keep its history (add it to tables)"
+        )
 
 
 def history_tables(source: str, keep_history: Iterable[str], captured: Iterable[str]) -> frozenset[str]:
@@ -59,16 +68,19 @@ def history_tables(source: str, keep_history: Iterable[str], captured: Iterable[
     listed = list(keep_history)
     missing = [t for t in listed if t not in known]
     if missing:
-        raise ConfigError(f"sources.{source}.keep_history: {missing} not captured by source {source!r} "
-                          f"(it captures {sorted(known)}); remove them or capture them")
+        raise ConfigError(
+            f"sources.{source}.keep_history: {missing} not captured by source {source!r} "
+            f"(it captures {sorted(known)}); remove them or capture them"
+        )
     return frozenset(listed)
 
 
 def table_topic_config(partitions: int, *, keep_history: bool) -> TopicConfig:
     """A new table topic's config: compacted, or append-only with no retention limit."""
     if keep_history:
-        return TopicConfig(partitions=partitions, cleanup_policy=CleanupPolicy.DELETE,
-                           retention_ms=-1, retention_bytes=-1)
+        return TopicConfig(
+            partitions=partitions, cleanup_policy=CleanupPolicy.DELETE, retention_ms=-1, retention_bytes=-1
+        )
     return TopicConfig(partitions=partitions, cleanup_policy=CleanupPolicy.COMPACT)
 
 
@@ -83,8 +95,10 @@ def check_existing_topics(source: str, existing: Mapping[str, TopicConfig], topi
         if cfg.compacted:
             problems.append(f"topic {topic!r} (table {table}) exists with cleanup.policy=compact")
         elif cfg.retention_ms not in (None, -1) or cfg.retention_bytes not in (None, -1):
-            problems.append(f"topic {topic!r} (table {table}) deletes old records "
-                            f"(retention.ms={cfg.retention_ms}, retention.bytes={cfg.retention_bytes})")
+            problems.append(
+                f"topic {topic!r} (table {table}) deletes old records "
+                f"(retention.ms={cfg.retention_ms}, retention.bytes={cfg.retention_bytes})"
+            )
     if not problems:
         return
     names = " ".join(sorted({topics[t] for t in topics if topics[t] in existing}))
@@ -118,6 +132,8 @@ def history_state(config: TopicConfig | None) -> str:
     if config.compacted:
         return "cleanup.policy=compact: compaction removes old versions (see sources.<name>.keep_history)"
     if config.retention_ms not in (None, -1) or config.retention_bytes not in (None, -1):
-        return (f"cleanup.policy=delete with retention.ms={config.retention_ms}, "
-                f"retention.bytes={config.retention_bytes}: old versions are deleted")
+        return (
+            f"cleanup.policy=delete with retention.ms={config.retention_ms}, "
+            f"retention.bytes={config.retention_bytes}: old versions are deleted"
+        )
     return "every version kept (cleanup.policy=delete, no retention limit)"

@@ -30,8 +30,9 @@ def test_asof_replay_after_compaction_with_keep_history(spark: Any, pg_dsn: str,
     db = psycopg.connect(pg_dsn, autocommit=True)
     db.execute(f"CREATE TABLE {accounts} (id int PRIMARY KEY, holder text)")
     db.execute(f"CREATE TABLE {payments} (id int PRIMARY KEY, account_id int, amount bigint)")
-    cfg = PostgresSourceConfig(name=source, dsn=pg_dsn, tables=[accounts, payments], keep_history=[accounts],
-                               heartbeat_interval_s=0.5)
+    cfg = PostgresSourceConfig(
+        name=source, dsn=pg_dsn, tables=[accounts, payments], keep_history=[accounts], heartbeat_interval_s=0.5
+    )
     log_dir = tmp_path / "log"
     log = EmbeddedLog(log_dir)
     rt = Runtime(spark, str(log_dir), PostgresSink(pg_dsn), dsn=pg_dsn, checkpoint_dir=tmp_path / "ckpt")
@@ -45,8 +46,10 @@ def test_asof_replay_after_compaction_with_keep_history(spark: Any, pg_dsn: str,
             a = 1 + (i * 7 + rnd) % 3
             if i % 3 == 0:
                 name = f"h{a}-{rnd}-{i}"
-                db.execute(f"INSERT INTO {accounts} VALUES (%s, %s) ON CONFLICT (id) DO UPDATE SET holder = "
-                           "EXCLUDED.holder", (a, name))
+                db.execute(
+                    f"INSERT INTO {accounts} VALUES (%s, %s) ON CONFLICT (id) DO UPDATE SET holder = EXCLUDED.holder",
+                    (a, name),
+                )
                 holders[a] = name
             else:
                 pid += 1
@@ -59,8 +62,7 @@ def test_asof_replay_after_compaction_with_keep_history(spark: Any, pg_dsn: str,
         sources = [f"{source}.{payments}"]
         key = ["id"]
         schema = "id bigint, account_id int, amount bigint, acct_holder string"
-        as_of = [AsOf("account", f"{source}.{accounts}", on={"account_id": "id"}, columns=["holder"],
-                      prefix="acct_")]
+        as_of = [AsOf("account", f"{source}.{accounts}", on={"account_id": "id"}, columns=["holder"], prefix="acct_")]
 
         def apply(self, row: dict[str, Any] | None, event: Event) -> dict[str, Any] | None:
             return None if event.after is None else {k: event.after[k] for k in ("account_id", "amount", "acct_holder")}
@@ -76,8 +78,9 @@ def test_asof_replay_after_compaction_with_keep_history(spark: Any, pg_dsn: str,
         try:
             for rnd in (1, 2):
                 step(rnd)
-                assert f.wait_for(lambda s: f.caught_up() and len(view()) == len(want), 120), \
+                assert f.wait_for(lambda s: f.caught_up() and len(view()) == len(want), 120), (
                     f"follower did not catch up within 120 s (round {rnd})"
+                )
         finally:
             f.stop()
         followed = view()

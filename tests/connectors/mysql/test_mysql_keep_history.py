@@ -16,12 +16,17 @@ pytestmark = pytest.mark.integration
 
 def test_keep_history_on_mariadb(mariadb_server: Any, mariadb_db: str, embedded_log: Any, mh: Any) -> None:
     db = mariadb_db
-    mariadb_server.execute("CREATE TABLE h (id INT PRIMARY KEY, v VARCHAR(10))",
-                           "CREATE TABLE o (id INT PRIMARY KEY, v VARCHAR(10))",
-                           "INSERT INTO h VALUES (1,'v0')", "INSERT INTO o VALUES (1,'v0')", db=db)
+    mariadb_server.execute(
+        "CREATE TABLE h (id INT PRIMARY KEY, v VARCHAR(10))",
+        "CREATE TABLE o (id INT PRIMARY KEY, v VARCHAR(10))",
+        "INSERT INTO h VALUES (1,'v0')",
+        "INSERT INTO o VALUES (1,'v0')",
+        db=db,
+    )
     with pytest.raises(ConfigError, match=rf"sources\.src\.keep_history: \['{db}\.nope'\] not captured"):
-        mh.connector(mariadb_server, db, embedded_log, [f"{db}.h", f"{db}.o"],
-                     keep_history=["nope"]).run(until_caught_up=True)
+        mh.connector(mariadb_server, db, embedded_log, [f"{db}.h", f"{db}.o"], keep_history=["nope"]).run(
+            until_caught_up=True
+        )
     # a bare name is in the DSN's database, as in `tables`
     conn = mh.connector(mariadb_server, db, embedded_log, [f"{db}.h", f"{db}.o"], keep_history=["h"])
     conn.run(until_caught_up=True)
@@ -36,5 +41,6 @@ def test_keep_history_on_mariadb(mariadb_server: Any, mariadb_db: str, embedded_
     assert [orjson.loads(r.value)["after"]["v"] for r in mh.values(embedded_log, other)] == ["v3"]
     # the other table's topic exists compacted: listing it now is refused, with the fix
     with pytest.raises(ConfigError, match=rf"topic '{other}' \(table {db}\.o\) exists with cleanup\.policy=compact"):
-        mh.connector(mariadb_server, db, embedded_log, [f"{db}.h", f"{db}.o"],
-                     keep_history=["h", f"{db}.o"]).run(until_caught_up=True)
+        mh.connector(mariadb_server, db, embedded_log, [f"{db}.h", f"{db}.o"], keep_history=["h", f"{db}.o"]).run(
+            until_caught_up=True
+        )

@@ -48,7 +48,8 @@ def _versions(log: Log, topic: str) -> list[str | None]:
 
 @pytest.mark.parametrize("log_kind", ["embedded", "kafka"])
 def test_keep_history_topic_keeps_every_version_through_compaction(
-        request: pytest.FixtureRequest, log_kind: str, pg_dsn: str, sql: Callable[..., Any], source_name: str) -> None:
+    request: pytest.FixtureRequest, log_kind: str, pg_dsn: str, sql: Callable[..., Any], source_name: str
+) -> None:
     log: Log = request.getfixturevalue(f"{log_kind}_log")
     kept, other = _tables(sql, source_name)
     cfg = config(pg_dsn, source_name, [kept, other], keep_history=[kept])
@@ -75,7 +76,8 @@ def test_keep_history_topic_keeps_every_version_through_compaction(
 
 
 def test_keep_history_refuses_a_compacted_topic_and_says_what_to_do(
-        embedded_log: Log, pg_dsn: str, sql: Callable[..., Any], source_name: str) -> None:
+    embedded_log: Log, pg_dsn: str, sql: Callable[..., Any], source_name: str
+) -> None:
     kept, other = _tables(sql, source_name)
     capture(config(pg_dsn, source_name, [kept, other]), embedded_log)  # topics created compacted
     with pytest.raises(ConfigError) as err:
@@ -87,31 +89,53 @@ def test_keep_history_refuses_a_compacted_topic_and_says_what_to_do(
     assert f"{source_name}.{other}" not in msg
 
 
-def test_keep_history_refuses_a_retention_limit(kafka_log: Log, pg_dsn: str, sql: Callable[..., Any],
-                                                source_name: str) -> None:
+def test_keep_history_refuses_a_retention_limit(
+    kafka_log: Log, pg_dsn: str, sql: Callable[..., Any], source_name: str
+) -> None:
     kept, other = _tables(sql, source_name)
     kafka_log.create_topic(f"{source_name}.{kept}", TopicConfig(partitions=3, retention_ms=604_800_000))
     with pytest.raises(ConfigError, match=r"retention\.ms=604800000"):
         capture(config(pg_dsn, source_name, [kept, other], keep_history=[kept]), kafka_log)
 
 
-def test_keep_history_table_must_be_captured(tmp_path: Path, embedded_log: Log, pg_dsn: str, sql: Callable[..., Any],
-                                             source_name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_keep_history_table_must_be_captured(
+    tmp_path: Path,
+    embedded_log: Log,
+    pg_dsn: str,
+    sql: Callable[..., Any],
+    source_name: str,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     kept, other = _tables(sql, source_name)
     (tmp_path / "kappaflow.toml").write_text(
         f'[sources.{source_name}]\nkind = "postgres"\ndsn = "{pg_dsn}"\ntables = ["{other}"]\n'
-        f'keep_history = ["{kept}"]\n')
+        f'keep_history = ["{kept}"]\n'
+    )
     with pytest.raises(ConfigError, match=rf"sources\.{source_name}\.keep_history: \['{kept}'\] not among"):
         Settings.load(tmp_path / "kappaflow.toml")
     # `source add --keep-history` saves it, and refuses an uncaptured table the same way
     (tmp_path / "kappaflow.toml").write_text("")
     monkeypatch.chdir(tmp_path)
-    res = CliRunner().invoke(app, ["source", "add", source_name, "--postgres", pg_dsn, "--tables", f"{kept},{other}",
-                                   "--keep-history", kept, "--no-check"])
+    res = CliRunner().invoke(
+        app,
+        [
+            "source",
+            "add",
+            source_name,
+            "--postgres",
+            pg_dsn,
+            "--tables",
+            f"{kept},{other}",
+            "--keep-history",
+            kept,
+            "--no-check",
+        ],
+    )
     assert res.exit_code == 0, res.output
     assert Settings.load(tmp_path / "kappaflow.toml").source(source_name).keep_history == [kept]  # type: ignore[union-attr]
-    res = CliRunner().invoke(app, ["source", "add", "other", "--postgres", pg_dsn, "--tables", other,
-                                   "--keep-history", kept, "--no-check"])
+    res = CliRunner().invoke(
+        app, ["source", "add", "other", "--postgres", pg_dsn, "--tables", other, "--keep-history", kept, "--no-check"]
+    )
     assert res.exit_code != 0 and "keep_history" in res.output and kept in res.output, res.output
     # a source capturing every table: checked against the server's tables when capture starts
     missing = f"public.{source_name}_nope"
@@ -119,14 +143,16 @@ def test_keep_history_table_must_be_captured(tmp_path: Path, embedded_log: Log, 
         capture(config(pg_dsn, source_name, [], keep_history=[missing]), embedded_log)
 
 
-def test_cli_moves_a_compacted_topic_to_keep_history(tmp_path: Path, pg_dsn: str, sql: Callable[..., Any],
-                                                     source_name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_cli_moves_a_compacted_topic_to_keep_history(
+    tmp_path: Path, pg_dsn: str, sql: Callable[..., Any], source_name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The fix capture's error names: `log delete`, capture again; `source status` and `doctor` show it."""
     kept, other = _tables(sql, source_name)
     topic = f"{source_name}.{kept}"
     (tmp_path / "kappaflow.toml").write_text(
         f'[log]\nurl = "log"\n\n[sources.{source_name}]\nkind = "postgres"\ndsn = "{pg_dsn}"\n'
-        f'tables = ["{kept}", "{other}"]\nkeep_history = ["{kept}"]\n')
+        f'tables = ["{kept}", "{other}"]\nkeep_history = ["{kept}"]\n'
+    )
     settings = Settings.load(tmp_path / "kappaflow.toml")
     cfg = settings.source(source_name)
     monkeypatch.chdir(tmp_path)
@@ -143,8 +169,9 @@ def test_cli_moves_a_compacted_topic_to_keep_history(tmp_path: Path, pg_dsn: str
         capture(cfg, log)
         assert not log.topic_config(topic).compacted
     res = CliRunner().invoke(app, ["source", "status", source_name, "--json"])
-    assert json.loads(res.output)["keep_history"] == {topic: "every version kept (cleanup.policy=delete, no "
-                                                             "retention limit)"}, res.output
+    assert json.loads(res.output)["keep_history"] == {
+        topic: "every version kept (cleanup.policy=delete, no retention limit)"
+    }, res.output
     findings = {f.check: f for f in check_log(settings)}
     assert findings[f"topic {topic}"].status is Status.OK, findings
     res = CliRunner().invoke(app, ["log", "delete", "no.such.topic", "--yes"])
