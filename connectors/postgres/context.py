@@ -262,8 +262,9 @@ class PgCapture:
         if n is None:
             existing = self._existing.get(topic)
             if existing is None:  # created by the writer thread, before this batch's records
-                self.pending.creates.append(
-                    (topic, TopicConfig(partitions=self.partitions, cleanup_policy=mapper.cleanup_policy)))
+                cfg = (self.history_cfg if mapper.keep_history
+                       else TopicConfig(partitions=self.partitions, cleanup_policy=mapper.cleanup_policy))
+                self.pending.creates.append((topic, cfg))
             n = self.topic_partitions[topic] = existing.partitions if existing else self.partitions
         where_to = (topic, partition_for(m.record.key, n))
         if self.mapped_max_tail is not None and m.order <= self.mapped_max_tail:
