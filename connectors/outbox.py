@@ -85,6 +85,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import orjson
 from pydantic import BaseModel, ConfigDict, field_validator, model_validator
 
+from kappaflow.connectors.history import history_topic_names
 from kappaflow.deadletters import dead_letter_topic
 from kappaflow.errors import ConfigError, Retry, SourceError
 from kappaflow.log.base import Record
@@ -509,8 +510,9 @@ def router_for(config: Any) -> OutboxRouter | None:
 
 
 def append_only_topics(config: Any, log: Log, topics: Mapping[str, Any]) -> set[str]:
-    """The transaction topic, plus the outbox's event topics and dead-letter topic (cleanup ``delete``)."""
-    out = {f"{config.name}.transaction"}
+    """The transaction topic, the keep_history tables' topics, plus the outbox's event topics and
+    dead-letter topic (cleanup ``delete``)."""
+    out = {f"{config.name}.transaction"} | set(history_topic_names(config).values())  # keep_history tables
     router = router_for(config)
     if router is not None:
         out |= {t for t in topics if router.owns_topic(t)} | {router.dead_letter_topic}

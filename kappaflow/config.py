@@ -17,12 +17,13 @@ import re
 import tomllib
 from enum import Enum
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, Self
 from urllib.parse import quote, urlsplit, urlunsplit
 
 import pydantic
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 
+from kappaflow.connectors.history import check_keep_history, default_schema
 from kappaflow.connectors.outbox import OutboxSettings, check_outbox_tables
 from kappaflow.errors import ConfigError
 from kappaflow.projections.sinks.postgres.settings import PostgresSettings
@@ -189,6 +190,15 @@ class _DbSource(_SourceBase):
     provide_transaction_metadata: bool = False
     password: SecretStr | None = None
     password_env: str | None = None
+    # tables whose topics keep every version (cleanup.policy=delete, no retention limit) instead of
+    # being compacted: what an as-of enrichment (projections/joins/asof.py) needs of a looked-up table
+    keep_history: list[str] = Field(default_factory=list)
+
+    @model_validator(mode="after")
+    def _keep_history_captured(self) -> Self:
+        if self.keep_history:
+            check_keep_history(self.name, self.tables, self.keep_history, default_schema(self))
+        return self
 
     @field_validator("dsn")
     @classmethod
@@ -305,6 +315,14 @@ class LedgerSourceConfig(_PgLogicalSource):
     def _fixed_tables(cls, v: Any) -> Any:
         if v:
             raise ValueError("a ledger source always captures <schema_name>.events; remove this setting")
+        return v
+
+    @field_validator("keep_history")
+    @classmethod
+    def _history_kept(cls, v: list[str]) -> list[str]:
+        if v:
+            raise ValueError("a ledger source's stream topics keep every event already (cleanup.policy=delete); "
+                             "remove this setting")
         return v
 
     @property

@@ -19,6 +19,7 @@ from urllib.parse import urlsplit
 from rich.filesize import decimal
 
 from kappaflow.config import Settings, redact
+from kappaflow.connectors.history import history_state, history_topic_names
 from kappaflow.connectors.registry import source_kind
 from kappaflow.errors import KappaflowError, LogUnavailableError
 
@@ -73,7 +74,20 @@ def check_log(settings: Settings) -> Iterator[Finding]:
         yield ok(area, "reachable", f"{settings.log.url}: {len(topics)} topics")
         append_only = set[str]().union(*(source_kind(src).append_only_topics(src, log, topics)
                                           for src in settings.sources.values()))
+        history = {topic: src.name for src in settings.sources.values()
+                   for topic in history_topic_names(src).values()}
         for topic, cfg in sorted(topics.items()):
+            if topic in history:  # keep_history: delete policy and no retention limit (connectors/history.py)
+                state = history_state(cfg)
+                if cfg.keeps_everything:
+                    yield ok(area, f"topic {topic}", state)
+                else:
+                    yield fail(area, f"topic {topic}", f"{state}; sources.{history[topic]}.keep_history lists "
+                               "its table, so an as-of replay needs every version",
+                               f"kafka-configs.sh --alter --entity-type topics --entity-name {topic} --add-config "
+                               "cleanup.policy=delete,retention.ms=-1,retention.bytes=-1 (embedded log: "
+                               f"kappaflow log delete {topic}, then capture and kappaflow snapshot the table)")
+                continue
             want_compacted = _wants_compaction(settings, topic, append_only)
             if want_compacted is None or want_compacted == cfg.compacted:
                 continue

@@ -91,8 +91,10 @@ class LedgerRelay:
     def _partitions(self, topic: str) -> int:
         n = self._topics.get(topic)
         if n is None:
+            # every event counts: delete policy with no retention limit (Kafka's default deletes after 7 days)
             cfg = self.log.create_topic(topic, TopicConfig(partitions=self.partitions,
-                                                           cleanup_policy=CleanupPolicy.DELETE))
+                                                           cleanup_policy=CleanupPolicy.DELETE,
+                                                           retention_ms=-1, retention_bytes=-1))
             n = self._topics[topic] = cfg.partitions
         return n
 

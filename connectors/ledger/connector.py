@@ -58,6 +58,7 @@ __all__ = ["LedgerConnector", "LedgerRecordMapper", "ledger_status"]
 class LedgerRecordMapper(RecordMapper):
     """Events-table rows -> ledger event records (order = global position)."""
 
+    keep_history = True  # every event of a stream counts: no retention limit on Kafka either
     immutable_hint = ("Ledger events are immutable (a trigger refuses changes): someone altered the events "
                       "table with superuser rights. Run `kappaflow ledger verify` to find the damage.")
 

@@ -49,6 +49,7 @@ from kappaflow.connectors.base import (
     Connector,
     StopSignal,
 )
+from kappaflow.connectors.history import check_existing_topics, history_tables
 from kappaflow.connectors.mysql.engine import CaptureEngine
 from kappaflow.connectors.mysql.offset import MySQLOffset, SnapshotProgress
 from kappaflow.connectors.mysql.outbox import attach_outbox
@@ -90,8 +91,9 @@ class MySQLConnector(Connector):
                  heartbeat_interval_s: float = 10.0, decimal_mode: str = "string", partitions: int | None = None,
                  batch_records: int = 20_000, flush_interval_s: float = 0.5, progress_cb: Any = None,
                  threaded_writer: bool = True, fault: FaultHook | None = None, progress: bool | None = False,
-                 provide_transaction_metadata: bool = False) -> None:
+                 provide_transaction_metadata: bool = False, keep_history: list[str] | None = None) -> None:
         self.name = name
+        self.keep_history = list(keep_history or [])  # tables whose topics keep every version (connectors/history.py)
         self.provide_transaction_metadata = provide_transaction_metadata
         self.log = log
         self.args = parse_dsn(dsn, password)
@@ -125,7 +127,7 @@ class MySQLConnector(Connector):
                         snapshot_chunk_rows=cfg.snapshot_chunk_rows, heartbeat_interval_s=cfg.heartbeat_interval_s,
                         decimal_mode=cfg.decimal_mode,
                         provide_transaction_metadata=getattr(cfg, "provide_transaction_metadata", False),
-                        **options)
+                        keep_history=list(getattr(cfg, "keep_history", [])), **options)
         if getattr(cfg, "outbox", None) is not None:
             connector.outbox_config = cfg
         return connector
@@ -141,6 +143,21 @@ class MySQLConnector(Connector):
                                    position=f"{o.file}:{o.pos}", per_topic=dict(engine.writer.writer.per_topic))
 
     # -- setup -------------------------------------------------------------------------
+    def _history_topics(self, tracker: SchemaTracker, qualified: list[str]) -> dict[str, str]:
+        """keep_history table -> its topic, each among the captured tables and its existing topic
+        able to keep every version (``connectors/history.py``); ConfigError otherwise."""
+        names = []
+        for t in self.keep_history:
+            if "." not in t:  # like `tables`: a bare name is in the DSN's database
+                if not self.args.database:
+                    raise ConfigError(f"sources.{self.name}.keep_history: {t!r} has no database; write db.table")
+                t = f"{self.args.database}.{t}"
+            names.append(t)
+        listed = history_tables(self.name, names, qualified)
+        topics = {t: tracker.topic(*t.split(".", 1)) for t in sorted(listed)}
+        check_existing_topics(self.name, self.log.list_topics(), topics)
+        return topics
+
     def _resolve_tables(self, conn: Any, strict: bool = True) -> list[tuple[str, str]]:
         """The configured tables as (db, table); ``strict``: each must exist (first start only:
         later a table may have been dropped, and streaming must still pass its DROP)."""
@@ -208,6 +225,7 @@ class MySQLConnector(Connector):
                 offset.stream_start = {"file": server.binlog_file, "pos": server.binlog_pos,
                                        "gtid": server.gtid_executed}
                 offset.resnapshot = dict(offset.stream_start)  # and deletes what it does not read again
+        history = self._history_topics(tracker, qualified)
         partitions = self.partitions
         if partitions is None:
             partitions = 4
@@ -217,6 +235,7 @@ class MySQLConnector(Connector):
                                flush_interval_s=self.flush_interval_s, heartbeat_s=self.heartbeat_s,
                                offsets=offsets, threaded=self.threaded_writer, fault=self.fault,
                                transaction_metadata=self.provide_transaction_metadata)
+        engine.writer.history_topics = set(history.values())
         engine.writer.writer.summary = summary  # transactions and source lag, counted per batch
         if self.outbox_config is not None:
             try:  # checks the outbox tables' columns: a bad config stops here, before anything is read

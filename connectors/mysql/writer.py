@@ -32,6 +32,7 @@ from typing import Any
 import orjson
 
 from kappaflow.connectors.base import OP_HEADER, POSITION_HEADER, TrustedRecord
+from kappaflow.connectors.history import table_topic_config
 from kappaflow.connectors.mysql.schema_tracking import TableState
 from kappaflow.connectors.mysql.source_info import BinlogPosition
 from kappaflow.connectors.offsets import OffsetStore
@@ -79,6 +80,8 @@ class ChangeBatcher:
         self.tx_counts: dict[str, int] = {}
         self.transaction_topic: str | None = None  # connectors/transactions.py, when enabled
         self.outbox: Any = None  # connectors/mysql/outbox.MySQLOutbox: its tables' rows are routed there
+        # table topics created keeping every version (keep_history, connectors/history.py), not compacted
+        self.history_topics: set[str] = set()
 
     # -- topics ------------------------------------------------------------------------
     def ensure_topic(self, topic: str) -> int:
@@ -86,7 +89,7 @@ class ChangeBatcher:
         if n is None:
             existing = self.log.list_topics().get(topic)
             if existing is None:
-                cfg = TopicConfig(partitions=self.partitions, cleanup_policy=CleanupPolicy.COMPACT)
+                cfg = table_topic_config(self.partitions, keep_history=topic in self.history_topics)
                 existing = self.log.create_topic(topic, cfg, exist_ok=True)
             n = self._topic_parts[topic] = existing.partitions
         return n

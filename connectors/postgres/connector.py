@@ -129,7 +129,8 @@ class PostgresConnector(Connector):
         cap = PgCapture(source=cfg.name, dsn=dsn, log=self.log, tables=cfg.tables, key_columns=cfg.key_columns,
                         partitions=self.partitions, decimal_mode=cfg.decimal_mode,
                         writer_threaded=self.writer_threaded, fault=self.fault, mappers=self.mappers,
-                        transaction_metadata=getattr(cfg, "provide_transaction_metadata", False))
+                        transaction_metadata=getattr(cfg, "provide_transaction_metadata", False),
+                        keep_history=getattr(cfg, "keep_history", ()))
         self.summary = cap.summary
         repl: ReplicationConnection | None = None
         failed = False

@@ -17,6 +17,7 @@ import orjson
 import psycopg
 
 from kappaflow.connectors.base import CaptureSummary, TrustedRecord, tail_positions
+from kappaflow.connectors.history import check_existing_topics, history_tables, table_topic_config
 from kappaflow.connectors.offsets import OffsetStore, find_last
 from kappaflow.connectors.postgres import slots
 from kappaflow.connectors.postgres.mapping import MappedRecord, RecordMapper
@@ -61,7 +62,8 @@ class PgCapture:
     def __init__(self, *, source: str, dsn: str, log: Log, tables: Sequence[str],
                  key_columns: dict[str, list[str]], partitions: int, decimal_mode: str = "string",
                  writer_threaded: bool = True, fault: FaultHook | None = None,
-                 mappers: Mapping[str, RecordMapper] | None = None, transaction_metadata: bool = False) -> None:
+                 mappers: Mapping[str, RecordMapper] | None = None, transaction_metadata: bool = False,
+                 keep_history: Sequence[str] = ()) -> None:
         self.source = source
         # Debezium's transaction metadata topic (connectors/transactions.py), or None
         self.transaction_topic: str | None = transaction_topic(source) if transaction_metadata else None
@@ -87,6 +89,9 @@ class PgCapture:
             raise SourceError(f"record mapper(s) for {unknown}, which are not among the captured tables "
                               f"{sorted(self.tables)}")
         try:
+            # tables whose topics keep every version (connectors/history.py)
+            self.keep_history = history_tables(
+                source, [".".join(slots.split_table_name(t)) for t in keep_history], self.tables)
             for qualified, mapper in self.mappers.items():
                 if qualified in self.tables:
                     mapper.bind_table(self.tables[qualified])  # an outbox checks its columns here
@@ -95,7 +100,8 @@ class PgCapture:
             raise
         self.mapped_tails: dict[tuple[str, int], int] = {}  # (topic, partition) -> last order in the log
         self.mapped_max_tail: int | None = None  # orders above it need no duplicate check
-        self.topic_cfg = TopicConfig(partitions=partitions, cleanup_policy=CleanupPolicy.COMPACT)
+        self.topic_cfg = table_topic_config(partitions, keep_history=False)
+        self.history_cfg = table_topic_config(partitions, keep_history=True)
         self.topic_partitions: dict[str, int] = {}
         self.offsets = OffsetStore(log)
         self.schema_topic = schema_topic(source)
@@ -117,13 +123,15 @@ class PgCapture:
         log = self.log
         self._existing = log.list_topics()
         unmapped = [info for info in self.tables.values() if info.qualified not in self.mappers]
+        check_existing_topics(self.source, self._existing,
+                              {t.qualified: self.topic_of(t) for t in unmapped if t.qualified in self.keep_history})
         # a source whose tables are all mapped writes no change events, hence no schemas
         with_schemas = bool(unmapped) or not self.table_config
         if with_schemas and self.schema_topic not in self._existing:
             log.create_topic(self.schema_topic, TopicConfig(partitions=1, cleanup_policy=CleanupPolicy.COMPACT),
                              exist_ok=True)
         for info in unmapped:
-            self._ensure_topic(self.topic_of(info))
+            self._ensure_topic(self.topic_of(info), self.topic_config_for(info.qualified))
         tx = self.transaction_topic
         if tx is not None:
             cfg = self._existing.get(tx) or log.create_topic(tx, TRANSACTION_TOPIC_CONFIG, exist_ok=True)
@@ -167,11 +175,16 @@ class PgCapture:
     def topic_of(self, info: TableInfo) -> str:
         return f"{self.source}.{info.schema}.{info.name}"
 
-    def _ensure_topic(self, topic: str) -> int:
-        """Partition count of a table topic; created (compacted) when missing, else used as it is."""
+    def topic_config_for(self, qualified: str) -> TopicConfig:
+        """A new topic's config for table ``qualified``: compacted, or keeping history (keep_history)."""
+        return self.history_cfg if qualified in self.keep_history else self.topic_cfg
+
+    def _ensure_topic(self, topic: str, config: TopicConfig | None = None) -> int:
+        """Partition count of a table topic; created (compacted, or keeping history when ``config``
+        says so) when missing, else used as it is (``prepare_log`` checked the keep_history ones)."""
         n = self.topic_partitions.get(topic)
         if n is None:
-            cfg = self._existing.get(topic) or self.log.create_topic(topic, self.topic_cfg, exist_ok=True)
+            cfg = self._existing.get(topic) or self.log.create_topic(topic, config or self.topic_cfg, exist_ok=True)
             n = self.topic_partitions[topic] = cfg.partitions
         return n
 
@@ -191,7 +204,7 @@ class PgCapture:
             topic = self.topic_of(info)
             existing = self._existing.get(topic)
             if existing is None:  # created by the writer thread, before this batch's records
-                self.pending.creates.append((topic, self.topic_cfg))
+                self.pending.creates.append((topic, self.topic_config_for(qualified)))
             self.topic_partitions[topic] = existing.partitions if existing else self.partitions
         return info
 
@@ -249,8 +262,9 @@ class PgCapture:
         if n is None:
             existing = self._existing.get(topic)
             if existing is None:  # created by the writer thread, before this batch's records
-                self.pending.creates.append(
-                    (topic, TopicConfig(partitions=self.partitions, cleanup_policy=mapper.cleanup_policy)))
+                cfg = (self.history_cfg if mapper.keep_history
+                       else TopicConfig(partitions=self.partitions, cleanup_policy=mapper.cleanup_policy))
+                self.pending.creates.append((topic, cfg))
             n = self.topic_partitions[topic] = existing.partitions if existing else self.partitions
         where_to = (topic, partition_for(m.record.key, n))
         if self.mapped_max_tail is not None and m.order <= self.mapped_max_tail:

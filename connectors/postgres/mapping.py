@@ -54,6 +54,9 @@ class RecordMapper(abc.ABC):
 
     #: cleanup policy of the topics the mapper's records create (event topics: DELETE)
     cleanup_policy: CleanupPolicy = CleanupPolicy.DELETE
+    #: its topics keep every record for ever (on Kafka retention.ms/retention.bytes -1, else the
+    #: broker's default retention deletes them after 7 days): a ledger's streams, whose every event counts
+    keep_history: bool = False
     #: appended to the error raised when a mapped row is updated, deleted or truncated
     immutable_hint: str = ""
 

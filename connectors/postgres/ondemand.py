@@ -241,7 +241,7 @@ class PgOnDemand:
         if topic not in cap.topic_partitions:
             existing = cap.log.list_topics().get(topic)
             if existing is None:
-                cap.pending.creates.append((topic, cap.topic_cfg))
+                cap.pending.creates.append((topic, cap.topic_config_for(name)))
             cap.topic_partitions[topic] = existing.partitions if existing else cap.partitions
         # the stream may have met the table's Relation message while it was not captured: take it again
         for relid, rel in list(self.stream.relations.items()):

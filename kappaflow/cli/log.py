@@ -61,6 +61,37 @@ def _decoded(raw: bytes | None) -> Any:
         return raw.decode(errors="replace")
 
 
+@app.command("delete")
+def delete(
+    ctx: typer.Context,
+    topics: Annotated[list[str], typer.Argument(help="Topics to delete, with every record they hold.")],
+    yes: Annotated[bool, typer.Option("--yes", "-y", help="Do not ask for confirmation.")] = False,
+) -> None:
+    """Delete topics and their records (and the consumer groups' positions on them).
+
+    A topic's cleanup policy is fixed when it is created: to give a table's topic another one (e.g.
+    after adding the table to ``keep_history``), stop the capture, delete the topic, start the capture
+    (it creates the topic anew) and re-read the table with ``kappaflow snapshot``. The embedded log
+    refuses while a capture holds its writer lock.
+    """
+    from kappaflow.errors import KappaflowError
+
+    s = settings(ctx)
+    if not yes and not typer.confirm(f"delete {', '.join(topics)} and every record they hold?"):
+        fail("nothing deleted")
+    try:
+        with s.open_log() as log:
+            known = log.list_topics()
+            unknown = [t for t in topics if t not in known]
+            if unknown:
+                fail(f"unknown topic(s) {unknown}; nothing deleted (`kappaflow log topics` lists them)")
+            for topic in topics:
+                log.delete_topic(topic)
+                console.print(f"deleted {topic}", highlight=False, markup=False)
+    except KappaflowError as exc:
+        fail(str(exc), transient=exc.transient)
+
+
 @app.command("compact")
 def compact(
     ctx: typer.Context,

@@ -213,6 +213,9 @@ def remove_table(
     for line in lines:
         console.print(f"  {line}", highlight=False, markup=False)
     keep = [t for t in src.tables if mod.qualify(src, t) != name]
+    kept: list[str] = getattr(src, "keep_history", None) or []
+    if kept:  # a table no longer captured leaves keep_history (its topic stays)
+        src = src.model_copy(update={"keep_history": [t for t in kept if mod.qualify(src, t) != name]})
     path = _save_tables(ctx, src, keep)
     console.print(f"  {name} removed from source {source!r} in {path}; its topic stays in the log",
                   highlight=False, markup=False)

@@ -78,6 +78,9 @@ def add(
     password_env: Annotated[
         str | None, typer.Option("--password-env", help="Environment variable holding the password")
     ] = None,
+    keep_history: Annotated[str | None, typer.Option(
+        "--keep-history", help="Comma list of tables whose topics keep every version (cleanup.policy=delete): "
+        "what an as-of enrichment needs")] = None,
     snapshot_mode: Annotated[SnapshotMode, typer.Option("--snapshot-mode")] = SnapshotMode.INITIAL,
     outbox_table: Annotated[str | None, typer.Option(
         "--outbox-table", help="Comma list of outbox tables routed like Debezium's outbox event router "
@@ -118,6 +121,10 @@ def add(
         data["password_env"] = password_env
     if "topics" in fields:
         data["topics"] = _csv(topics)
+    if keep_history:
+        if kind not in ("postgres", "mysql"):
+            fail("--keep-history goes with --postgres or --mysql (a ledger's stream topics keep every event already)")
+        data["keep_history"] = _csv(keep_history)
     if ledger_schema is not None:
         data["schema_name"] = ledger_schema
     if outbox_table or outbox_message_prefix or outbox_option:
@@ -195,6 +202,12 @@ def status(
             from kappaflow.cli.snapshot import ondemand_status
 
             info["ondemand"] = ondemand_status(src, log)
+        if getattr(src, "keep_history", None):  # whether those topics really keep every version
+            from kappaflow.connectors.history import history_state, history_topic_names
+
+            topics = log.list_topics()
+            info["keep_history"] = {topic: history_state(topics.get(topic))
+                                    for topic in history_topic_names(src).values()}
     if as_json:
         typer.echo(json.dumps(info, default=str))
         return

@@ -83,6 +83,13 @@ class TopicConfig:
     # How long a tombstone stays readable after compaction sees it (Kafka's delete.retention.ms).
     delete_retention_ms: int = 86_400_000
     max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES
+    # Kafka's retention.ms / retention.bytes of a delete-policy topic: None leaves the broker's
+    # default (7 days / unlimited on Apache Kafka), -1 keeps every record for ever. The embedded log
+    # never deletes by age or size, so it keeps None. Not compared: a topic's retention is an
+    # operator's setting (kafka-configs.sh changes it in place), not part of its identity, and a
+    # broker reports its default as a number; callers that need a retention check it themselves.
+    retention_ms: int | None = field(default=None, compare=False)
+    retention_bytes: int | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.partitions, int) or self.partitions < 1:
@@ -102,10 +109,22 @@ class TopicConfig:
             raise ConfigError(
                 f"topic config 'max.message.bytes': expected an integer >= 1, got {self.max_record_bytes!r}"
             )
+        for key, value in (("retention.ms", self.retention_ms), ("retention.bytes", self.retention_bytes)):
+            if value is not None and (type(value) is not int or value < -1):
+                raise ConfigError(f"topic config {key!r}: expected None, -1 (no limit) or an integer >= 0, "
+                                  f"got {value!r}")
 
     @property
     def compacted(self) -> bool:
         return self.cleanup_policy is CleanupPolicy.COMPACT
+
+    @property
+    def keeps_everything(self) -> bool:
+        """Every record stays for ever: delete policy and no known age or size limit (-1, or None:
+        the backend's default, which is "for ever" only on the embedded log -- a Kafka log reports
+        its broker's numbers)."""
+        return (not self.compacted and self.retention_ms in (None, -1)
+                and self.retention_bytes in (None, -1))
 
 
 @dataclass(frozen=True, slots=True)

@@ -306,8 +306,9 @@ def _check_history(ap: AsOfPlan, tb: AsOfTable, raw: DataFrame) -> None:
             f"projection {ap.projection!r}: an as_of lookup needs every version of table topic {tb.topic!r}, "
             f"but records are missing from its history ({lost} records gone to compaction or retention); "
             f"a replay would enrich old events with later rows and differ from the view the follower made. "
-            f"Give that topic cleanup.policy=delete and retention.ms=-1 before capture creates it (Kafka), "
-            f"replay before compaction runs, or use a Lookup (current rows) instead"
+            f"List the table in its source's keep_history (kappaflow.toml [sources.<name>] keep_history = "
+            f'["schema.table"]) so capture creates the topic keeping every version, then delete the topic and '
+            f"re-read the table (`kappaflow log delete`, `kappaflow snapshot`); or use a Lookup (current rows)"
         )
 
 

@@ -87,6 +87,8 @@ def test_snapshot_then_streaming_exactly_once(ledger: Ledger, ledger_dsn: str, s
     for topic in (f"{source}.account", f"{source}.audit"):
         cfg_t = any_log.topic_config(topic)
         assert cfg_t.cleanup_policy is CleanupPolicy.DELETE and cfg_t.partitions == 3
+        if not isinstance(any_log, EmbeddedLog):  # Kafka: no retention limit (the broker's default is 7 days)
+            assert (cfg_t.retention_ms, cfg_t.retention_bytes) == (-1, -1)
     per_stream: dict[bytes, list[int]] = {}
     for _topic, p, _off, key, value, headers, _ts in recs:
         assert p == partition_for(key, 3)

@@ -221,18 +221,34 @@ def topic_config_from(name: str, partitions: int, value: Callable[[str], str | N
             raise ValidationError(
                 f"topic {name!r} config {key!r}: the broker reported {raw!r}, expected an integer"
             ) from None
+    retention: dict[str, int | None] = {}
+    for key in ("retention.ms", "retention.bytes"):
+        raw = value(key)
+        try:
+            retention[key] = None if raw is None else max(-1, int(raw))  # Kafka reads any negative as "no limit"
+        except ValueError:
+            raise ValidationError(
+                f"topic {name!r} config {key!r}: the broker reported {raw!r}, expected an integer"
+            ) from None
     return TopicConfig(partitions=partitions, cleanup_policy=policy,
                        delete_retention_ms=numbers["delete.retention.ms"],
-                       max_record_bytes=max(1, numbers["max.message.bytes"] - BATCH_FRAMING))
+                       max_record_bytes=max(1, numbers["max.message.bytes"] - BATCH_FRAMING),
+                       retention_ms=retention["retention.ms"], retention_bytes=retention["retention.bytes"])
 
 
 def creation_configs(config: TopicConfig) -> dict[str, str]:
     """The topic configs a new topic is created with (see `kafka_python.log` on max.message.bytes)."""
-    return {
+    configs = {
         "cleanup.policy": config.cleanup_policy.value,
         "delete.retention.ms": str(config.delete_retention_ms),
         "max.message.bytes": str(config.max_record_bytes + BATCH_FRAMING),
     }
+    # set only when asked for: None leaves the broker's default (log.retention.hours, 7 days)
+    if config.retention_ms is not None:
+        configs["retention.ms"] = str(config.retention_ms)
+    if config.retention_bytes is not None:
+        configs["retention.bytes"] = str(config.retention_bytes)
+    return configs
 
 
 def describe_key(key: bytes | None, limit: int = 80) -> str:

@@ -26,9 +26,13 @@ How each part of the contract maps onto Kafka:
   `segment.ms`); there is no on-demand call. `compact()` is a no-op returning empty stats and
   `supports_on_demand_compaction` is False so callers (and the contract suite) can tell.
 * **topic configs**: `cleanup.policy`, `delete.retention.ms` and `max.message.bytes` are set
-  at creation and read back with DescribeConfigs. `TopicConfig.max_record_bytes` limits one
-  record's payload (key + value + header keys and values), the same rule as the embedded
-  log, while Kafka's `max.message.bytes` limits a record *batch*. The topic therefore gets
+  at creation and read back with DescribeConfigs (`common.creation_configs` /
+  `common.topic_config_from`, shared with the confluent client); `retention.ms` and
+  `retention.bytes` too when the TopicConfig sets them (-1: kept for ever, for topics that keep
+  every version -- ``connectors/history.py``), else the broker's default applies.
+  `TopicConfig.max_record_bytes` limits one record's payload (key + value + header keys and
+  values), the same rule as the embedded log, while Kafka's `max.message.bytes` limits a record
+  *batch*. The topic therefore gets
   `max.message.bytes = max_record_bytes + 97` (the v2 framing of a batch holding one record:
   61-byte batch header, at most 21 bytes of record fields, 3 varints of at most 5 bytes) and
   reading the config back subtracts it again. Every record is checked before anything is
