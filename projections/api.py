@@ -619,7 +619,10 @@ class ProjectionSpec:
             raise ConfigError(f"{where}: 'consistency': expected 'transactions' (the default) or 'per_key', "
                               f"got {consistency!r}")
         lookups = parse_lookups(where, attr("lookups"), [s.topic for s in sources])
-        as_of = parse_as_of(where, attr("as_of"), sources=sources, kind=fold.kind, sinks=sinks,
+        from kappaflow.projections.folds import strategy_for
+
+        as_of = parse_as_of(where, attr("as_of"), sources=sources, kind=fold.kind,
+                            folds_events=strategy_for(fold).folds_events, sinks=sinks,
                             consistency=consistency, lookups=lookups)
         nested = parse_nested(where, attr("nested"), [s.topic for s in sources])
         policy, auto_rebuild = _schema_policy(where, attr("on_schema_change"), attr("auto_rebuild"), fold)
@@ -658,7 +661,7 @@ class ProjectionSpec:
                     "; an apply() fold folds events, so enrich each event with the row as it was then: "
                     "as_of = [AsOf(...)] with the same arguments (a lookup's current row would make a replay "
                     "differ from the follow that folded the same events earlier)"
-                    if spec.kind == "custom" else f"; a {spec.kind} fold over joined rows is not supported yet"
+                    if strategy.folds_events else f"; a {spec.kind} fold over joined rows is not supported yet"
                 )
                 raise ConfigError(
                     f"{where}: 'lookups': lookups feed the folds over current rows (latest-row and grouped "
@@ -668,8 +671,7 @@ class ProjectionSpec:
             if not spec.strategy.holds_nested:
                 raise ConfigError(
                     f"{where}: 'nested': a nested collection belongs to one document per driving row (a latest-row "
-                    f"view); it cannot be combined with a {spec.kind} fold"
-                    + (" ('aggregates')" if spec.kind == "grouped" else "")
+                    f"view); it cannot be combined with a {spec.kind} fold ({type(spec.fold).__name__})"
                 )
             flat = [s for s in sinks if not SINKS[s].holds_nested]
             if flat:

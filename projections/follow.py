@@ -560,8 +560,11 @@ class Follower:
             if self._handover_db.ready(self.spec.name, self.sink_name):
                 with self._batch_mutex:
                     self._take_handover(self._handover_db)
-        except Exception as exc:  # the views database is down: batches fail and recover on their own
-            log.warning("follower %s: looking for a rebuilt view to take failed: %s", self.name, describe(exc))
+        except Exception as exc:
+            # The views database is down: the batches fail, say so once per restart and recover on their
+            # own; a poll every 0.5 s saying it again would bury those lines (a replay waiting for this
+            # follower gives up after its --handover-timeout with its own message).
+            log.debug("follower %s: looking for a rebuilt view to take failed: %s", self.name, describe(exc))
             db, self._handover_db = self._handover_db, None
             if db is not None:
                 try:

@@ -148,6 +148,11 @@ class FoldStrategy(abc.ABC):
     """Only the latest record of each log key matters (declarative folds): the log is read with
     ``latestPerKey``, so a batch or a replay never carries superseded records."""
 
+    folds_events: ClassVar[bool] = False
+    """Each event reaches the fold once, in log order (``apply()``), not only the current row of its
+    key: what as-of enrichment (``Projection.as_of``: the looked-up row as it was at each event)
+    feeds, and what a lookup's current row cannot serve (a replay would differ from the follow)."""
+
     holds_nested: ClassVar[bool] = False
     """One view row per driving row, so a nested collection (``Projection.nested``: the child rows of
     that row as a list column) can be attached to it (latest-row views)."""

@@ -59,6 +59,7 @@ class CustomStrategy(FoldStrategy):
     fold: ClassVar[type[CustomFold]] = CustomFold
     priority: ClassVar[int] = 100
     reads_event_topics: ClassVar[bool] = True
+    folds_events: ClassVar[bool] = True
     evolves_in_place: ClassVar[bool] = True  # its view is the declared schema; state is the view row
 
     def claims(self, decl: Declaration) -> bool:

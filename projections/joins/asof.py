@@ -70,6 +70,7 @@ def parse_as_of(
     *,
     sources: Sequence[Any],
     kind: str,
+    folds_events: bool,
     sinks: Sequence[str],
     consistency: str,
     lookups: Sequence[Any],
@@ -125,7 +126,7 @@ def parse_as_of(
                     )
                 outs[o] = a.name
         out.append(a)
-    if kind != "custom":
+    if not folds_events:  # the fold's strategy says so (custom folds), not its kind's name
         raise ConfigError(
             f"{where}: 'as_of': as-of enrichment feeds custom folds (def apply(self, row, event)) over events; "
             f"this is a {kind} fold (for the current looked-up row use 'lookups')"
