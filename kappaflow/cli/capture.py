@@ -228,7 +228,7 @@ def capture(
     terminal = err_console.is_terminal
     summary = capture_command(name, until_caught_up, obj.get("config"), profile=obj.get("profile"),
                               progress=progress, echo=lambda m: err_console.print(stamp(m), markup=False,
-                                                                                  highlight=False),
+                                                                                  highlight=False, soft_wrap=True),
                               log_every_s=0.0 if terminal else log_every, metrics_port=metrics_port,
                               resnapshot=resnapshot, force=force)
     took = time.monotonic() - started
@@ -236,7 +236,9 @@ def capture(
             f"{summary.records:,} records, {summary.duplicates_skipped:,} duplicates skipped; "
             f"position {summary.position}, acknowledged {summary.acknowledged or '-'}; "
             f"{summary.stopped_reason} after {took:.1f}s")
-    console.print(line if console.is_terminal else stamp(line), markup=False, highlight=False)
+    # soft_wrap: a log line stays one line whatever width the console believes it has (COLUMNS set by
+    # a parent, a forced terminal): readers and tests match whole lines
+    console.print(line if console.is_terminal else stamp(line), markup=False, highlight=False, soft_wrap=True)
 
 
 def main(argv: list[str] | None = None) -> None:
