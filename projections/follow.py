@@ -743,11 +743,19 @@ class Follower:
         return sum(at for at, _ in parts.values()), sum(e for _, e in parts.values())
 
     def caught_up(self) -> bool:
-        """True when the stored positions reach the log's current end (False while not started)."""
+        """True when the stored positions reach the log's current end (False while not started).
+
+        False while a batch is running: its transaction may have committed the positions before
+        ``stats`` count it, and a caller that sees "caught up" reads ``stats`` next."""
         if self.target is None or self._lock_sink is None:
             return False
-        ends = self.rt.end_offsets(self.spec.topics)
-        pos = self._lock_sink.read_positions(self.target)  # not the batch connection (may be mid-transaction)
+        if not self._batch_mutex.acquire(blocking=False):
+            return False
+        try:
+            ends = self.rt.end_offsets(self.spec.topics)
+            pos = self._lock_sink.read_positions(self.target)  # not the batch connection (may be mid-transaction)
+        finally:
+            self._batch_mutex.release()
         return all(pos.get((t, p), 0) >= e for t, parts in ends.items() for p, e in parts.items())
 
     def run_forever(self, stop: threading.Event | None = None) -> None:

@@ -174,8 +174,48 @@ def spark() -> Iterator[Any]:
         session.stop()
 
 
+# The longest test files, longest first (seconds per file in a full run, `--durations`). The suite runs
+# on two pytest-xdist workers that take whole files (`--dist loadfile`, scripts/test.sh); a file handed
+# out last that runs for minutes leaves one worker idle for that long. Longest-first keeps both busy to
+# the end. Only an order: no test depends on another's (each file also passes alone).
+LONGEST_FIRST = (
+    "projections/test_replay_kill.py",
+    "projections/test_joins.py",
+    "projections/test_follow.py",
+    "projections/test_consistent_views.py",
+    "projections/test_follow_many.py",
+    "ledger/test_bank_consistency.py",
+    "cluster/test_standalone.py",
+    "projections/test_joins_documents.py",
+    "projections/test_follow_differential.py",
+    "projections/test_windows.py",
+    "monitoring/test_stack.py",
+    "projections/test_joins_nested.py",
+)
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _no_inherited_console_width() -> Iterator[None]:
+    """A pytest-xdist worker runs with COLUMNS=80 in its environment (seen; a plain pytest has none).
+    The CLI honours COLUMNS, as documented, so every `CliRunner` output would wrap at 80; the tests
+    check the output a pipe gets, which is whole lines. Tests that set a width do it themselves."""
+    saved = {k: os.environ.pop(k) for k in ("COLUMNS", "LINES") if k in os.environ}
+    yield
+    os.environ.update(saved)
+
+
+def _file_rank(item: pytest.Item) -> int:
+    path = item.path.as_posix()
+    for rank, suffix in enumerate(LONGEST_FIRST):
+        if path.endswith("tests/" + suffix):
+            return rank
+    return len(LONGEST_FIRST)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Tests using a server fixture are integration tests even when not marked by hand."""
+    """Tests using a server fixture are integration tests even when not marked by hand; the longest
+    files run first (stable: the rest keep their collection order)."""
+    items.sort(key=_file_rank)
     server_fixtures = {"pg_server", "pg_dsn", "mariadb_server", "mariadb_db", "redis_server",
                        "search_server", "kafka_broker", "kafka_log", "any_log", "spark"}
     for item in items:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from typing import NoReturn
 
 import typer
@@ -12,13 +13,17 @@ from kappaflow.config import Settings, redact
 
 class _Console(Console):
     """Not on a terminal (piped, redirected, in a log file) lines are never cut or wrapped at 80 columns:
-    a table cell's fix or a JSON record must reach the reader whole. COLUMNS still wins when set."""
+    a table cell's fix or a JSON record must reach the reader whole. COLUMNS still wins when set --
+    read when printing, not when this module was imported (a worker process that imported it while
+    COLUMNS=80 was set must not wrap every later line at 80)."""
 
     @property
     def size(self) -> ConsoleDimensions:
         size = super().size
-        if not self.is_terminal and self._width is None:
-            return ConsoleDimensions(1_000_000, size.height)
+        if not self.is_terminal:
+            columns = os.environ.get("COLUMNS", "")
+            width = int(columns) if columns.isdigit() and int(columns) > 0 else 1_000_000
+            return ConsoleDimensions(width, size.height)
         return size
 
     @size.setter
