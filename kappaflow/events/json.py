@@ -385,8 +385,8 @@ class EventCodec:
     """
 
     __slots__ = (
-        "_connect_cache", "_dec_key", "_enc_key", "_schema_bytes_cache", "decimal_mode", "include_schema", "validate",
-        "version",
+        "_connect_cache", "_dec_key", "_enc_key", "_last_schema_part", "_schema_bytes_cache", "decimal_mode",
+        "include_schema", "validate", "version",
     )
 
     def __init__(
@@ -410,6 +410,8 @@ class EventCodec:
         self._connect_cache: dict[Any, tuple[Any, Any]] = {}
         # schema-part bytes -> plan, so repeated schemas are neither parsed nor compared
         self._schema_bytes_cache: dict[bytes, tuple[TableSchema, Callable[[Any, str], Any]]] = {}
+        # the schema part the last message had, with its plan: compared in place (no slice, no hash)
+        self._last_schema_part: tuple[bytes, tuple[TableSchema, Callable[[Any, str], Any]]] | None = None
 
     def __repr__(self) -> str:
         return f"EventCodec(decimal_mode={self.decimal_mode!r}, include_schema={self.include_schema!r})"
@@ -568,15 +570,29 @@ class EventCodec:
         JsonConverter writes the schema first and compactly. The first ``,"payload":``
         after it ends S: a JSON string cannot contain that byte sequence (its quotes
         would be escaped), and a cached S is known to be one complete JSON value.
+
+        Debezium repeats one schema on every record of a table, so the schema part of the last
+        message is tried first, compared in place: a cached part holds no ``,"payload":`` (it
+        ended at the first one), so when the message has that part at 10, followed by the
+        separator, the first separator is there -- the same split as searching for it.
         """
         if type(data) is not bytes or not data.startswith(self._SCHEMA_HEAD) or not self._schema_bytes_cache:
             return None
-        i = data.find(self._PAYLOAD_SEP, 10)
-        if i < 0 or data[-1:] != b"}":
+        if data[-1:] != b"}":
             return None
-        plan = self._schema_bytes_cache.get(data[10:i])
-        if plan is None:
-            return None
+        last = self._last_schema_part
+        if last is not None and data.startswith(last[0], 10) and data.startswith(self._PAYLOAD_SEP,
+                                                                                  i := 10 + len(last[0])):
+            plan = last[1]
+        else:
+            i = data.find(self._PAYLOAD_SEP, 10)
+            if i < 0:
+                return None
+            part = data[10:i]
+            plan = self._schema_bytes_cache.get(part)
+            if plan is None:
+                return None
+            self._last_schema_part = (part, plan)
         try:
             payload = orjson.loads(data[i + 11 : -1])
         except orjson.JSONDecodeError:
@@ -600,6 +616,7 @@ class EventCodec:
         if len(self._schema_bytes_cache) >= 256:
             self._schema_bytes_cache.clear()
         self._schema_bytes_cache[part] = plan
+        self._last_schema_part = (part, plan)
 
     def decode_value(
         self,
