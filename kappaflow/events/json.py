@@ -45,6 +45,7 @@ from kappaflow.events.values import (
     Wire,
     default_wire,
     describe,
+    identity_check,
     make_decoder,
     make_encoder,
     short_repr,
@@ -138,6 +139,12 @@ def _row_validator(schema: TableSchema) -> Callable[[dict[str, Any]], None]:
 
 
 def _row_decoder(schema: TableSchema, wires: Mapping[str, Wire] | None, mode: str) -> Callable[[Any, str], Any]:
+    """A function decoding a row dict in place from its JSON form, specialised to the schema.
+
+    Generated code like ``_row_encoder``: per column one get, then an inline type check for the
+    types JSON carries as-is (``identity_check``) or a call of the column's converter. ``i``
+    tracks the column being decoded, so a failure names it (``_failed``).
+    """
     decs = tuple(
         (
             c.name,
@@ -147,37 +154,54 @@ def _row_decoder(schema: TableSchema, wires: Mapping[str, Wire] | None, mode: st
         for c in schema.columns
     )
     names = frozenset(c.name for c in schema.columns)
-    issuperset = names.issuperset
 
-    def dec(row: Any, path: str) -> Any:
-        if type(row) is not dict:
-            if row is None:
-                return None
+    def _bad_row(row: Any, path: str) -> None:
+        if row is not None:
             raise ValidationError(f"{path}: expected an object of column values or null, got {short_repr(row)}")
-        if not issuperset(row):
-            unknown = sorted(set(row) - names)
-            raise ValidationError(
-                f"{path}.{unknown[0]}: column not in schema {schema.name!r} (columns: {sorted(names)})"
-            )
-        name = ""
-        try:
-            for name, fn, _col in decs:
-                v = row.get(name)
-                if v is not None:
-                    row[name] = fn(v)
-        except NumericDecimal:
-            raise
-        except Exception:
-            for n, _fn, col in decs:
-                if n == name:
-                    w = wires[n] if wires is not None else default_wire(col, mode)
-                    raise ValidationError(
-                        f"{path}.{n}: expected {describe(col, w)}, got {short_repr(row[n])}"
-                    ) from None
-            raise
-        return row
 
+    def _unknown(row: dict[str, Any], path: str) -> None:
+        unknown = sorted(set(row) - names)
+        raise ValidationError(f"{path}.{unknown[0]}: column not in schema {schema.name!r} (columns: {sorted(names)})")
+
+    def _failed(row: dict[str, Any], path: str, i: int) -> None:
+        n, _fn, col = decs[i]
+        w = wires[n] if wires is not None else default_wire(col, mode)
+        raise ValidationError(f"{path}.{n}: expected {describe(col, w)}, got {short_repr(row[n])}") from None
+
+    ns: dict[str, Any] = {"_issuperset": names.issuperset, "_bad_row": _bad_row, "_unknown": _unknown,
+                          "_failed": _failed, "_NumericDecimal": NumericDecimal, "_Bad": _BadWire}
+    lines = [
+        "def dec(row, path):",
+        "    if type(row) is not dict:",
+        "        return _bad_row(row, path)",
+        "    if not _issuperset(row):",
+        "        _unknown(row, path)",
+        "    i = 0",
+        "    try:",
+    ]
+    for i, (name, fn, col) in enumerate(decs):
+        lines += [f"        i = {i}", f"        v = row.get({name!r})"]
+        check = identity_check(col, fn)
+        if check is not None:
+            lines.append(f"        if v is not None and not ({check}): raise _Bad")
+        else:
+            ns[f"_f{i}"] = fn
+            lines += ["        if v is not None:", f"            row[{name!r}] = _f{i}(v)"]
+    lines += [
+        "        pass",
+        "    except _NumericDecimal:",
+        "        raise",
+        "    except Exception:",
+        "        _failed(row, path, i)",
+        "    return row",
+    ]
+    exec("\n".join(lines), ns)
+    dec: Callable[[Any, str], Any] = ns["dec"]
     return dec
+
+
+class _BadWire(Exception):
+    """A wire value failed an inline check of a generated row decoder (named by ``_failed``)."""
 
 
 def _raw_rows(row: Any, path: str) -> Any:
