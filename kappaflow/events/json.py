@@ -613,10 +613,11 @@ class EventCodec:
             if i < 0:
                 return None
             part = data[10:i]
-            plan = self._schema_bytes_cache.get(part)
-            if plan is None:
+            hit = self._schema_bytes_cache.get(part)
+            if hit is None:
                 return None
-            self._last_schema_part = (part, plan)
+            plan = hit
+            self._last_schema_part = (part, hit)
         try:
             payload = orjson.loads(data[i + 11 : -1])
         except orjson.JSONDecodeError:
