@@ -108,7 +108,7 @@ class DebeziumSource(Connector):
         self._compacted: dict[str, bool] = {}
         self.schema_topic = f"{name}.__schema"
         self._schemas: dict[str, str] = {}
-        self._pending: dict[tuple[str, int], list[Record]] = {}
+        self._pending: dict[tuple[str, int | None], list[Record]] = {}  # partition None: by key
         self._pending_count = 0
         self.toast = ToastState()
         # (input topic, input partition, output topic, output partition) -> last input offset already there
@@ -173,7 +173,7 @@ class DebeziumSource(Connector):
         if ev.key is None or len(ev.key) != len(schema.key):
             raise ValidationError(f"key: the record names no value for the key column(s) {list(schema.key)} of "
                                   f"{schema.name!r}")
-        n = self._ensure(topic)
+        self._ensure(topic)
         if not self._compacted[topic]:
             raise ValidationError(f"key: {topic!r} is an append-only topic (its table had no key), this record has "
                                   f"key columns {list(schema.key)}: key_columns or the table's key changed")
@@ -183,13 +183,12 @@ class DebeziumSource(Connector):
         if ev.unavailable or self.toast.tracked(topic):
             ev = self._repair(topic, key, ev, schema, d.patch)
         value = self.codec.encode_value(ev, schema)
-        p = partition_for(key, n)
         if ev.op is Op.DELETE:
             ph = (POSITION_HEADER, orjson.dumps(ev.source.position.to_dict()))
             self._add(topic, [TrustedRecord(key, value, (_OP_HEADERS[ev.op], self._src)),
-                              TrustedRecord(key, None, (_OP_HEADERS[ev.op], ph, self._src))], p)
+                              TrustedRecord(key, None, (_OP_HEADERS[ev.op], ph, self._src))], None)
         else:
-            self._add(topic, [TrustedRecord(key, value, (_OP_HEADERS[ev.op], self._src))], p)
+            self._add(topic, [TrustedRecord(key, value, (_OP_HEADERS[ev.op], self._src))], None)
 
     def _truncate(self, topic: str, ev: ChangeEvent, schema: TableSchema) -> None:
         """An op=t marker in every partition, then a delete (the row the log last held) and the tombstone
@@ -298,13 +297,18 @@ class DebeziumSource(Connector):
             ("kf.error", reason.encode()[:500]), self._src))], 0)
         self.dead_letters += 1
 
-    def _add(self, topic: str, recs: list[Record], partition: int) -> None:
+    def _add(self, topic: str, recs: list[Record], partition: int | None) -> None:
         """Queue records for (topic, partition) -- each carries the input coordinates (header
         ``kf.source``, ``self._src``) -- unless a run before a crash wrote them already (see the
-        module docstring)."""
+        module docstring).
+
+        ``partition`` None: records of one key, partitioned by the log (murmur2 of the key, as
+        ``partition_for``), so a flush appends each keyed topic's records in one call -- one
+        durable transaction per topic, not one per partition."""
         in_topic, in_p, in_off = self._in
         if self._written:
-            done = self._written.get((in_topic, in_p, topic, partition))
+            p = partition if partition is not None else partition_for(recs[0].key, self._topic_parts[topic])
+            done = self._written.get((in_topic, in_p, topic, p))
             if done is not None and in_off <= done:
                 self.duplicates += len(recs)
                 return
@@ -389,10 +393,11 @@ class DebeziumSource(Connector):
                         break
                     continue
                 idle_polls = 0
+                one = self._one
                 for tp, msgs in polled.items():
                     for msg in msgs:
-                        self._one(msg)
-                        position.setdefault(tp.topic, {})[str(tp.partition)] = msg.offset + 1
+                        one(msg)
+                    position.setdefault(tp.topic, {})[str(tp.partition)] = msgs[-1].offset + 1
                 self._flush({"kind": "debezium", "topics": position, "order": self.decoder.order.to_dict()})
             self._flush({"kind": "debezium", "topics": position, "order": self.decoder.order.to_dict()})
             writer.drain()

@@ -45,6 +45,7 @@ from kappaflow.events.values import (
     Wire,
     default_wire,
     describe,
+    identity_check,
     make_decoder,
     make_encoder,
     short_repr,
@@ -138,6 +139,12 @@ def _row_validator(schema: TableSchema) -> Callable[[dict[str, Any]], None]:
 
 
 def _row_decoder(schema: TableSchema, wires: Mapping[str, Wire] | None, mode: str) -> Callable[[Any, str], Any]:
+    """A function decoding a row dict in place from its JSON form, specialised to the schema.
+
+    Generated code like ``_row_encoder``: per column one get, then an inline type check for the
+    types JSON carries as-is (``identity_check``) or a call of the column's converter. ``i``
+    tracks the column being decoded, so a failure names it (``_failed``).
+    """
     decs = tuple(
         (
             c.name,
@@ -147,37 +154,54 @@ def _row_decoder(schema: TableSchema, wires: Mapping[str, Wire] | None, mode: st
         for c in schema.columns
     )
     names = frozenset(c.name for c in schema.columns)
-    issuperset = names.issuperset
 
-    def dec(row: Any, path: str) -> Any:
-        if type(row) is not dict:
-            if row is None:
-                return None
+    def _bad_row(row: Any, path: str) -> None:
+        if row is not None:
             raise ValidationError(f"{path}: expected an object of column values or null, got {short_repr(row)}")
-        if not issuperset(row):
-            unknown = sorted(set(row) - names)
-            raise ValidationError(
-                f"{path}.{unknown[0]}: column not in schema {schema.name!r} (columns: {sorted(names)})"
-            )
-        name = ""
-        try:
-            for name, fn, _col in decs:
-                v = row.get(name)
-                if v is not None:
-                    row[name] = fn(v)
-        except NumericDecimal:
-            raise
-        except Exception:
-            for n, _fn, col in decs:
-                if n == name:
-                    w = wires[n] if wires is not None else default_wire(col, mode)
-                    raise ValidationError(
-                        f"{path}.{n}: expected {describe(col, w)}, got {short_repr(row[n])}"
-                    ) from None
-            raise
-        return row
 
+    def _unknown(row: dict[str, Any], path: str) -> None:
+        unknown = sorted(set(row) - names)
+        raise ValidationError(f"{path}.{unknown[0]}: column not in schema {schema.name!r} (columns: {sorted(names)})")
+
+    def _failed(row: dict[str, Any], path: str, i: int) -> None:
+        n, _fn, col = decs[i]
+        w = wires[n] if wires is not None else default_wire(col, mode)
+        raise ValidationError(f"{path}.{n}: expected {describe(col, w)}, got {short_repr(row[n])}") from None
+
+    ns: dict[str, Any] = {"_issuperset": names.issuperset, "_bad_row": _bad_row, "_unknown": _unknown,
+                          "_failed": _failed, "_NumericDecimal": NumericDecimal, "_Bad": _BadWire}
+    lines = [
+        "def dec(row, path):",
+        "    if type(row) is not dict:",
+        "        return _bad_row(row, path)",
+        "    if not _issuperset(row):",
+        "        _unknown(row, path)",
+        "    i = 0",
+        "    try:",
+    ]
+    for i, (name, fn, col) in enumerate(decs):
+        lines += [f"        i = {i}", f"        v = row.get({name!r})"]
+        check = identity_check(col, fn)
+        if check is not None:
+            lines.append(f"        if v is not None and not ({check}): raise _Bad")
+        else:
+            ns[f"_f{i}"] = fn
+            lines += ["        if v is not None:", f"            row[{name!r}] = _f{i}(v)"]
+    lines += [
+        "        pass",
+        "    except _NumericDecimal:",
+        "        raise",
+        "    except Exception:",
+        "        _failed(row, path, i)",
+        "    return row",
+    ]
+    exec("\n".join(lines), ns)
+    dec: Callable[[Any, str], Any] = ns["dec"]
     return dec
+
+
+class _BadWire(Exception):
+    """A wire value failed an inline check of a generated row decoder (named by ``_failed``)."""
 
 
 def _raw_rows(row: Any, path: str) -> Any:
@@ -385,8 +409,8 @@ class EventCodec:
     """
 
     __slots__ = (
-        "_connect_cache", "_dec_key", "_enc_key", "_schema_bytes_cache", "decimal_mode", "include_schema", "validate",
-        "version",
+        "_connect_cache", "_dec_key", "_enc_key", "_last_schema_part", "_schema_bytes_cache", "decimal_mode",
+        "include_schema", "validate", "version",
     )
 
     def __init__(
@@ -410,6 +434,8 @@ class EventCodec:
         self._connect_cache: dict[Any, tuple[Any, Any]] = {}
         # schema-part bytes -> plan, so repeated schemas are neither parsed nor compared
         self._schema_bytes_cache: dict[bytes, tuple[TableSchema, Callable[[Any, str], Any]]] = {}
+        # the schema part the last message had, with its plan: compared in place (no slice, no hash)
+        self._last_schema_part: tuple[bytes, tuple[TableSchema, Callable[[Any, str], Any]]] | None = None
 
     def __repr__(self) -> str:
         return f"EventCodec(decimal_mode={self.decimal_mode!r}, include_schema={self.include_schema!r})"
@@ -568,15 +594,30 @@ class EventCodec:
         JsonConverter writes the schema first and compactly. The first ``,"payload":``
         after it ends S: a JSON string cannot contain that byte sequence (its quotes
         would be escaped), and a cached S is known to be one complete JSON value.
+
+        Debezium repeats one schema on every record of a table, so the schema part of the last
+        message is tried first, compared in place: a cached part holds no ``,"payload":`` (it
+        ended at the first one), so when the message has that part at 10, followed by the
+        separator, the first separator is there -- the same split as searching for it.
         """
         if type(data) is not bytes or not data.startswith(self._SCHEMA_HEAD) or not self._schema_bytes_cache:
             return None
-        i = data.find(self._PAYLOAD_SEP, 10)
-        if i < 0 or data[-1:] != b"}":
+        if data[-1:] != b"}":
             return None
-        plan = self._schema_bytes_cache.get(data[10:i])
-        if plan is None:
-            return None
+        last = self._last_schema_part
+        if last is not None and data.startswith(last[0], 10) and data.startswith(self._PAYLOAD_SEP,
+                                                                                  i := 10 + len(last[0])):
+            plan = last[1]
+        else:
+            i = data.find(self._PAYLOAD_SEP, 10)
+            if i < 0:
+                return None
+            part = data[10:i]
+            hit = self._schema_bytes_cache.get(part)
+            if hit is None:
+                return None
+            plan = hit
+            self._last_schema_part = (part, hit)
         try:
             payload = orjson.loads(data[i + 11 : -1])
         except orjson.JSONDecodeError:
@@ -600,6 +641,7 @@ class EventCodec:
         if len(self._schema_bytes_cache) >= 256:
             self._schema_bytes_cache.clear()
         self._schema_bytes_cache[part] = plan
+        self._last_schema_part = (part, plan)
 
     def decode_value(
         self,

@@ -38,6 +38,7 @@ __all__ = [
     "default_wire",
     "describe",
     "encode_default",
+    "identity_check",
     "make_decoder",
     "make_encoder",
     "short_repr",
@@ -687,6 +688,20 @@ def make_decoder(col: Column, wire: Wire) -> Decoder:
         return _map_decoder(k.type is FieldType.STRING, make_decoder(k, default_wire(k, wire.mode)),
                             make_decoder(v, default_wire(v, wire.mode)))
     raise AssertionError(f"unhandled field type {t}")  # pragma: no cover
+
+
+def identity_check(col: Column, dec: Decoder) -> str | None:
+    """For generated row decoders: a Python expression on ``v`` (a non-None wire value) that is
+    true exactly when ``dec`` accepts ``v`` and returns it unchanged, or None when ``dec``
+    converts. Checking inline spares a call per column for the types JSON carries as-is."""
+    if dec is _dec_str:
+        return "type(v) is str"
+    if dec is _dec_bool:
+        return "type(v) is bool"
+    if col.type in _INT_RANGES:
+        lo, hi = _INT_RANGES[col.type]
+        return f"type(v) is int and {lo} <= v <= {hi}"
+    return None
 
 
 # -- descriptions for error messages ------------------------------------------------------

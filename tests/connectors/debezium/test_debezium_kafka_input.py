@@ -68,6 +68,45 @@ def test_source_reads_every_partition_once_with_either_client(kafka_broker: Any,
         assert again.run(until_caught_up=True).events == 0
 
 
+@pytest.mark.integration
+@pytest.mark.parametrize("client", CLIENTS)
+def test_the_input_stays_on_a_partition_while_it_has_records(kafka_broker: Any, client: str) -> None:
+    """Moving the reader to another partition drops the client's prefetch: the input reads a partition
+    until it has no records or ``switch_after`` were taken from it, not a partition per poll."""
+    from kappaflow.connectors.debezium.kafka_input import DebeziumInput
+
+    topic = f"in-{uuid.uuid4().hex[:8]}.public.customers"
+    _produce(kafka_broker.bootstrap, topic, 3000)
+    source = DebeziumInput("dbz", kafka_broker.bootstrap, [topic], {"client": client}, switch_after=400)
+    try:
+        source.assign(None)
+        reads: list[tuple[int, int]] = []  # (partition, records) of every read that returned records
+        read = source.log.read
+
+        def counting(t: str, p: int, offset: int, max_records: int = 10_000) -> Any:
+            recs = read(t, p, offset, max_records)
+            assert len(recs) <= max_records <= 400, "a read never asks for more than the partition's budget"
+            if recs:
+                reads.append((p, len(recs)))
+            return recs
+
+        source.log.read = counting  # type: ignore[method-assign]
+        got: dict[int, list[int]] = {}
+        deadline = time.monotonic() + 60
+        while sum(map(len, got.values())) < 3000:
+            assert time.monotonic() < deadline, f"only {sum(map(len, got.values()))} of 3000 records read in 60 s"
+            for tp, recs in source.poll(200, 150).items():
+                assert len(recs) <= 150
+                got.setdefault(tp.partition, []).extend(r.offset for r in recs)
+        assert all(offs == list(range(len(offs))) for offs in got.values()), "every record once, in offset order"
+        runs = [p for i, (p, _n) in enumerate(reads) if i == 0 or reads[i - 1][0] != p]
+        sizes = {p: len(offs) for p, offs in got.items()}
+        # a partition of m records is left at most ceil(m / 400) times with records still in it
+        assert len(runs) <= sum(-(-m // 400) for m in sizes.values()), (runs, sizes)
+    finally:
+        source.close()
+
+
 TOML = """
 [log]
 url = "kafka://127.0.0.1:9"
