@@ -34,6 +34,7 @@ topics in the driver's memory during a replay.
 from __future__ import annotations
 
 import hashlib
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -579,28 +580,23 @@ def _change_table(plan: Plan, tbl: pa.Table, changes: list[tuple[str, str, bytes
     return pa.table(arrays)
 
 
-_INDEXED: set[str] = set()
-
-
 def _ensure_indexes(keeper: Any, target: Target, shape: Shape) -> None:
-    """The state's join-key and time indexes and the view's right-label index (once per table)."""
+    """The state's join-key and time indexes (created with the table's first batch; a swap renames the
+    table with them), and the view's right-label index. One catalogue read per batch."""
     from psycopg import sql
 
     state = keeper.state_table(target)
-    if state in _INDEXED:
-        return
     have = keeper.conn.execute(
         "SELECT indexdef FROM pg_indexes WHERE schemaname = 'kappaflow' AND tablename = %s", (state,)
     ).fetchall()
-    if not any(JK in r[0] for r in have):
-        tag = hashlib.sha1(f"ij{state}".encode()).hexdigest()[:16]
-        keeper.conn.execute(sql.SQL("CREATE INDEX IF NOT EXISTS {} ON {} ({}, {})").format(
-            sql.Identifier("kf_ij_" + tag), _rel(keeper, target), sql.Identifier(JK), sql.Identifier(T)))
-        keeper.conn.execute(sql.SQL("CREATE INDEX IF NOT EXISTS {} ON {} ({}, {})").format(
-            sql.Identifier("kf_it_" + tag), _rel(keeper, target), sql.Identifier(STATE_TOPIC), sql.Identifier(T)))
-        keeper.conn.execute(sql.SQL("CREATE INDEX IF NOT EXISTS {} ON {} ({})").format(
-            sql.Identifier("kf_il_" + tag), _view_rel(keeper, target), sql.Identifier(shape.label)))
-    _INDEXED.add(state)
+    if any(JK in r[0] for r in have):
+        return
+    tag = hashlib.sha1(f"ij{state}{time.time_ns()}".encode()).hexdigest()[:16]  # index names are per schema
+    for prefix, rel, names in (("kf_ij_", _rel(keeper, target), (JK, T)),
+                               ("kf_it_", _rel(keeper, target), (STATE_TOPIC, T)),
+                               ("kf_il_", _view_rel(keeper, target), (shape.label,))):
+        keeper.conn.execute(sql.SQL("CREATE INDEX {} ON {} ({})").format(
+            sql.Identifier(prefix + tag), rel, sql.SQL(", ").join(sql.Identifier(n) for n in names)))
 
 
 def _view_rel(keeper: Any, target: Target) -> Any:
@@ -641,11 +637,14 @@ def _write(plan: Plan, keeper: Any, target: Target, batch: IntervalBatch, waterm
         conn.execute(sql.SQL("CREATE TEMP TABLE {} (LIKE {}) ON COMMIT DROP").format(ident("kf_ij_chg"), srel))
         conn.execute(sql.SQL("ALTER TABLE {} ADD COLUMN {} text").format(chg, ident(OP)))
         keeper._copy(chg, [*state_cols[:-1], OP], batch.table)
-        # a retracted version's join key is in the state: the unmatched rows of its partners are recomputed
-        conn.execute(sql.SQL("UPDATE {c} c SET {jk} = s.{jk} FROM {s} s WHERE s.{tp} = c.{tp} AND s.{k} = c.{k} "
-                             "AND c.{op} <> 'put'").format(
-            c=chg, s=srel, jk=ident(JK), tp=ident(STATE_TOPIC), k=ident(STATE_KEY), op=ident(OP)))
         conn.execute(sql.SQL("ANALYZE {}").format(chg))
+        # the join keys the batch touches, old (stored) and new: whose left versions may gain or lose pairs
+        jks = sql.SQL("pg_temp.{}").format(ident("kf_ij_jk"))
+        conn.execute(sql.SQL("DROP TABLE IF EXISTS {}").format(jks))
+        conn.execute(sql.SQL("CREATE TEMP TABLE {} ON COMMIT DROP AS SELECT {jk} FROM {c} WHERE {jk} IS NOT NULL "
+                             "UNION SELECT s.{jk} FROM {s} s JOIN {c} c ON s.{tp} = c.{tp} AND s.{k} = c.{k} "
+                             "WHERE s.{jk} IS NOT NULL").format(
+            ident("kf_ij_jk"), c=chg, s=srel, jk=ident(JK), tp=ident(STATE_TOPIC), k=ident(STATE_KEY)))
         # (2) the view rows of retracted and re-inserted versions (found through their stored rows)
         gone = sql.SQL("DELETE FROM {v} v USING {s} s, {c} c WHERE c.{tp} = %s AND c.{op} IN ('del', 'put') "
                        "AND s.{tp} = c.{tp} AND s.{k} = c.{k} AND {same}")
@@ -685,10 +684,10 @@ def _write(plan: Plan, keeper: Any, target: Target, batch: IntervalBatch, waterm
             a, b = (never if w_old is None else w_old), (never if w_new is None else w_new)
             band_lo, band_hi = min(a, b), max(a, b)  # left versions whose side of W changed
             cand = sql.SQL(
-                "SELECT l.* FROM {s} l WHERE l.{tp} = %s AND (l.{jk} IN (SELECT {jk} FROM {c}) "
+                "SELECT l.* FROM {s} l WHERE l.{tp} = %s AND (l.{jk} IN (SELECT {jk} FROM {j}) "
                 "OR EXISTS (SELECT 1 FROM {c} c WHERE c.{tp} = l.{tp} AND c.{k} = l.{k}) "
                 "OR (l.{t} + %s >= %s AND l.{t} + %s < %s))").format(
-                s=srel, tp=ident(STATE_TOPIC), jk=ident(JK), c=chg, k=ident(STATE_KEY), t=ident(T))
+                s=srel, tp=ident(STATE_TOPIC), jk=ident(JK), j=jks, c=chg, k=ident(STATE_KEY), t=ident(T))
             cargs = (shape.left, reach, band_lo, reach, band_hi)
             conn.execute(sql.SQL("DROP TABLE IF EXISTS pg_temp.{}").format(ident("kf_ij_cand")))
             conn.execute(sql.SQL("CREATE TEMP TABLE {} ON COMMIT DROP AS {}").format(ident("kf_ij_cand"), cand), cargs)
