@@ -170,7 +170,7 @@ class Rule:
         return min(v for v in seen if v >= top - self.idle) - self.delay, w_all
 
     def fold(
-        self, events: Mapping[str, list[Any]], left_topic: str, current: dict[tuple[str, bytes], int],
+        self, events: Mapping[str, list[Any]], current: dict[tuple[str, bytes], int],
         pmax: dict[TP, int], late: dict[TP, int], changes: list[tuple[str, str, bytes, int, int | None, int]],
     ) -> None:
         """Apply `events` (``_kf_topic, _kf_partition, _kf_offset, _kf_key, _kf_keep, _kf_present,
@@ -396,7 +396,7 @@ class IntervalJoinStrategy(FoldStrategy):
         current = _read_current(keeper, target, touched)
         before = {tp: (pmax.get(tp), late.get(tp, 0)) for tp in set(pmax) | set(late)}
         changes: list[tuple[str, str, bytes, int, int | None, int]] = []
-        rule.fold(events, shape.left, current, pmax, late, changes)
+        rule.fold(events, current, pmax, late, changes)
         w_after, w_all = rule.watermarks(pmax, partitions)
         dead = [
             {"topic": t, "partition": p, "offset": o, "key": k, "reason": BAD_REASON}

@@ -15,9 +15,13 @@ moved to other orders, deletes, payments a day late, a partition that stops gett
 
 from __future__ import annotations
 
+import os
 import random
 import re
+import signal
+import subprocess
 import sys
+import time
 import types
 import uuid
 import zlib
@@ -154,13 +158,15 @@ def reference(log: Any, orders: str, payments: str, cfg: Cfg,
 
 # --- the history -----------------------------------------------------------------------------------
 def history(orders: TableWriter, payments: TableWriter, rnd: random.Random, steps: int,
-            idle_after: int | None) -> None:
+            idle_after: int | None, at: dict[str, Any] | None = None) -> None:
     """Orders in slowly advancing event time (15% out of order by up to 90 minutes, 3% a day late);
     payments for recent orders paid between 40 minutes before and 100 minutes after the order (some a
     day late); orders and payments moved in time, payments moved to another order, deletes of both.
-    From `idle_after` on, payments partition 0 gets no events (idle)."""
-    clock = T0
-    next_order, next_pay = 1, 1
+    From `idle_after` on, payments partition 0 gets no events (idle). `at` carries the clock and the
+    next ids from one call to the next."""
+    at = at if at is not None else {}
+    clock = at.get("clock", T0)
+    next_order, next_pay = at.get("next_order", 1), at.get("next_pay", 1)
 
     def pay_ok(i: int, step: int) -> bool:
         return idle_after is None or step < idle_after or partition_for(orjson.dumps({"id": i}), PAY_PARTS) != 0
@@ -207,6 +213,7 @@ def history(orders: TableWriter, payments: TableWriter, rnd: random.Random, step
             payments.flush()
     orders.flush()
     payments.flush()
+    at.update(clock=clock, next_order=next_order, next_pay=next_pay)
 
 
 # --- reading the views -----------------------------------------------------------------------------
@@ -239,7 +246,8 @@ def test_replay_and_follow_in_batches_equal_the_reference(rt: Any, embedded_log:
     end = {ow.topic: embedded_log.end_offsets(ow.topic), pw.topic: embedded_log.end_offsets(pw.topic)}
     want, want_late = reference(embedded_log, ow.topic, pw.topic, cfg)
     pairs = [k for k in want if k[2]]
-    assert want_late > 0 and len(pairs) > 20, "the history must produce late events and many pairs"
+    assert len(pairs) > 20, "the history must produce many pairs"
+    assert (want_late > 0) == (cfg.late != "update"), "late events exactly when a policy makes events late"
     if cfg.how == "left":
         assert any(not k[2] for k in want), "the history must leave orders unpaid"
 
@@ -360,9 +368,12 @@ def test_the_readme_example_reports_unpaid_orders_and_replay_equals_follow(rt: A
     sys.modules[module.__name__] = module
     try:
         exec(compile(readme_block(), "README.md", "exec"), module.__dict__)  # the README's own code
+        _readme_example(rt, embedded_log, module.OrdersPayments)
     finally:
         sys.modules.pop(module.__name__, None)
-    readme_cls = module.OrdersPayments
+
+
+def _readme_example(rt: Any, embedded_log: Any, readme_cls: type[Projection]) -> None:
     ow = TableWriter(embedded_log, orders_schema("shop"), partitions=1)
     pw = TableWriter(embedded_log, payments_schema("shop"), partitions=1)
 
@@ -404,3 +415,69 @@ def test_the_readme_example_reports_unpaid_orders_and_replay_equals_follow(rt: A
         pos = nxt
     assert view(rt.dsn, "orders_payments_f") == want
     assert interval_status(rt.sink, target)["late_events"] == 1
+
+
+# --- kill -9 of a follower ---------------------------------------------------------------------------
+RUNNER = Path(__file__).with_name("interval_runner.py")
+
+
+@pytest.mark.slow
+@pytest.mark.integration
+@pytest.mark.timeout(1800)  # three follower processes start their own Spark
+def test_follower_killed_with_sigkill_equals_the_reference(rt: Any, embedded_log: Any, tmp_path: Path) -> None:
+    """A follower process (batches of at most 40 records) is killed with -9 while orders and payments
+    arrive, then restarted: the same pairs, unmatched rows and late decisions, nothing twice -- the
+    view equals the reference."""
+    cfg = CONFIGS["left-drop"]
+    source = "k" + uuid.uuid4().hex[:7]
+    name = f"{source}_paid"
+    ow = TableWriter(embedded_log, orders_schema(source), partitions=ORDER_PARTS)
+    pw = TableWriter(embedded_log, payments_schema(source), partitions=PAY_PARTS)
+    rnd = random.Random(4243)
+    at: dict[str, Any] = {}
+    history(ow, pw, rnd, 100, None, at)
+    ckpt = tmp_path / "ckpt"
+    runner_log = tmp_path / "runner.log"
+    env = {**os.environ, "PYSPARK_PYTHON": sys.executable}
+
+    def stored() -> int:
+        with psycopg.connect(rt.dsn) as conn:
+            row = conn.execute("SELECT coalesce(sum(next_offset), 0) FROM kappaflow.projection_positions "
+                               "WHERE projection = %s AND target = 'live'", (name,)).fetchone()
+        return int(row[0]) if row else 0
+
+    def wait(cond: Any, timeout: float, what: str) -> None:
+        deadline = time.monotonic() + timeout
+        while not cond():
+            if time.monotonic() > deadline:
+                tail = runner_log.read_text()[-3000:] if runner_log.exists() else ""
+                raise AssertionError(f"timed out after {timeout}s waiting for {what}; follower log:\n{tail}")
+            time.sleep(0.1)
+
+    def start() -> subprocess.Popen[bytes]:
+        with runner_log.open("ab") as out:
+            return subprocess.Popen([sys.executable, str(RUNNER), str(embedded_log.path), rt.dsn, str(ckpt), source],
+                                    env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+
+    proc = start()
+    try:
+        for trial in range(2):
+            before = stored()
+            history(ow, pw, rnd, 70, None, at)
+            wait(lambda b=before: stored() > b, 300, f"trial {trial}: progress")
+            time.sleep(rnd.uniform(0.0, 1.0))  # kill at a random point of a batch, not a synchronisation
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(30)
+            proc = start()
+        end = sum(embedded_log.end_offsets(ow.topic).values()) + sum(embedded_log.end_offsets(pw.topic).values())
+        wait(lambda: stored() >= end, 300, "the restarted follower to reach the log end")
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(30)
+    want, want_late = reference(embedded_log, ow.topic, pw.topic, cfg)
+    assert view(rt.dsn, name) == want, "after kill -9: " + diff(view(rt.dsn, name), want)
+    from tests.projections.interval_runner import unpaid
+
+    spec = ProjectionSpec.from_class(unpaid(source))
+    assert interval_status(rt.sink, rt.sink.live(prepare(spec, rt).view))["late_events"] == want_late
