@@ -378,7 +378,7 @@ class IntervalJoinStrategy(FoldStrategy):
         self, plan: Plan, rt: Runtime, sink: Sink, target: Target, raws: dict[str, DataFrame],
         deduped_input: bool | None,
     ) -> FoldedBatch:
-        fold, shape, spec = _fold(plan), _shape(plan), plan.spec
+        fold, spec = _fold(plan), plan.spec
         rule = Rule.of(fold)
         tbl = _events(plan, raws).toArrow()
         tbl = tbl.take(pc.sort_indices(tbl, [("_kf_topic", "ascending"), ("_kf_partition", "ascending"),
