@@ -62,8 +62,9 @@ latest-row view of every column, rebuild otherwise) and ``auto_rebuild`` say wha
 when a source table's schema changes (``kappaflow.projections.schema_watch``).
 
 Room to grow: a fold kind is a ``FoldSpec`` subclass run by a ``FoldStrategy`` in its own
-module of ``kappaflow.projections.folds`` (compile, replay, follow, mirrors, state); joins
-will add ``Source`` roles (streams joined within a time bound). The class attributes below are read only through
+module of ``kappaflow.projections.folds`` (compile, replay, follow, mirrors, state); a stream
+joined within a time bound is ``interval_join = IntervalJoin(...)`` (``folds/interval.py``), whose
+fold names the extra topic it reads (``joined_topics``). The class attributes below are read only through
 ``ProjectionSpec.from_class``, so new attributes do not disturb old ones.
 """
 
