@@ -207,7 +207,7 @@ class Hopping(Window):
 
 # --- stream-stream joins within a time bound --------------------------------------------------------
 INTERVAL_HOWS = ("inner", "left")
-INTERVAL_LATE_POLICIES = ("drop", "update")
+INTERVAL_LATE_POLICIES = ("dead_letter", "drop", "update")
 
 
 @dataclass(frozen=True)
@@ -217,7 +217,8 @@ class IntervalJoin:
     column) when ``left_time + lower <= right_time <= left_time + upper`` (``within=(lower, upper)``).
     ``how``: ``"inner"`` (one view row per matched pair) or ``"left"`` (also one row with NULL right
     columns per left row that no right row matched once the watermark passed ``left_time + upper +
-    allowed_lateness``). ``delay``, ``allowed_lateness``, ``late`` (``"drop"`` or ``"update"``) and
+    allowed_lateness``). ``delay``, ``allowed_lateness``, ``late`` (``"dead_letter"``, ``"drop"`` or
+    ``"update"``) and
     ``idle_timeout`` are the windows' watermark rules (README "Event time": "Joins within a time
     bound"). Checked when the class is loaded (``folds/interval.py``)."""
 
@@ -425,7 +426,7 @@ class IntervalJoinFold(FoldSpec):
     right_columns: tuple[str, ...] | None = None
     delay_us: int = 0
     lateness_us: int = 0
-    late: str = "drop"
+    late: str = "dead_letter"
     idle_us: int | None = None
     kind: ClassVar[str] = "interval_join"
 

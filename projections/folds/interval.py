@@ -12,7 +12,8 @@ microseconds since the Unix epoch (UTC); L = ``allowed_lateness``; [lo, hi] = ``
   *retracts* the key's current version, then *inserts* its new one (not for a delete, a row ``where``
   rejects, a malformed record or a NULL event time). A part is *late* when ``its event time + L <
   partition watermark before the event``; ``late="update"``: nothing is late. A late retraction leaves
-  the old version (and its pairs) frozen in the view; a late insertion is not applied (counted).
+  the old version (and its pairs) frozen in the view; a late insertion is not applied (counted;
+  ``dead_letter``: also sent to the dead-letter topic with reason "late").
 - The *live* versions are those inserted and not retracted. The view holds one row per pair of live
   versions (l, r) with equal, non-NULL join keys and ``l.t + lo <= r.t <= l.t + hi`` (inner), and with
   ``how="left"`` one row per live left version without such a pair once ``l.t + hi + L < W`` (right
@@ -21,10 +22,10 @@ microseconds since the Unix epoch (UTC); L = ``allowed_lateness``; [lo, hi] = ``
   versions and W, which are functions of the log: replay and follow give the same rows.
 - State: the live versions that can still change, per side, in the view's keyed-state table (the
   grouped fold's ``kappaflow.state__<schema>__<view>``, swapped with the view), the partitions' largest
-  event times and W, written in the transaction of the view rows and the positions. With ``drop``, a
+  event times and W, written in the transaction of the view rows and the positions. With ``drop``/``dead_letter``, a
   left version is dropped once ``max(t, t + hi) + L < W_all`` and a right one once ``max(t, t - lo) + L
   < W_all`` (W_all: min over ALL partitions): from then on every part that could retract it or pair
-  with it is late, so dropping changes no result.
+  with it is late, so dropping changes no result. (``dead_letter`` is ``drop`` plus the report.)
 
 Replay folds the whole log [0, end) with the same code as a follow batch (on the driver, into the
 empty target): replay == follow by construction, at the price of holding the log's events of both
@@ -58,7 +59,7 @@ from kappaflow.projections.api import (
     ProjectionSpec,
 )
 from kappaflow.projections.folds.base import BAD_REASON, BuildJob, Built, FoldedBatch, FoldStrategy, register
-from kappaflow.projections.folds.windowed import MARK_TOPIC, W_KEY, duration_us, iso, mark_key
+from kappaflow.projections.folds.windowed import LATE_REASON, MARK_TOPIC, W_KEY, duration_us, iso, mark_key
 from kappaflow.projections.plan import VALID_OPS, Plan
 from kappaflow.projections.schemas import converted_row, envelope_struct
 from kappaflow.projections.sinks.base import VERSION, Positions, Sink, Target, ViewColumn, ViewSpec, WriteResult
@@ -151,11 +152,12 @@ class Rule:
     lateness: int
     update: bool
     idle: int | None
+    dead_letter: bool = False
 
     @classmethod
     def of(cls, fold: IntervalJoinFold) -> Rule:
         return cls(fold.lower_us, fold.upper_us, fold.delay_us, fold.lateness_us, fold.late == "update",
-                   fold.idle_us)
+                   fold.idle_us, fold.late == "dead_letter")
 
     def watermarks(self, pmax: Mapping[TP, int], partitions: Sequence[TP]) -> tuple[int | None, int | None]:
         """(W over the non-idle partitions, W_all over every partition); None: no watermark yet."""
@@ -172,12 +174,14 @@ class Rule:
     def fold(
         self, events: Mapping[str, list[Any]], current: dict[tuple[str, bytes], int],
         pmax: dict[TP, int], late: dict[TP, int], changes: list[tuple[str, str, bytes, int, int | None, int]],
+        dead: list[dict[str, Any]] | None = None,
     ) -> None:
         """Apply `events` (``_kf_topic, _kf_partition, _kf_offset, _kf_key, _kf_keep, _kf_present,
         _kf_et``; offset order within each partition) to `current` ((topic, key) -> event time of the
         key's current version), `pmax` and `late`. `changes` gets (op, topic, key, event time, event
         index or None, offset) with op "ins" (a version inserted), "del" (retracted) or "ghost" (its
-        retraction was late: frozen, no longer current)."""
+        retraction was late: frozen, no longer current); `dead` the dead letters of late insertions
+        (``late="dead_letter"``; a late retraction is not reported, as for windows)."""
         topics, parts, offsets = events["_kf_topic"], events["_kf_partition"], events["_kf_offset"]
         keys, keeps, present, ets = events["_kf_key"], events["_kf_keep"], events["_kf_present"], events["_kf_et"]
         for i in range(len(offsets)):
@@ -193,6 +197,13 @@ class Rule:
             if keeps[i] and et is not None:
                 if pw is not None and et + self.lateness < pw:
                     late[tp] = late.get(tp, 0) + 1
+                    if dead is not None and self.dead_letter:
+                        dead.append({
+                            "topic": topic, "partition": parts[i], "offset": offsets[i], "key": key,
+                            "reason": LATE_REASON,
+                            "extra": {"event_time": iso(et), "watermark": iso(pw),
+                                      "allowed_lateness_s": self.lateness / 1_000_000},
+                        })
                 else:
                     current[sk] = et
                     changes.append(("ins", topic, key, et, i, offsets[i]))
@@ -396,9 +407,10 @@ class IntervalJoinStrategy(FoldStrategy):
         current = _read_current(keeper, target, touched)
         before = {tp: (pmax.get(tp), late.get(tp, 0)) for tp in set(pmax) | set(late)}
         changes: list[tuple[str, str, bytes, int, int | None, int]] = []
-        rule.fold(events, current, pmax, late, changes)
+        dead: list[dict[str, Any]] = []
+        rule.fold(events, current, pmax, late, changes, dead)
         w_after, w_all = rule.watermarks(pmax, partitions)
-        dead = [
+        dead += [
             {"topic": t, "partition": p, "offset": o, "key": k, "reason": BAD_REASON}
             for t, p, o, k, b in zip(events["_kf_topic"], events["_kf_partition"], events["_kf_offset"],
                                      events["_kf_key"], events["_kf_bad"], strict=True) if b

@@ -38,6 +38,7 @@ from kappaflow.errors import ConfigError
 from kappaflow.events import Column, FieldType, TableSchema
 from kappaflow.log.partitioner import partition_for
 from kappaflow.projections import IntervalJoin, Projection, ProjectionSpec
+from kappaflow.projections.deadletter import read_dead_letters
 from kappaflow.projections.engine import apply_range, prepare
 from kappaflow.projections.folds.interval import interval_status
 from kappaflow.projections.replay import replay
@@ -80,8 +81,9 @@ class Cfg:
 CONFIGS = {
     "left-drop": Cfg("left", "drop", timedelta(0), timedelta(hours=1), timedelta(minutes=10),
                      timedelta(minutes=20), None),
-    "inner-drop-negative-lower-idle": Cfg("inner", "drop", timedelta(minutes=-30), timedelta(minutes=45),
-                                          timedelta(minutes=5), timedelta(0), timedelta(hours=3)),
+    "inner-deadletter-negative-lower-idle": Cfg("inner", "dead_letter", timedelta(minutes=-30),
+                                                timedelta(minutes=45), timedelta(minutes=5), timedelta(0),
+                                                timedelta(hours=3)),
     "left-update-idle": Cfg("left", "update", timedelta(0), timedelta(hours=1), timedelta(0),
                             timedelta(minutes=15), timedelta(hours=2)),
 }
@@ -107,9 +109,16 @@ def reference(log: Any, orders: str, payments: str, cfg: Cfg,
               upto: dict[tuple[str, int], int] | None = None) -> tuple[dict[Any, Any], int]:
     """(view rows {(order id, created_at, payment key): (customer, amount, payment id, payment amount,
     paid_at)}, late events) over each partition's records below `upto`."""
+    view, late = reference_and_late(log, orders, payments, cfg, upto)
+    return view, len(late)
+
+
+def reference_and_late(log: Any, orders: str, payments: str, cfg: Cfg,
+                       upto: dict[tuple[str, int], int] | None = None) -> tuple[dict[Any, Any], list[Any]]:
+    """The reference's view and the positions (topic, partition, offset) of the late insertions."""
     live: dict[tuple[str, bytes, datetime], dict[str, Any]] = {}  # (topic, record key, time) -> row
     pmax: dict[tuple[str, int], datetime] = {}
-    late_n = 0
+    late: list[tuple[str, int, int]] = []
     parts = [(orders, p) for p in range(ORDER_PARTS)] + [(payments, p) for p in range(PAY_PARTS)]
     for topic, p in parts:
         tcol = "created_at" if topic == orders else "paid_at"
@@ -127,7 +136,7 @@ def reference(log: Any, orders: str, payments: str, cfg: Cfg,
                 del live[(topic, r.key, old)]  # on time: retracted (late: frozen, stays live)
             if after is not None and t is not None:
                 if wm is not None and t + cfg.lateness < wm:
-                    late_n += 1
+                    late.append((topic, p, r.offset))
                 else:
                     live[(topic, r.key, t)] = after
                     current[r.key] = t
@@ -153,7 +162,7 @@ def reference(log: Any, orders: str, payments: str, cfg: Cfg,
                     lrow["customer_id"], lrow["amount"], rrow["id"], rrow["amount"], rt_)
         if not matched and cfg.how == "left" and w is not None and lt + cfg.upper + cfg.lateness < w:
             view[(lrow["id"], lt, "")] = (lrow["customer_id"], lrow["amount"], None, None, None)
-    return view, late_n
+    return view, late
 
 
 # --- the history -----------------------------------------------------------------------------------
@@ -225,6 +234,12 @@ def view(dsn: str, name: str) -> dict[Any, Any]:
     return {(r[0], r[1], r[2]): tuple(r[3:]) for r in rows}
 
 
+def late_letters(rt: Any, name: str) -> list[tuple[str, int, int]]:
+    rows = read_dead_letters(rt.log_url, rt.log_options, name)
+    assert all(r["reason"] == "late" and r["event_time"] and r["watermark"] for r in rows), rows[:3]
+    return sorted((r["topic"], r["partition"], r["offset"]) for r in rows)
+
+
 def diff(got: dict[Any, Any], want: dict[Any, Any]) -> str:
     keys = sorted(set(got) | set(want), key=repr)
     bad = [f"{k}: got {got.get(k)} want {want.get(k)}" for k in keys if got.get(k) != want.get(k)]
@@ -244,7 +259,8 @@ def test_replay_and_follow_in_batches_equal_the_reference(rt: Any, embedded_log:
     pw = TableWriter(embedded_log, payments_schema(source), partitions=PAY_PARTS)
     history(ow, pw, rnd, 240, idle_after=150 if cfg.idle is not None else None)
     end = {ow.topic: embedded_log.end_offsets(ow.topic), pw.topic: embedded_log.end_offsets(pw.topic)}
-    want, want_late = reference(embedded_log, ow.topic, pw.topic, cfg)
+    want, late = reference_and_late(embedded_log, ow.topic, pw.topic, cfg)
+    want_late = len(late)
     pairs = [k for k in want if k[2]]
     assert len(pairs) > 20, "the history must produce many pairs"
     assert (want_late > 0) == (cfg.late != "update"), "late events exactly when a policy makes events late"
@@ -256,6 +272,7 @@ def test_replay_and_follow_in_batches_equal_the_reference(rt: Any, embedded_log:
     assert view(rt.dsn, replayed.name) == want, "replay: " + diff(view(rt.dsn, replayed.name), want)
     (status,) = [st.details for st in projection_status(rt, replayed.name)[0].sinks]  # as `kappaflow status`
     assert status["late_events"] == want_late and status["state_rows"] > 0
+    assert late_letters(rt, replayed.name) == (sorted(late) if cfg.late == "dead_letter" else [])
 
     followed = projection(source, cfg, "ijf_" + uuid.uuid4().hex[:8])
     plan = prepare(ProjectionSpec.from_class(followed), rt)
@@ -278,7 +295,8 @@ def test_replay_and_follow_in_batches_equal_the_reference(rt: Any, embedded_log:
     assert got == want, "follow: " + diff(got, want)
     fstatus = interval_status(rt.sink, target)
     assert fstatus["late_events"] == want_late and fstatus["watermark"] == status["watermark"]
-    if cfg.late == "drop":  # versions every partition has passed leave the state
+    assert late_letters(rt, followed.name) == (sorted(late) if cfg.late == "dead_letter" else [])
+    if cfg.late != "update":  # versions every partition has passed leave the state
         versions = sum(1 for _ in ow.rows) + sum(1 for _ in pw.rows)
         assert fstatus["state_rows"] < versions, (fstatus, versions)
 
@@ -301,7 +319,7 @@ def test_bad_interval_join_definitions_fail_at_load_naming_the_attribute() -> No
         (join(delay="-5m"), r"'interval_join'.delay: must be >= 0"),
         (join(allowed_lateness=-1), r"'interval_join'.allowed_lateness: must be >= 0"),
         (join(how="outer"), r"'interval_join'.how: expected one of \['inner', 'left'\], got 'outer'"),
-        (join(late="dead_letter"), r"'interval_join'.late: expected one of \['drop', 'update'\]"),
+        (join(late="ignore"), r"'interval_join'.late: expected one of \['dead_letter', 'drop', 'update'\]"),
         (join(on={}), r"'interval_join'.on: expected a non-empty dict"),
         (join(name="1x"), r"'interval_join'.name: expected an identifier"),
         (join(topic="s.public.orders"), r"'interval_join'.topic: 's.public.orders' is the projection's source"),
