@@ -22,8 +22,8 @@ microseconds since the Unix epoch (UTC); L = ``allowed_lateness``; [lo, hi] = ``
   versions and W, which are functions of the log: replay and follow give the same rows.
 - State: the live versions that can still change, per side, in the view's keyed-state table (the
   grouped fold's ``kappaflow.state__<schema>__<view>``, swapped with the view), the partitions' largest
-  event times and W, written in the transaction of the view rows and the positions. With ``drop``/``dead_letter``, a
-  left version is dropped once ``max(t, t + hi) + L < W_all`` and a right one once ``max(t, t - lo) + L
+  event times and W, written in the transaction of the view rows and the positions. With
+  ``drop``/``dead_letter``, a left version is dropped once ``max(t, t + hi) + L < W_all`` and a right one once ``max(t, t - lo) + L
   < W_all`` (W_all: min over ALL partitions): from then on every part that could retract it or pair
   with it is late, so dropping changes no result. (``dead_letter`` is ``drop`` plus the report.)
 
