@@ -23,9 +23,9 @@ microseconds since the Unix epoch (UTC); L = ``allowed_lateness``; [lo, hi] = ``
 - State: the live versions that can still change, per side, in the view's keyed-state table (the
   grouped fold's ``kappaflow.state__<schema>__<view>``, swapped with the view), the partitions' largest
   event times and W, written in the transaction of the view rows and the positions. With
-  ``drop``/``dead_letter``, a left version is dropped once ``max(t, t + hi) + L < W_all`` and a right one once ``max(t, t - lo) + L
-  < W_all`` (W_all: min over ALL partitions): from then on every part that could retract it or pair
-  with it is late, so dropping changes no result. (``dead_letter`` is ``drop`` plus the report.)
+  ``drop``/``dead_letter``, a left version is dropped once ``max(t, t + hi) + L < W_all`` and a right
+  one once ``max(t, t - lo) + L < W_all`` (W_all: min over ALL partitions): from then on every part
+  that could retract it or pair with it is late, so dropping changes no result.
 
 Replay folds the whole log [0, end) with the same code as a follow batch (on the driver, into the
 empty target): replay == follow by construction, at the price of holding the log's events of both
