@@ -576,7 +576,7 @@ def _change_table(plan: Plan, tbl: pa.Table, changes: list[tuple[str, str, bytes
         cols[T].append(t)
         cols[CUR].append(cur)
         cols[LATE].append(None)
-    types = {c.name: to_arrow_type(c.type) for c in shape.values}
+    types = {c.name: to_arrow_type(c.type, timezone="UTC") for c in shape.values}
     arrays = {}
     for n, v in cols.items():
         if n in types:
