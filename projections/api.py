@@ -62,8 +62,9 @@ latest-row view of every column, rebuild otherwise) and ``auto_rebuild`` say wha
 when a source table's schema changes (``kappaflow.projections.schema_watch``).
 
 Room to grow: a fold kind is a ``FoldSpec`` subclass run by a ``FoldStrategy`` in its own
-module of ``kappaflow.projections.folds`` (compile, replay, follow, mirrors, state); joins
-will add ``Source`` roles (streams joined within a time bound). The class attributes below are read only through
+module of ``kappaflow.projections.folds`` (compile, replay, follow, mirrors, state); a stream
+joined within a time bound is ``interval_join = IntervalJoin(...)`` (``folds/interval.py``), whose
+fold names the extra topic it reads (``joined_topics``). The class attributes below are read only through
 ``ProjectionSpec.from_class``, so new attributes do not disturb old ones.
 """
 
@@ -202,6 +203,37 @@ class Hopping(Window):
     @property
     def slide(self) -> Any:
         return self.hop
+
+
+# --- stream-stream joins within a time bound --------------------------------------------------------
+INTERVAL_HOWS = ("inner", "left")
+INTERVAL_LATE_POLICIES = ("dead_letter", "drop", "update")
+
+
+@dataclass(frozen=True)
+class IntervalJoin:
+    """Rows of the projection's source (the *left* stream) matched with rows of ``topic`` (the *right*
+    stream, named ``name``: its columns come prefixed ``<name>_``) on ``on`` (left column -> right
+    column) when ``left_time + lower <= right_time <= left_time + upper`` (``within=(lower, upper)``).
+    ``how``: ``"inner"`` (one view row per matched pair) or ``"left"`` (also one row with NULL right
+    columns per left row that no right row matched once the watermark passed ``left_time + upper +
+    allowed_lateness``). ``delay``, ``allowed_lateness``, ``late`` (``"dead_letter"``, ``"drop"`` or
+    ``"update"``) and
+    ``idle_timeout`` are the windows' watermark rules (README "Event time": "Joins within a time
+    bound"). Checked when the class is loaded (``folds/interval.py``)."""
+
+    name: str
+    topic: str
+    on: Mapping[str, str]
+    left_time: str
+    right_time: str
+    within: tuple[Any, Any]
+    how: str = "inner"
+    columns: Sequence[str] | None = None
+    delay: Any = 0
+    allowed_lateness: Any = 0
+    late: str = "drop"
+    idle_timeout: Any = None
 
 
 # --- sources --------------------------------------------------------------------------------------
@@ -379,6 +411,32 @@ class WindowFold(FoldSpec):
 
 
 @dataclass(frozen=True)
+class IntervalJoinFold(FoldSpec):
+    """A stream-stream join within a time bound (``folds/interval.py``); durations in microseconds."""
+
+    name: str = ""
+    topic: str = ""
+    on: tuple[tuple[str, str], ...] = ()
+    left_time: str = ""
+    right_time: str = ""
+    lower_us: int = 0
+    upper_us: int = 0
+    how: str = "inner"
+    columns: tuple[str, ...] | None = None
+    right_columns: tuple[str, ...] | None = None
+    delay_us: int = 0
+    lateness_us: int = 0
+    late: str = "dead_letter"
+    idle_us: int | None = None
+    kind: ClassVar[str] = "interval_join"
+
+    @property
+    def joined_topics(self) -> tuple[str, ...]:
+        """Topics the fold reads beside the sources (``ProjectionSpec.topics``)."""
+        return (self.topic,)
+
+
+@dataclass(frozen=True)
 class Declaration:
     """What a projection class declares, read and checked once by ``ProjectionSpec.from_class``;
     each fold kind's strategy reads its fold from it (``FoldStrategy.claims`` / ``declare``)."""
@@ -458,7 +516,8 @@ class ProjectionSpec:
         """Every topic the projection reads (its sources, then the tables its lookups and nested
         collections read)."""
         out = [s.topic for s in self.sources]
-        joined = [*(lk.topic for lk in self.lookups), *(nc.topic for nc in self.nested), *(a.topic for a in self.as_of)]
+        joined = [*(lk.topic for lk in self.lookups), *(nc.topic for nc in self.nested), *(a.topic for a in self.as_of),
+                  *getattr(self.fold, "joined_topics", ())]
         return out + [t for t in dict.fromkeys(joined) if t not in out]
 
     @property

@@ -55,6 +55,9 @@ def prepare(spec: ProjectionSpec, rt: Runtime) -> Plan:
         schemas.update(join_plan.lookup_schemas(spec, rt.reader(), schemas))
     if spec.as_of:
         schemas.update(asof_stage.table_schemas(spec, rt.reader(), schemas))
+    others = [t for t in spec.change_topics if t not in schemas]  # a fold's own joined topics (interval joins)
+    if others:
+        schemas.update(load_table_schemas(rt.reader(), others, {}))
     plan = Plan.build(rt.spark, spec, schemas)
     if spec.as_of:
         plan.asof = asof_stage.AsOfPlan.build(spec, schemas)

@@ -6,6 +6,8 @@
 - ``windowed.py``: aggregates per group and event-time window, with a watermark from the log,
   allowed lateness and a late-data policy (``WindowFold``); its state lives with the grouped
   fold's in PostgreSQL;
+- ``interval.py``: stream-stream joins within a time bound (``IntervalJoinFold``): pairs of rows of
+  two topics whose event times are within a bound, with the windows' watermark; state in PostgreSQL;
 - ``custom.py``: a Python ``apply(row, event)`` (``CustomFold``), run by ``custom_folder.py``
   inside Spark's workers;
 - ``declarative.py``: what latest and grouped share (they fold current source rows);
@@ -31,6 +33,7 @@ from kappaflow.projections.folds.base import (
 )
 from kappaflow.projections.folds.custom import CustomStrategy
 from kappaflow.projections.folds.grouped import GroupedStrategy
+from kappaflow.projections.folds.interval import IntervalJoinStrategy
 from kappaflow.projections.folds.latest import LatestStrategy
 from kappaflow.projections.folds.windowed import WindowedStrategy
 
@@ -41,6 +44,7 @@ __all__ = [
     "FoldStrategy",
     "FoldedBatch",
     "GroupedStrategy",
+    "IntervalJoinStrategy",
     "LatestStrategy",
     "ReadCounter",
     "WindowedStrategy",

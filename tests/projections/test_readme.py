@@ -26,13 +26,15 @@ ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"
 BLOCK = re.compile(r"^```python\n(.*?)^```", re.S | re.M)
 # blocks whose first line names one of these are run there (they need their own database)
-OTHER_RUNNERS = ("tests/ledger/test_readme_ledger.py", "tests/projections/test_outbox_projection.py")
+OTHER_RUNNERS = ("tests/ledger/test_readme_ledger.py", "tests/projections/test_outbox_projection.py",
+                 "tests/projections/test_interval_join.py")
 
 
 def python_blocks() -> list[tuple[int, str]]:
     """Every ```python block but those whose first line names another test that runs them
     (the ledger's examples need a ledger database: tests/ledger/test_readme_ledger.py; the outbox
-    example an outbox table: tests/projections/test_outbox_projection.py)."""
+    example an outbox table: tests/projections/test_outbox_projection.py; the join within a time bound
+    a payments table: tests/projections/test_interval_join.py)."""
     text = README.read_text()
     return [
         (text[: m.start()].count("\n") + 1, m.group(1))
