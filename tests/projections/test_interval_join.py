@@ -281,14 +281,14 @@ def test_replay_and_follow_in_batches_equal_the_reference(rt: Any, embedded_log:
     target = rt.sink.ensure(plan.view)
     pos = {t: {p: 0 for p in parts} for t, parts in end.items()}
     cut = random.Random(7)
-    for step in range(24):
-        nxt = {t: {p: min(end[t][p], o + cut.choice([0, 1, 3, 9, 20, 60])) for p, o in parts.items()}
+    for step in range(12):  # 12 batches of 0 to 120 records per partition: every batch costs Spark jobs
+        nxt = {t: {p: min(end[t][p], o + cut.choice([0, 1, 4, 15, 40, 120])) for p, o in parts.items()}
                for t, parts in pos.items()}
-        if step == 23:
+        if step == 11:
             nxt = {t: dict(parts) for t, parts in end.items()}
         apply_range(plan, rt, target, pos, nxt)
         pos = nxt
-        if step in (5, 14):
+        if step in (3, 7):
             upto = {(t, p): o for t, parts in pos.items() for p, o in parts.items()}
             mid, _ = reference(embedded_log, ow.topic, pw.topic, cfg, upto=upto)
             got = view(rt.dsn, followed.name)
