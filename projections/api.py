@@ -53,7 +53,7 @@ Retraction: grouped aggregates are computed over the CURRENT row of every source
 nothing), so an update that moves a row between groups moves its contribution and a
 delete removes it, with or without before-images in the log. See ``folds/grouped.py``.
 
-Event time: ``window = Tumbling("created_at", size="1h", ...)`` or ``Hopping(...)`` with
+Event time: ``window = Tumbling("created_at", size="1h", ...)``, ``Hopping(...)`` or ``Session(...)`` with
 ``aggregates`` makes a windowed view (``WindowFold``, ``folds/windowed.py``): one row per
 group and window, with a watermark derived from the log and a late-data policy.
 
@@ -202,6 +202,23 @@ class Hopping(Window):
     @property
     def slide(self) -> Any:
         return self.hop
+
+
+@dataclass(frozen=True)
+class Session(Window):
+    """Session (gap) windows per group: events of one group whose event times are less than ``gap``
+    apart form one session [first event time, last event time + gap); an event that bridges two
+    sessions merges them, a retraction of the event that bridged them splits them. ``gap`` must be
+    > 0. Lateness is judged on the event's own time (``folds/windowed.py``, README "Event time")."""
+
+    shape: ClassVar[str] = "session"
+
+    def __init__(self, column: str, gap: Any, **rules: Any) -> None:
+        super().__init__(column, gap, **rules)
+
+    @property
+    def gap(self) -> Any:
+        return self.size
 
 
 # --- sources --------------------------------------------------------------------------------------
@@ -367,8 +384,8 @@ class WindowFold(FoldSpec):
 
     aggregates: tuple[tuple[str, Aggregate], ...] = ()
     column: str = ""
-    shape: str = "tumbling"
-    size_us: int = 0
+    shape: str = "tumbling"  # tumbling | hopping | session
+    size_us: int = 0  # a session's gap
     slide_us: int = 0
     delay_us: int = 0
     lateness_us: int = 0
@@ -835,6 +852,7 @@ __all__ = [
     "Nested",
     "Projection",
     "ProjectionSpec",
+    "Session",
     "Source",
     "Sum",
     "Tumbling",
