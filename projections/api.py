@@ -204,7 +204,7 @@ class Hopping(Window):
         return self.hop
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, repr=False)
 class Session(Window):
     """Session (gap) windows per group: events of one group whose event times are less than ``gap``
     apart form one session [first event time, last event time + gap); an event that bridges two
@@ -219,6 +219,11 @@ class Session(Window):
     @property
     def gap(self) -> Any:
         return self.size
+
+    def __repr__(self) -> str:
+        return (f"Session({self.column!r}, gap={self.size!r}, delay={self.delay!r}, "
+                f"allowed_lateness={self.allowed_lateness!r}, late={self.late!r}, emit={self.emit!r}, "
+                f"idle_timeout={self.idle_timeout!r})")
 
 
 # --- sources --------------------------------------------------------------------------------------

@@ -57,11 +57,12 @@ def session_bounds(times: Sequence[int], gap: int) -> list[tuple[int, int]]:
 
 
 def sessionize(state: DataFrame, group: Sequence[str], gap: int, time_type: DataType, start: str,
-               end: str) -> DataFrame:
+               end: str, tiebreak: Sequence[str] = ()) -> DataFrame:
     """Replay: contribution rows whose `start` column holds their event time get their session's
-    bounds in `start` and `end` (native window functions: one shuffle by group, one sort)."""
+    bounds in `start` and `end` (native window functions: one shuffle by group, one sort; `tiebreak`:
+    columns that order rows of equal times)."""
     t = F.unix_micros(F.col(start).cast("timestamp"))  # NTZ: wall time as UTC (the session zone is UTC)
-    by_time = SparkWindow.partitionBy(*group).orderBy(T)
+    by_time = SparkWindow.partitionBy(*group).orderBy(T, *tiebreak)  # a total order: lag and sum agree
     df = state.withColumn(T, t)
     prev = F.lag(T).over(by_time)
     df = df.withColumn(NEW, F.when(prev.isNull() | (F.col(T) - prev >= F.lit(gap)), 1).otherwise(0))

@@ -512,7 +512,8 @@ class WindowedStrategy(DeclarativeStrategy):
             if rule.session:  # the contributions' event times -> their sessions' bounds
                 from kappaflow.projections.folds.sessions import sessionize
 
-                state = sessionize(state, list(spec.key), rule.size, shape.time_type, WINDOW_START, WINDOW_END)
+                state = sessionize(state, list(spec.key), rule.size, shape.time_type, WINDOW_START, WINDOW_END,
+                                   (STATE_TOPIC, STATE_KEY))
                 state = sessioned = state.persist(StorageLevel.MEMORY_AND_DISK)
             view = _view_rows(plan, state, final_before, job.version)
             cfg = job.sink.config()
@@ -800,7 +801,9 @@ def _session_changes(
     def values_of(src: Any) -> dict[str, Any]:
         return {n: src[1][n] for n in names} if isinstance(src, tuple) else {n: new_values[n][src] for n in names}
 
-    touched = {tuple(values_of(src)[g] for g in gnames) for _, src in last.values()}
+    # every group a change left or entered, not only the last change's: an order moved to another customer
+    # at the same time is one state key, but its old customer's sessions may split
+    touched = {tuple(values_of(src)[g] for g in gnames) for _op, _t, _k, _et, src, _off in changes}
     stored = _read_groups(keeper, target, gnames, names, touched)
     rows = {cid: v for cid, (v, _) in stored.items()}
     inserted = set()
