@@ -585,8 +585,11 @@ class WindowedStrategy(DeclarativeStrategy):
         self, plan: Plan, sink: Sink, target: Target, batch: FoldedBatch, watermark: int, positions: Positions | None
     ) -> WriteResult:
         """Steps, in ONE transaction: (1) the ``final`` cut for the recompute; (2) state changes, the
-        touched windows recomputed and the positions (``apply_grouped``); (3) the windows this batch
-        made final recomputed (final flips; with ``final_only`` they appear); (4) ``final_only``: the
+        touched windows recomputed and the positions (``apply_grouped``); (3) the windows whose final
+        flag the batch's move of W flips recomputed (with ``final_only`` they appear; W moves down when a
+        partition that was idle catches up: those windows are not final any more and with ``final_only``
+        leave in step 4; their state is still there, as state is dropped only below the W of ALL
+        partitions, which never moves down); (4) ``final_only``: the
         touched windows that are not final leave the view; (5) the state of windows every partition
         has passed is dropped (not with ``update``)."""
         assert isinstance(batch, WindowBatch) and batch.rule is not None
@@ -617,7 +620,11 @@ class WindowedStrategy(DeclarativeStrategy):
                     table = table.set_column(table.schema.get_field_index(VERSION), VERSION, versions)
                 changes = pa.concat_tables([table, w_row.append_column(DELETED, pa.array([False], pa.bool_()))])
                 res = keeper.apply_grouped(target, changes, watermark, positions)
-                if fb_new is not None and (fb_old is None or fb_new > fb_old):
+                if fb_new != fb_old:
+                    # W moved: up (windows become final), or down (a partition that was idle caught up: windows
+                    # it no longer passes are not final any more), so the flags always follow the current W
+                    lo, hi = ((fb_old, fb_new) if fb_old is None or (fb_new is not None and fb_new > fb_old)
+                              else (fb_new, fb_old))
                     nf = "kf_wfinal"
                     conn.execute(sql.SQL("DROP TABLE IF EXISTS pg_temp.{}").format(sql.Identifier(nf)))
                     conn.execute(
@@ -625,7 +632,7 @@ class WindowedStrategy(DeclarativeStrategy):
                                 "WHERE {t} <> %s AND {we} <= %s::{ts} AND {we} > %s::{ts}").format(
                             nf=sql.Identifier(nf), g=gid, st=srel, t=sql.Identifier(STATE_TOPIC),
                             we=sql.Identifier(WINDOW_END), ts=sql.SQL(ts)),
-                        (MARK_TOPIC, _ts_text(fb_new, batch.aware), _ts_text(fb_old, batch.aware)),
+                        (MARK_TOPIC, _ts_text(hi, batch.aware), _ts_text(lo, batch.aware)),
                     )
                     conn.execute(sql.SQL("DELETE FROM {vr} v WHERE ({vg}) IN (SELECT {ag} FROM pg_temp.{nf} a)").format(
                         vr=vrel, vg=sql.SQL(", ").join(sql.SQL("v.{}").format(sql.Identifier(c)) for c in g),
