@@ -53,7 +53,7 @@ Retraction: grouped aggregates are computed over the CURRENT row of every source
 nothing), so an update that moves a row between groups moves its contribution and a
 delete removes it, with or without before-images in the log. See ``folds/grouped.py``.
 
-Event time: ``window = Tumbling("created_at", size="1h", ...)`` or ``Hopping(...)`` with
+Event time: ``window = Tumbling("created_at", size="1h", ...)``, ``Hopping(...)`` or ``Session(...)`` with
 ``aggregates`` makes a windowed view (``WindowFold``, ``folds/windowed.py``): one row per
 group and window, with a watermark derived from the log and a late-data policy.
 
@@ -205,6 +205,28 @@ class Hopping(Window):
         return self.hop
 
 
+@dataclass(frozen=True, repr=False)
+class Session(Window):
+    """Session (gap) windows per group: events of one group whose event times are less than ``gap``
+    apart form one session [first event time, last event time + gap); an event that bridges two
+    sessions merges them, a retraction of the event that bridged them splits them. ``gap`` must be
+    > 0. Lateness is judged on the event's own time (``folds/windowed.py``, README "Event time")."""
+
+    shape: ClassVar[str] = "session"
+
+    def __init__(self, column: str, gap: Any, **rules: Any) -> None:
+        super().__init__(column, gap, **rules)
+
+    @property
+    def gap(self) -> Any:
+        return self.size
+
+    def __repr__(self) -> str:
+        return (f"Session({self.column!r}, gap={self.size!r}, delay={self.delay!r}, "
+                f"allowed_lateness={self.allowed_lateness!r}, late={self.late!r}, emit={self.emit!r}, "
+                f"idle_timeout={self.idle_timeout!r})")
+
+
 # --- stream-stream joins within a time bound --------------------------------------------------------
 INTERVAL_HOWS = ("inner", "left")
 INTERVAL_LATE_POLICIES = ("dead_letter", "drop", "update")
@@ -232,7 +254,7 @@ class IntervalJoin:
     columns: Sequence[str] | None = None
     delay: Any = 0
     allowed_lateness: Any = 0
-    late: str = "drop"
+    late: str = "dead_letter"  # as for windows
     idle_timeout: Any = None
 
 
@@ -399,8 +421,8 @@ class WindowFold(FoldSpec):
 
     aggregates: tuple[tuple[str, Aggregate], ...] = ()
     column: str = ""
-    shape: str = "tumbling"
-    size_us: int = 0
+    shape: str = "tumbling"  # tumbling | hopping | session
+    size_us: int = 0  # a session's gap
     slide_us: int = 0
     delay_us: int = 0
     lateness_us: int = 0
@@ -894,6 +916,7 @@ __all__ = [
     "Nested",
     "Projection",
     "ProjectionSpec",
+    "Session",
     "Source",
     "Sum",
     "Tumbling",

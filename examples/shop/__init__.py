@@ -2,7 +2,8 @@
 
 - ``projections``: ``CustomerTotals`` (orders grouped by customer: count, sum, last order,
   retraction-aware), ``Customers`` (latest row per customer), ``CustomerActivity`` (a
-  custom Python fold); ``ProductSearch``, ``OrderSearch`` and ``OrderDocuments`` (search
+  custom Python fold), ``CustomerSessions`` (shopping sessions per customer: a 30-minute session
+  window); ``ProductSearch``, ``OrderSearch`` and ``OrderDocuments`` (search
   indexes; the last joins orders with customers and products), ``CategoryRevenue`` (revenue per
   product category over a join), ``CustomerCache`` and ``CustomerDocuments`` (Redis; the latter
   a customer with the list of its orders);
@@ -19,6 +20,7 @@ from examples.shop.projections import (
     CustomerCache,
     CustomerDocuments,
     Customers,
+    CustomerSessions,
     CustomerTotals,
     OrderDocuments,
     OrderSearch,
@@ -30,6 +32,7 @@ __all__ = [
     "CustomerActivity",
     "CustomerCache",
     "CustomerDocuments",
+    "CustomerSessions",
     "CustomerTotals",
     "Customers",
     "OrderDocuments",

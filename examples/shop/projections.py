@@ -1,6 +1,7 @@
 """The shop's projections (see the package docstring).
 
-PostgreSQL views: ``CustomerTotals``, ``Customers``, ``CustomerActivity``. Search indexes and
+PostgreSQL views: ``CustomerTotals``, ``Customers``, ``CustomerActivity``, ``CustomerSessions``
+(each customer's shopping sessions: orders less than 30 minutes apart, a session window). Search indexes and
 Redis caches of the same tables, each declaring its sink (``sinks``) and that sink's options
 (``sink_options``: search field mappings, Redis value format):
 
@@ -33,7 +34,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar
 
-from kappaflow.projections import Count, Event, Lookup, Max, Nested, Projection, Sum
+from kappaflow.projections import Count, Event, Lookup, Max, Nested, Projection, Session, Sum
 
 
 class CustomerTotals(Projection):
@@ -52,6 +53,24 @@ class CustomerTotals(Projection):
         "total_amount": Sum("amount"),
         "last_order_at": Max("created_at"),
     }
+
+
+class CustomerSessions(Projection):
+    """Per customer, its shopping sessions: orders placed less than 30 minutes apart form one session
+    [first order, last order + 30 min), with its orders and revenue (cancelled orders excluded).
+
+    An order placed late out of order between two sessions merges them; deleting or re-dating the
+    order that bridged them splits them again (README "Session windows"). Changes to orders placed
+    more than a day before the newest order of their log partition are late and go to the dead-letter
+    topic.
+    """
+
+    name = "customer_sessions"
+    sources = ["shop.public.orders"]
+    key = ["customer_id"]
+    where = "status <> 'cancelled'"
+    window = Session("created_at", gap="30m", delay="5m", allowed_lateness="1d", late="dead_letter")
+    aggregates = {"orders": Count(), "revenue": Sum("amount")}
 
 
 class Customers(Projection):

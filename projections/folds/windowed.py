@@ -32,6 +32,12 @@ test_windows.py`` holds a plain-Python reference of it):
   not applied, so dropping changes no result. ``update`` keeps every window's state (it may still
   change).
 
+Session windows (``Session``, shape ``"session"``, ``size_us`` = the gap): a contribution is one part
+keyed by its own event time t (late when ``t + allowed_lateness <= partition watermark``), and the
+sessions are formed from the contributions afterwards -- natively after the rule in replay, per
+touched group in follow (``folds/sessions.py``); each state row carries its session's bounds as
+``window_start``/``window_end``, so everything below applies to sessions unchanged.
+
 Replay runs the rule once per log partition inside Spark's workers (``mapInArrow`` over the
 partition's records in offset order) and aggregates the contributions natively; follow runs the
 same loop on the driver over a batch, starting from the stored state of the keys it touches, and
@@ -101,6 +107,8 @@ if TYPE_CHECKING:
     from kappaflow.projections.runtime import Runtime
 
 WINDOW_START, WINDOW_END, FINAL = "window_start", "window_end", "final"
+SESSION = "session"
+"""``WindowFold.shape`` of session windows (``Session``); their ``size_us`` is the gap."""
 RESERVED = (WINDOW_START, WINDOW_END, FINAL)
 MARK_TOPIC = "kf:watermark"
 """``_kf_topic`` of the per-partition watermark rows in the state table (no log topic has a ':')."""
@@ -137,15 +145,16 @@ def declare_window(where: str, window: Any, aggregates: tuple[tuple[str, Aggrega
     """The checked ``WindowFold`` of a class's ``window`` (ConfigError naming the attribute)."""
     if not isinstance(window, Window) or type(window) is Window:
         raise ConfigError(
-            f"{where}: 'window': expected Tumbling('col', size=...) or Hopping('col', size=..., slide=...), "
-            f"got {window!r}"
+            f"{where}: 'window': expected Tumbling('col', size=...), Hopping('col', size=..., slide=...) or "
+            f"Session('col', gap=...), got {window!r}"
         )
     here = f"{where}: 'window'"
     if not isinstance(window.column, str) or not window.column:
         raise ConfigError(f"{here}.column: expected the event-time column's name, got {window.column!r}")
-    size = duration_us(window.size, f"{here}.size")
+    size_name = "gap" if window.shape == SESSION else "size"  # a session's gap is kept as its size
+    size = duration_us(window.size, f"{here}.{size_name}")
     if size <= 0:
-        raise ConfigError(f"{here}.size: must be > 0, got {window.size!r}")
+        raise ConfigError(f"{here}.{size_name}: must be > 0, got {window.size!r}")
     slide = duration_us(window.slide, f"{here}.slide")
     if slide <= 0:
         raise ConfigError(f"{here}.slide: must be > 0, got {window.slide!r}")
@@ -188,11 +197,15 @@ class Rule:
     update: bool
     dead_letter: bool
     idle: int | None
+    session: bool = False
+    """Session windows: a contribution is one part keyed by its own event time t (``size`` is the
+    gap), late when ``t + lateness <= partition watermark``; sessions are formed from the
+    contributions afterwards (``folds/sessions.py``)."""
 
     @classmethod
     def of(cls, fold: WindowFold) -> Rule:
         return cls(fold.size_us, fold.slide_us, fold.delay_us, fold.lateness_us, fold.late == "update",
-                   fold.late == "dead_letter", fold.idle_us)
+                   fold.late == "dead_letter", fold.idle_us, fold.shape == SESSION)
 
     def windows(self, t: int) -> list[int]:
         """Starts of the windows holding event time `t` (aligned to the epoch), oldest first."""
@@ -232,8 +245,10 @@ class Rule:
         {window start: source}, a source being the event's index or whatever the caller loaded),
         `pmax` and `late`. `changes` gets ("ins"|"del", topic, key, window start, source, offset);
         `dead` the dead letters of late events (dead_letter policy)."""
-        size, slide, lateness, delay = self.size, self.slide, self.lateness, self.delay
-        reach = size + lateness
+        size, slide, lateness, delay, session = self.size, self.slide, self.lateness, self.delay, self.session
+        # a part is late when its end + lateness <= the partition watermark; a session part's "end" is its
+        # own event time (the session it joins may end anywhere after it: see folds/sessions.py)
+        reach = lateness if session else size + lateness
         apply_late = self.update
         topics, parts, offsets = events["_kf_topic"], events["_kf_partition"], events["_kf_offset"]
         keys, keeps, present, ets = events["_kf_key"], events["_kf_keep"], events["_kf_present"], events["_kf_et"]
@@ -252,7 +267,7 @@ class Rule:
                         changes.append(("del", topic, key, ws, src, offsets[i]))
             if keeps[i] and et is not None:
                 late_ws = None
-                starts = [et - et % size] if slide == size else self.windows(et)
+                starts = [et] if session else [et - et % size] if slide == size else self.windows(et)
                 for ws in starts:
                     if pm is not None and ws + reach <= pm - delay:
                         if late_ws is None:
@@ -481,6 +496,7 @@ class WindowedStrategy(DeclarativeStrategy):
         ev = _events(plan, raws, bad)
         out = ev.mapInArrow(make_window_folder(Rule.of(fold), shape), _folded_type(shape))
         out = out.persist(StorageLevel.MEMORY_AND_DISK)
+        sessioned: DataFrame | None = None
         try:
             marks = out.where(F.col("_kf_kind") == 2).select("_kf_mt", "_kf_mp", WM_MAX, WM_LATE).collect()
             dead = [
@@ -493,6 +509,12 @@ class WindowedStrategy(DeclarativeStrategy):
             w, w_all = rule.watermarks(pmax, _partitions_of(job.end, spec))
             final_before = None if w is None else w - rule.lateness
             state = out.where(F.col("_kf_kind") == 0)
+            if rule.session:  # the contributions' event times -> their sessions' bounds
+                from kappaflow.projections.folds.sessions import sessionize
+
+                state = sessionize(state, list(spec.key), rule.size, shape.time_type, WINDOW_START, WINDOW_END,
+                                   (STATE_TOPIC, STATE_KEY))
+                state = sessioned = state.persist(StorageLevel.MEMORY_AND_DISK)
             view = _view_rows(plan, state, final_before, job.version)
             cfg = job.sink.config()
             loaded = view.mapInArrow(make_loader(cfg, job.target), LOAD_RESULT_DDL).collect()
@@ -507,6 +529,8 @@ class WindowedStrategy(DeclarativeStrategy):
             keeper.load_state(job.target, [_mark_table(plan, by_tp, end, (w, total, job.version))])
         finally:
             out.unpersist()
+            if sessioned is not None:
+                sessioned.unpersist()
         built = Built(loaded=sum(r["_kf_loaded"] or 0 for r in loaded), dead=dead)
         if bad.get.get("bad"):
             built.dead += collect_bad(plan, raws)
@@ -542,7 +566,10 @@ class WindowedStrategy(DeclarativeStrategy):
         dead: list[dict[str, Any]] = []
         rule.fold(events, state, pmax, late, changes, dead)
         w_after, w_all = rule.watermarks(pmax, partitions)
-        table = _change_table(plan, shape, tbl, changes)
+        if rule.session:
+            table = _session_changes(plan, shape, keeper, target, tbl, changes)
+        else:
+            table = _change_table(plan, shape, tbl, changes)
         ends: dict[TP, int] = {}
         for t, p, o in zip(events["_kf_topic"], events["_kf_partition"], events["_kf_offset"], strict=True):
             ends[(t, p)] = max(ends.get((t, p), 0), o + 1)
@@ -558,8 +585,11 @@ class WindowedStrategy(DeclarativeStrategy):
         self, plan: Plan, sink: Sink, target: Target, batch: FoldedBatch, watermark: int, positions: Positions | None
     ) -> WriteResult:
         """Steps, in ONE transaction: (1) the ``final`` cut for the recompute; (2) state changes, the
-        touched windows recomputed and the positions (``apply_grouped``); (3) the windows this batch
-        made final recomputed (final flips; with ``final_only`` they appear); (4) ``final_only``: the
+        touched windows recomputed and the positions (``apply_grouped``); (3) the windows whose final
+        flag the batch's move of W flips recomputed (with ``final_only`` they appear; W moves down when a
+        partition that was idle catches up: those windows are not final any more and with ``final_only``
+        leave in step 4; their state is still there, as state is dropped only below the W of ALL
+        partitions, which never moves down); (4) ``final_only``: the
         touched windows that are not final leave the view; (5) the state of windows every partition
         has passed is dropped (not with ``update``)."""
         assert isinstance(batch, WindowBatch) and batch.rule is not None
@@ -581,9 +611,20 @@ class WindowedStrategy(DeclarativeStrategy):
             with conn.transaction():
                 conn.execute("SELECT set_config(%s, %s, true)", (FINAL_GUC, _ts_text(fb_new, batch.aware)))
                 w_row = _mark_table(plan, {}, {}, (batch.w_after, batch.late_total, watermark))
-                changes = pa.concat_tables([batch.table, w_row.append_column(DELETED, pa.array([False], pa.bool_()))])
+                table = batch.table
+                if rule.session:
+                    # a session row is restaged when a neighbour moves its bounds, whatever partition that
+                    # neighbour is in: its version is the batch's (newer than every stored one), not an offset
+                    versions = pc.if_else(pc.equal(table.column(STATE_TOPIC), MARK_TOPIC), table.column(VERSION),
+                                          pa.scalar(watermark, pa.int64()))
+                    table = table.set_column(table.schema.get_field_index(VERSION), VERSION, versions)
+                changes = pa.concat_tables([table, w_row.append_column(DELETED, pa.array([False], pa.bool_()))])
                 res = keeper.apply_grouped(target, changes, watermark, positions)
-                if fb_new is not None and (fb_old is None or fb_new > fb_old):
+                if fb_new != fb_old:
+                    # W moved: up (windows become final), or down (a partition that was idle caught up: windows
+                    # it no longer passes are not final any more), so the flags always follow the current W
+                    lo, hi = ((fb_old, fb_new) if fb_old is None or (fb_new is not None and fb_new > fb_old)
+                              else (fb_new, fb_old))
                     nf = "kf_wfinal"
                     conn.execute(sql.SQL("DROP TABLE IF EXISTS pg_temp.{}").format(sql.Identifier(nf)))
                     conn.execute(
@@ -591,7 +632,7 @@ class WindowedStrategy(DeclarativeStrategy):
                                 "WHERE {t} <> %s AND {we} <= %s::{ts} AND {we} > %s::{ts}").format(
                             nf=sql.Identifier(nf), g=gid, st=srel, t=sql.Identifier(STATE_TOPIC),
                             we=sql.Identifier(WINDOW_END), ts=sql.SQL(ts)),
-                        (MARK_TOPIC, _ts_text(fb_new, batch.aware), _ts_text(fb_old, batch.aware)),
+                        (MARK_TOPIC, _ts_text(hi, batch.aware), _ts_text(lo, batch.aware)),
                     )
                     conn.execute(sql.SQL("DELETE FROM {vr} v WHERE ({vg}) IN (SELECT {ag} FROM pg_temp.{nf} a)").format(
                         vr=vrel, vg=sql.SQL(", ").join(sql.SQL("v.{}").format(sql.Identifier(c)) for c in g),
@@ -721,10 +762,8 @@ def _change_table(plan: Plan, shape: Shape, tbl: pa.Table, changes: list[Any]) -
     last: dict[tuple[str, bytes, int], tuple[str, Any, int]] = {}
     for op, t, k, ws, src, off in changes:
         last[(t, k, ws)] = (op, src, off)
-    types = _arrow_types(plan, shape)
     names = [c.name for c in shape.values]
-    cols: dict[str, list[Any]] = {n: [] for n in [STATE_TOPIC, STATE_KEY, VERSION, *names, WINDOW_START,
-                                                  WINDOW_END, WM_MAX, WM_LATE, DELETED]}
+    cols = _state_columns(names)
     values = {n: tbl.column(n).to_pylist() for n in names} if last else {}
     size = _fold(plan).size_us
     for (t, k, ws), (op, src, off) in last.items():
@@ -742,6 +781,101 @@ def _change_table(plan: Plan, shape: Shape, tbl: pa.Table, changes: list[Any]) -
         cols[WINDOW_END].append(ws + size)
         cols[WM_MAX].append(None)
         cols[WM_LATE].append(None)
+    return _state_arrow(plan, shape, cols)
+
+
+def _state_columns(names: Sequence[str]) -> dict[str, list[Any]]:
+    return {n: [] for n in [STATE_TOPIC, STATE_KEY, VERSION, *names, WINDOW_START, WINDOW_END, WM_MAX, WM_LATE,
+                            DELETED]}
+
+
+def _session_changes(
+    plan: Plan, shape: Shape, keeper: Any, target: Target, tbl: pa.Table, changes: list[Any]
+) -> pa.Table:
+    """Keyed-state changes of a session view's batch: the contributions the batch changed, and every
+    contribution of the groups it touched whose session moved (``folds/sessions.py``). Versions are
+    set to the batch's in ``write_batch``."""
+    from kappaflow.projections.folds.sessions import regroup
+
+    last: dict[tuple[str, bytes, int], tuple[str, Any]] = {}
+    for op, t, k, et, src, _off in changes:
+        last[(t, k, et)] = (op, src)
+    names = [c.name for c in shape.values]
+    gnames = list(plan.spec.key)
+    cols = _state_columns(names)
+    new_values = {n: tbl.column(n).to_pylist() for n in names} if last else {}
+
+    def values_of(src: Any) -> dict[str, Any]:
+        return {n: src[1][n] for n in names} if isinstance(src, tuple) else {n: new_values[n][src] for n in names}
+
+    # every group a change left or entered, not only the last change's: an order moved to another customer
+    # at the same time is one state key, but its old customer's sessions may split
+    touched = {tuple(values_of(src)[g] for g in gnames) for _op, _t, _k, _et, src, _off in changes}
+    stored = _read_groups(keeper, target, gnames, names, touched)
+    rows = {cid: v for cid, (v, _) in stored.items()}
+    inserted = set()
+    for cid, (op, src) in last.items():
+        if op == "del":
+            rows.pop(cid, None)
+        else:
+            rows[cid] = values_of(src)
+            inserted.add(cid)
+    upsert, gone = regroup(
+        _fold(plan).size_us, {cid: tuple(v[g] for g in gnames) for cid, v in rows.items()},
+        {cid: b for cid, (_, b) in stored.items()}, [(cid, cid[2]) for cid in rows], inserted,
+    )
+    staged = [(cid, rows[cid], b, False) for cid, b in upsert.items()]
+    staged += [(cid, stored[cid][0], stored[cid][1], True) for cid in gone]
+    for (t, k, et), vals, (ws, we), deleted in staged:
+        cols[STATE_TOPIC].append(t)
+        cols[STATE_KEY].append(state_key(k, et))
+        cols[VERSION].append(0)
+        cols[DELETED].append(deleted)
+        for n in names:
+            cols[n].append(vals[n])
+        cols[WINDOW_START].append(ws)
+        cols[WINDOW_END].append(we)
+        cols[WM_MAX].append(None)
+        cols[WM_LATE].append(None)
+    return _state_arrow(plan, shape, cols)
+
+
+def _read_groups(
+    keeper: Any, target: Target, gnames: Sequence[str], names: Sequence[str], groups: set[tuple[Any, ...]]
+) -> dict[tuple[str, bytes, int], tuple[dict[str, Any], tuple[int, int]]]:
+    """Every stored contribution of `groups` (a session view): (topic, key, event time) -> (values,
+    (session start, end) in µs)."""
+    from psycopg import sql
+
+    if not groups:
+        return {}
+    pg_types = {c["name"]: c["pg_type"] for c in target.view.options["group"]["state_columns"]}
+    ordered = sorted(groups, key=repr)
+    rows = keeper.conn.execute(
+        sql.SQL("SELECT s.{t}, s.{k}, {cols}, s.{ws}, s.{we} FROM {}.{} s WHERE s.{t} <> %s AND ({g}) IN "
+                "(SELECT * FROM unnest({arrays}))").format(
+            sql.Identifier("kappaflow"), sql.Identifier(keeper.state_table(target)), t=sql.Identifier(STATE_TOPIC),
+            k=sql.Identifier(STATE_KEY), ws=sql.Identifier(WINDOW_START), we=sql.Identifier(WINDOW_END),
+            cols=sql.SQL(", ").join(sql.SQL("s.{}").format(sql.Identifier(n)) for n in names),
+            g=sql.SQL(", ").join(sql.SQL("s.{}").format(sql.Identifier(n)) for n in gnames),
+            arrays=sql.SQL(", ").join(sql.SQL("%s::{}[]").format(sql.SQL(pg_types[n])) for n in gnames)),
+        (MARK_TOPIC, *[[g[i] for g in ordered] for i in range(len(gnames))]),
+    ).fetchall()
+    out = {}
+    for r in rows:
+        key, et = split_state_key(bytes(r[1]))
+        out[(r[0], key, et)] = (dict(zip(names, r[2:-2], strict=True)), (_us(r[-2]), _us(r[-1])))
+    return out
+
+
+def _us(value: datetime) -> int:
+    """A stored window bound in µs since the epoch (a naive timestamp is UTC wall time)."""
+    epoch = datetime(1970, 1, 1, tzinfo=UTC) if value.tzinfo is not None else datetime(1970, 1, 1)
+    return (value - epoch) // timedelta(microseconds=1)
+
+
+def _state_arrow(plan: Plan, shape: Shape, cols: dict[str, list[Any]]) -> pa.Table:
+    types = _arrow_types(plan, shape)
     arrays = {}
     for n, v in cols.items():
         if n in (WINDOW_START, WINDOW_END):

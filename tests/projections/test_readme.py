@@ -135,7 +135,7 @@ def test_the_projection_api_examples_equal_sql_on_the_captured_source(
         classes = {c.name: c for c in vars(readme_module).values()
                    if isinstance(c, type) and issubclass(c, Projection) and c is not Projection}
         assert {"customer_directory", "customer_orders", "order_history", "product_catalogue", "order_details",
-                "category_revenue", "hourly_revenue", "customer_city_cache", "customer_cards",
+                "category_revenue", "hourly_revenue", "customer_sessions", "customer_city_cache", "customer_cards",
                 "customer_city_list", "customer_with_orders"} <= set(classes)
         assert classes["customer_cards"].on_schema_change == "evolve"
         for proj in classes.values():
@@ -239,6 +239,22 @@ def test_the_projection_api_examples_equal_sql_on_the_captured_source(
             FROM public.orders WHERE status <> 'cancelled' GROUP BY 1, 2 ORDER BY 1, 2""")
         assert len(hourly) >= 60 and all(r["window_end"] - r["window_start"] == timedelta(hours=1) for r in hourly)
         assert {r["final"] for r in hourly} <= {True, False}
+        # session windows: SQL's gaps and islands (a new session where the previous order of the customer
+        # is 30 minutes or more earlier) over the current rows
+        sessions = view("customer_sessions", "customer_id, window_start")
+        assert [{k: r[k] for k in ("customer_id", "window_start", "window_end", "orders", "revenue")}
+                for r in sessions] == _rows(dsn, """
+            WITH o AS (SELECT customer_id, created_at, amount,
+                              CASE WHEN created_at - lag(created_at) OVER w < interval '30 minutes' THEN 0 ELSE 1 END
+                                AS fresh
+                       FROM public.orders WHERE status <> 'cancelled'
+                       WINDOW w AS (PARTITION BY customer_id ORDER BY created_at)),
+                 s AS (SELECT *, sum(fresh) OVER (PARTITION BY customer_id ORDER BY created_at) AS sid
+                       FROM o)  -- (the default frame takes equal times together)
+            SELECT customer_id, min(created_at) AS window_start, max(created_at) + interval '30 minutes' AS window_end,
+                   count(*) AS orders, sum(amount) AS revenue
+            FROM s GROUP BY customer_id, sid ORDER BY 1, 2""")
+        assert len(sessions) >= 60
 
         # sinks and sink_options: the same catalogue in PostgreSQL, the search index and Redis hashes
         products = _rows(dsn, "SELECT * FROM public.products ORDER BY id")

@@ -360,14 +360,29 @@ RUNNER = Path(__file__).with_name("window_runner.py")
 @pytest.mark.slow
 @pytest.mark.integration
 @pytest.mark.timeout(1800)  # three follower processes start their own Spark
+@pytest.mark.parametrize("shape", ["tumbling", "session"])
 def test_follower_killed_with_sigkill_mid_window_equals_the_reference(rt: Any, embedded_log: Any,
-                                                                       tmp_path: Path) -> None:
+                                                                       tmp_path: Path, shape: str) -> None:
     """A follower process (batches of at most 40 records) is killed with -9 while windows are open and
     late events arrive, then restarted: the same windows, the same late decisions, nothing counted
-    twice -- the view equals the reference and a fresh replay."""
-    cfg = CONFIGS["tumbling-drop-updates"]
+    twice -- the view equals the reference and a fresh replay. ``session``: the same with session
+    windows (window_runner.sessions), whose batches merge and split sessions."""
+    from tests.projections.window_runner import PROJECTIONS
+
+    make = PROJECTIONS[shape]
+
+    def want_of() -> tuple[dict[Any, Any], int]:
+        if shape == "session":
+            from tests.projections.test_session_windows import CONFIGS as SESSION_CONFIGS
+            from tests.projections.test_session_windows import session_reference
+
+            ref = session_reference(embedded_log, w.topic, SESSION_CONFIGS["session-drop-updates"])
+            return ref.view, ref.late
+        got, late, _ = reference(embedded_log, w.topic, CONFIGS["tumbling-drop-updates"])
+        return got, late
+
     source = "k" + uuid.uuid4().hex[:7]
-    name = f"{source}_hourly"
+    name = make(source).name
     w = TableWriter(embedded_log, schema(source), partitions=PARTITIONS)
     rnd = random.Random(4242)
     at: dict[str, Any] = {}
@@ -392,8 +407,8 @@ def test_follower_killed_with_sigkill_mid_window_equals_the_reference(rt: Any, e
 
     def start() -> subprocess.Popen[bytes]:
         with runner_log.open("ab") as out:
-            return subprocess.Popen([sys.executable, str(RUNNER), str(embedded_log.path), rt.dsn, str(ckpt), source],
-                                    env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+            return subprocess.Popen([sys.executable, str(RUNNER), str(embedded_log.path), rt.dsn, str(ckpt), source,
+                                     shape], env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
 
     proc = start()
     try:
@@ -411,11 +426,9 @@ def test_follower_killed_with_sigkill_mid_window_equals_the_reference(rt: Any, e
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(30)
-    want, want_late, _ = reference(embedded_log, w.topic, cfg)
+    want, want_late = want_of()
     assert view(rt.dsn, name) == want, "after kill -9: " + diff(view(rt.dsn, name), want)
-    from tests.projections.window_runner import hourly
-
-    spec = ProjectionSpec.from_class(hourly(source))
+    spec = ProjectionSpec.from_class(make(source))
     assert window_status(rt.sink, rt.sink.live(prepare(spec, rt).view))["late_events"] == want_late
-    replay(hourly(source), rt)
+    replay(make(source), rt)
     assert view(rt.dsn, name) == want, "a fresh replay differs"
