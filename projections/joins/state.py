@@ -23,6 +23,8 @@ batch (``apply``) runs inside the transaction that also writes the view rows and
 4. read the joined rows of the affected keys (a driving key whose row is gone comes back
    with a NULL driving row: the view row is deleted), with each nested collection's child rows
    as a JSON array (through the ``nfk<j>`` index; sorted by the Spark stage).
+Steps 1 and 4 are one COPY each (CSV written and read by pyarrow: no Python object per row or
+value on the driver), the others a fixed number of statements per batch, whatever its size.
 A crash anywhere rolls all of it back together with the view rows and positions.
 """
 
