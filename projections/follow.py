@@ -59,6 +59,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pyspark import StorageLevel
 from pyspark.sql import DataFrame
 from pyspark.sql import functions as F
 
@@ -426,6 +427,7 @@ class Follower:
 
     def _run_batch(self, df: DataFrame, batch_id: int) -> None:
         started = time.monotonic()
+        cached: DataFrame | None = None
         try:
             spec = self.spec
             before = self.sink.read_positions(self.target)
@@ -439,16 +441,22 @@ class Follower:
             change = self._schemas.check()  # a source schema change: follow on, evolve the view, or stop
             if change is not None:
                 self._take_schema_change(change)
-            raws = (
-                {t: df.where(F.col("topic") == t) for t in spec.topics}
-                if len(spec.topics) > 1
-                else {spec.topics[0]: df}
-            )
+            if len(spec.topics) > 1:
+                # Each topic's frame would read the whole micro-batch again (a Python data source
+                # has no filter push-down): read it once (a join reads every table of the batch).
+                df = df.persist(StorageLevel.MEMORY_AND_DISK)
+                cached = df
+                raws = {t: df.where(F.col("topic") == t) for t in spec.topics}
+            else:
+                raws = {spec.topics[0]: df}
             res = apply_batch(self.plan, self.rt, self.target, raws, before, sink=self.sink, deduped_input=True)
             self._count(res, started, before)
         except BaseException as exc:
             self.error = exc
             raise
+        finally:
+            if cached is not None:
+                cached.unpersist()
 
     def _already_applied(self, batch_id: int, before: dict[tuple[str, int], int]) -> bool:
         """Whether every record of micro-batch `batch_id` is below the sink's stored positions.

@@ -28,7 +28,7 @@ from typing import Any
 import pyarrow as pa
 from pyspark.sql import DataFrame, Observation
 from pyspark.sql import functions as F
-from pyspark.sql.types import BinaryType, IntegerType, StringType, StructField, StructType
+from pyspark.sql.types import IntegerType, StringType, StructField, StructType
 
 from kappaflow.errors import ConfigError, SinkError
 from kappaflow.projections.folds.base import BAD_REASON
@@ -351,6 +351,12 @@ def _dead_letters(jp: JoinPlan, raws: dict[str, DataFrame], observed: dict[int, 
     return out
 
 
+def kb_text(kb: Any) -> Any:
+    """A record key (binary) as PostgreSQL's bytea text (``\\x<hex>``): the state's COPY (CSV) takes it
+    as it is, with no Python object per key on the driver."""
+    return F.concat(F.lit("\\x"), F.lower(F.hex(kb)))
+
+
 def _head(version: Any) -> list[Any]:
     return [F.col("_kf_topic"), F.col("_kf_key"), F.col("_kf_partition"), version.alias("_kf_offset"), F.col("_kf_op")]
 
@@ -385,7 +391,8 @@ def build_stage(
             for ts in jp.topics:
                 frame = drv if ts.index == 0 else tables[ts.index]
                 rows = frame.select(
-                    "k", "kb", "p", F.col("off").alias("ver"), jp.row_text(F.col("row")).alias("row"),
+                    "k", kb_text(F.col("kb")).alias("kb"), "p", F.col("off").alias("ver"),
+                    jp.row_text(F.col("row")).alias("row"),
                     *[f"fk{j}" for j in ts.children], *[f"nfk{j}" for j in ts.nested],
                 ).toArrow()
                 state.load(ts, rows)
@@ -475,7 +482,7 @@ def follow_stage(
             base = jp.table_latest(ts, raw, deduped=deduped, observe=observed[ts.index])
         frames.append(
             base.select(
-                F.lit(ts.index).alias("ti"), "k", "kb", "p", "off", "deleted",
+                F.lit(ts.index).alias("ti"), "k", kb_text(F.col("kb")).alias("kb"), "p", "off", "deleted",
                 jp.row_text(F.col("row")).alias("row"),
                 *[
                     (F.col(f"fk{j}") if j in ts.children else F.lit(None).cast("string")).alias(f"fk{j}")
@@ -494,7 +501,7 @@ def follow_stage(
     dead += _dead_letters(jp, raws, observed)
     joined = state.apply(tbl)
     schema = StructType(
-        [StructField("k", StringType()), StructField("kb", BinaryType()), StructField("p", IntegerType()),
+        [StructField("k", StringType()), StructField("kb", StringType()), StructField("p", IntegerType()),
          *[StructField(f"r{i}", StringType()) for i in range(n + 1)],
          *[StructField(f"n{j}", StringType()) for j in range(m)]]
     )
@@ -503,7 +510,7 @@ def follow_stage(
     lookups_rows = [jp.parse_row(F.col(f"r{lp.index + 1}"), jp.topics[lp.topic_index]) for lp in jp.lookups]
     head = [
         F.lit(jp.driving.topic).alias("_kf_topic"),
-        F.col("kb").alias("_kf_key"),
+        F.unhex(F.col("kb")).alias("_kf_key"),
         F.coalesce(F.col("p"), F.lit(0)).alias("_kf_partition"),
         F.lit(0).cast("bigint").alias("_kf_offset"),  # the engine sets the batch's watermark
         F.lit("u").alias("_kf_op"),
@@ -520,7 +527,7 @@ def follow_stage(
 
 
 def _arrow(schema: StructType) -> pa.Schema:
-    kinds = {"string": pa.string(), "binary": pa.binary(), "int": pa.int32()}
+    kinds = {"string": pa.string(), "int": pa.int32()}
     return pa.schema([pa.field(f.name, kinds[f.dataType.simpleString()]) for f in schema.fields])
 
 

@@ -23,12 +23,15 @@ batch (``apply``) runs inside the transaction that also writes the view rows and
 4. read the joined rows of the affected keys (a driving key whose row is gone comes back
    with a NULL driving row: the view row is deleted), with each nested collection's child rows
    as a JSON array (through the ``nfk<j>`` index; sorted by the Spark stage).
+Steps 1 and 4 are one COPY each (CSV written and read by pyarrow: no Python object per row or
+value on the driver), the others a fixed number of statements per batch, whatever its size.
 A crash anywhere rolls all of it back together with the view rows and positions.
 """
 
 from __future__ import annotations
 
 import hashlib
+import io
 import time
 from typing import Any
 
@@ -36,6 +39,7 @@ import pyarrow as pa
 
 from kappaflow.projections.joins.plan import JoinPlan, TopicState
 from kappaflow.projections.sinks.base import Target
+from kappaflow.projections.sinks.postgres.copy import arrow_from_csv, csv_bytes
 
 KF_SCHEMA = "kappaflow"
 _MAX_IDENT = 63
@@ -144,21 +148,28 @@ class JoinState:
     # --- load (replay) -----------------------------------------------------------------------
     def load(self, ts: TopicState, rows: pa.Table) -> int:
         """COPY state rows (``k, kb, p, ver, row, fk<j>...``) into an empty table."""
-        from psycopg import sql
 
         cols = ["k", "kb", "p", "ver", "row", *[f"fk{j}" for j in ts.children], *[f"nfk{j}" for j in ts.nested]]
-        stmt = sql.SQL("COPY {} ({}) FROM STDIN").format(self.rel(ts), sql.SQL(", ").join(_q(c) for c in cols))
-        data = [rows.column(c).to_pylist() for c in cols]
-        with self.conn.cursor() as cur, cur.copy(stmt) as cp:
-            for r in zip(*data, strict=True):
-                cp.write_row(r)
+        self._copy_in(self.rel(ts), cols, rows)
         return rows.num_rows
+
+    def _copy_in(self, rel: Any, cols: list[str], rows: pa.Table) -> None:
+        """COPY `cols` of `rows` into `rel` as CSV written by pyarrow (no Python object per value;
+        ``kb`` may come as binary or as bytea text ``\\x<hex>``, see ``stage.kb_text``)."""
+        from psycopg import sql
+
+        stmt = sql.SQL("COPY {} ({}) FROM STDIN WITH (FORMAT csv)").format(rel, sql.SQL(", ").join(_q(c) for c in cols))
+        if not rows.num_rows:
+            return
+        with self.conn.cursor() as cur, cur.copy(stmt) as cp:
+            cp.write(csv_bytes(rows.select(cols)))
 
     # --- apply (follow) ----------------------------------------------------------------------
     def apply(self, changes: pa.Table) -> pa.Table:
         """Steps 1-4 of the module docstring: `changes` has ``ti, k, kb, p, off, deleted, row,
-        fk0..fk<n-1>, nfk0..nfk<m-1>``; returns ``k, kb, p, r0`` (driving row text), ``r<i+1>`` per
-        lookup i and ``n<j>`` (a JSON array of child row texts, NULL for none) per nested collection j."""
+        fk0..fk<n-1>, nfk0..nfk<m-1>``; returns ``k, kb`` (the record key as hex text), ``p, r0``
+        (driving row text), ``r<i+1>`` per lookup i and ``n<j>`` (a JSON array of child row texts, NULL
+        for none) per nested collection j. Both directions are COPY in CSV, read and written by pyarrow."""
         from psycopg import sql
 
         jp = self.jp
@@ -176,11 +187,7 @@ class JoinState:
             sql.SQL("CREATE TEMP TABLE {} (k text PRIMARY KEY, kb bytea) ON COMMIT DROP").format(_q(aff))
         )
         cols = ["ti", "k", "kb", "p", "off", "deleted", "row", *fkcols]
-        stmt = sql.SQL("COPY pg_temp.{} ({}) FROM STDIN").format(_q(stg), sql.SQL(", ").join(_q(c) for c in cols))
-        data = [changes.column(c).to_pylist() for c in cols]
-        with self.conn.cursor() as cur, cur.copy(stmt) as cp:
-            for r in zip(*data, strict=True):
-                cp.write_row(r)
+        self._copy_in(sql.SQL("pg_temp.{}").format(_q(stg)), cols, changes)
         self.conn.execute(sql.SQL("ANALYZE pg_temp.{}").format(_q(stg)))
         # 1b. nested collections: the parents of the batch's child rows before the change are pending
         if jp.nested:
@@ -264,7 +271,7 @@ class JoinState:
                     _q(aff), self.pending())
             )
         # 4. the joined rows of the affected keys (current state)
-        sel: list[Any] = [sql.SQL("a.k"), sql.SQL("a.kb"), sql.SQL("d.p"), sql.SQL("d.row AS r0")]
+        sel: list[Any] = [sql.SQL("a.k"), sql.SQL("encode(a.kb, 'hex')"), sql.SQL("d.p"), sql.SQL("d.row AS r0")]
         joins = []
         for lp in jp.lookups:
             alias = sql.SQL(f"l{lp.index}")
@@ -282,19 +289,13 @@ class JoinState:
         query = sql.SQL("SELECT {} FROM pg_temp.{} a LEFT JOIN {} d ON d.k = a.k {}").format(
             sql.SQL(", ").join(sel), _q(aff), self.rel(0), sql.SQL(" ").join(joins)
         )
-        with self.conn.cursor() as cur:
-            cur.execute(query)
-            rows = cur.fetchall()
+        buf = io.BytesIO()
+        with self.conn.cursor() as cur, cur.copy(sql.SQL("COPY ({}) TO STDOUT WITH (FORMAT csv)").format(query)) as cp:
+            for chunk in cp:
+                buf.write(chunk)
         names = ["k", "kb", "p", "r0", *[f"r{i + 1}" for i in range(n)], *[f"n{j}" for j in range(len(jp.nested))]]
-        cols_out = list(zip(*rows, strict=True)) if rows else [() for _ in names]
-        return pa.table(
-            {
-                "k": pa.array(cols_out[0], pa.string()),
-                "kb": pa.array([bytes(b) if b is not None else None for b in cols_out[1]], pa.binary()),
-                "p": pa.array(cols_out[2], pa.int32()),
-                **{name: pa.array(cols_out[i], pa.string()) for i, name in enumerate(names) if i >= 3},
-            }
-        )
+        types = {name: pa.int32() if name == "p" else pa.string() for name in names}
+        return arrow_from_csv(buf.getvalue(), types)
 
     def _path(self, index: int) -> list[int]:
         """Lookup indexes from the driving table to lookup `index` (it last)."""

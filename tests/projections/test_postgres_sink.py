@@ -119,6 +119,39 @@ def test_type_mapping_and_csv_rendering() -> None:
     assert csv_bytes(t) == b'"\\x0001","{""a"",""q\\"""",NULL}",""\n,,\n'
 
 
+def test_copy_csv_round_trip_through_postgres(pg_dsn: str) -> None:
+    """``csv_bytes`` in and ``arrow_from_csv`` out (the join state's COPY paths): NULL and empty
+    strings stay apart, and quotes, commas, backslashes, newlines (``json_agg`` writes them), non-ASCII
+    text, bytea given as its ``\\x`` text and integers come back as they went in."""
+    import pyarrow as pa
+
+    from kappaflow.projections.sinks.postgres import arrow_from_csv
+
+    texts = [None, "", 'q"uo,te', "back\\slash", "line\nbreak\r\n", "ünï €", '[{"a": 1}, \n {"a": "x,y"}]',
+             "x" * 70_000]
+    n = len(texts)
+    src = pa.table({"t": pa.array(texts, pa.string()),
+                    "b": pa.array([None if i % 3 == 0 else "\\x" + bytes([i, 255 - i]).hex() for i in range(n)]),
+                    "i": pa.array([None if i == 2 else i - 3 for i in range(n)], pa.int32())})
+    with psycopg.connect(pg_dsn) as conn:
+        conn.execute("CREATE TEMP TABLE csv_rt (n serial, t text, b bytea, i integer)")
+        with conn.cursor() as cur, cur.copy("COPY csv_rt (t, b, i) FROM STDIN WITH (FORMAT csv)") as cp:
+            cp.write(csv_bytes(src))
+        assert conn.execute("SELECT t FROM csv_rt ORDER BY n").fetchall() == [(t,) for t in texts]
+        out = bytearray()
+        with conn.cursor() as cur, cur.copy(
+            "COPY (SELECT t, encode(b, 'hex'), i FROM csv_rt ORDER BY n) TO STDOUT WITH (FORMAT csv)"
+        ) as cp:
+            for chunk in cp:
+                out += chunk
+        got = arrow_from_csv(bytes(out), {"t": pa.string(), "b": pa.string(), "i": pa.int32()})
+        assert got.column("t").to_pylist() == texts
+        assert got.column("b").to_pylist() == [None if v is None else v[2:] for v in src.column("b").to_pylist()]
+        assert got.column("i").to_pylist() == src.column("i").to_pylist()
+    empty = arrow_from_csv(b"", {"t": pa.string(), "i": pa.int32()})
+    assert empty.num_rows == 0 and empty.schema == pa.schema([("t", pa.string()), ("i", pa.int32())])
+
+
 def _lock_timeout_once(pg_dsn: str, sink: PostgresSink, table: str, write: Any) -> None:
     """`write()` fails on a lock timeout (transient) while another session holds `table`."""
     sink.conn.execute("SET lock_timeout = '200ms'")

@@ -1,5 +1,6 @@
-"""Arrow -> the CSV PostgreSQL's COPY reads: pyarrow's C++ writer, with binary, array, nested and
-interval columns rendered to PostgreSQL text forms first."""
+"""Arrow <-> the CSV of PostgreSQL's COPY: pyarrow's C++ writer (binary, array, nested and interval
+columns rendered to PostgreSQL text forms first) and reader (``arrow_from_csv``: what ``COPY (query)
+TO STDOUT`` writes, columnar, without a Python object per value)."""
 
 from __future__ import annotations
 
@@ -71,3 +72,21 @@ def csv_bytes(table: pa.Table) -> bytes:
     buf = io.BytesIO()
     pacsv.write_csv(_render_for_csv(table), buf, pacsv.WriteOptions(include_header=False))
     return buf.getvalue()
+
+
+def arrow_from_csv(data: bytes, columns: dict[str, pa.DataType]) -> pa.Table:
+    """The rows of ``COPY (...) TO STDOUT WITH (FORMAT csv)`` (no header) as an Arrow table of `columns`.
+
+    PostgreSQL writes NULL as an empty unquoted field and an empty string as ``""``, so only unquoted
+    empty fields are NULL. Values may hold newlines (``json_agg`` output does). One block holds the
+    whole input (a block smaller than a row fails in pyarrow's reader), up to 1 GiB per block."""
+    if not data:
+        return pa.table({n: pa.array([], t) for n, t in columns.items()})
+    return pacsv.read_csv(
+        io.BytesIO(data),
+        read_options=pacsv.ReadOptions(column_names=list(columns), block_size=min(len(data) + 1, 1 << 30)),
+        parse_options=pacsv.ParseOptions(newlines_in_values=True),
+        convert_options=pacsv.ConvertOptions(
+            column_types=columns, null_values=[""], strings_can_be_null=True, quoted_strings_can_be_null=False
+        ),
+    )
