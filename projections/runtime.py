@@ -59,6 +59,10 @@ def spark_session(master: str = "local[*]", app_name: str = "kappaflow", conf: d
         "spark.ui.showConsoleProgress": "false",
         "spark.sql.execution.arrow.maxRecordsPerBatch": "20000",
         "spark.driver.memory": "2g",
+        # A Python worker connects back to the JVM within this time (Spark's default 15 s): on a busy
+        # machine a streaming source's Python runner took longer and failed the query ("Python worker
+        # failed to connect back").
+        "spark.python.authenticate.socketTimeout": "120s",
     }
     merged = {**defaults, **(conf or {})}
     merged.update(spark_log_conf(log_level, merged))

@@ -189,8 +189,10 @@ LONGEST_FIRST = (
     "projections/test_joins_documents.py",
     "projections/test_follow_differential.py",
     "projections/test_windows.py",
+    "projections/test_interval_join.py",
     "monitoring/test_stack.py",
     "projections/test_joins_nested.py",
+    "projections/test_session_windows.py",
 )
 
 

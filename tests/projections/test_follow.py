@@ -254,6 +254,7 @@ def test_follow_refuses_a_view_table_of_another_shape(rt: Any, embedded_log: Any
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1200)  # the follower process starts its own Spark after every kill; minutes on a busy machine
 def test_follow_killed_with_sigkill_mid_batch_resumes_exactly_once(
     spark: Any, embedded_log: Any, pg_dsn: str, tmp_path: Path
 ) -> None:
