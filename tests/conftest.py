@@ -174,8 +174,9 @@ def spark() -> Iterator[Any]:
         session.stop()
 
 
-# The longest test files, longest first (seconds per file in a full run, `--durations`). The suite runs
-# on two pytest-xdist workers that take whole files (`--dist loadfile`, scripts/test.sh); a file handed
+# The longest test files, longest first (seconds per file in a full run, `--durations`). With
+# KF_TEST_WORKERS=2 the suite runs on two pytest-xdist workers that take whole files (`--dist loadfile`,
+# scripts/test.sh); a file handed
 # out last that runs for minutes leaves one worker idle for that long. Longest-first keeps both busy to
 # the end. Only an order: no test depends on another's (each file also passes alone).
 LONGEST_FIRST = (

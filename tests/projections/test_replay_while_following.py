@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -218,8 +219,12 @@ def test_replay_refuses_cleanly_when_the_follower_dies_mid_handover(
                     ).fetchone()
                     return bool(row and row[0] == "taking")
 
-                deadline = 180
-                wait(lambda: claimed() or not t.is_alive(), deadline, "the follower to claim the rebuilt view")
+                # Polled every 10 ms, not wait()'s 100 ms: on a quiet machine the claimed state can last
+                # only a fraction of a second (a small range to catch up), and a 100 ms poll missed it once.
+                deadline = time.monotonic() + 180
+                while not (claimed() or not t.is_alive()):
+                    assert time.monotonic() < deadline, "timed out after 180s waiting for the follower's claim"
+                    time.sleep(0.01)
                 assert t.is_alive(), f"the replay ended before the follower claimed the view: {outcome}"
                 os.killpg(proc.pid, signal.SIGKILL)  # mid-handover: between its claim and its report
             t.join(timeout=120)
