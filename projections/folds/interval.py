@@ -59,7 +59,15 @@ from kappaflow.projections.api import (
     ProjectionSpec,
 )
 from kappaflow.projections.folds.base import BAD_REASON, BuildJob, Built, FoldedBatch, FoldStrategy, register
-from kappaflow.projections.folds.windowed import LATE_REASON, MARK_TOPIC, W_KEY, duration_us, iso, mark_key
+from kappaflow.projections.folds.windowed import (
+    LATE_REASON,
+    MARK_TOPIC,
+    W_KEY,
+    duration_us,
+    iso,
+    mark_key,
+    projection_watermarks,
+)
 from kappaflow.projections.plan import VALID_OPS, Plan
 from kappaflow.projections.schemas import converted_row, envelope_struct
 from kappaflow.projections.sinks.base import VERSION, Positions, Sink, Target, ViewColumn, ViewSpec, WriteResult
@@ -161,15 +169,7 @@ class Rule:
 
     def watermarks(self, pmax: Mapping[TP, int], partitions: Sequence[TP]) -> tuple[int | None, int | None]:
         """(W over the non-idle partitions, W_all over every partition); None: no watermark yet."""
-        vals = [pmax.get(tp) for tp in partitions]
-        seen = [v for v in vals if v is not None]
-        w_all = min(seen) - self.delay if seen and len(seen) == len(vals) else None
-        if not seen:
-            return None, w_all
-        if self.idle is None:
-            return w_all, w_all
-        top = max(seen)
-        return min(v for v in seen if v >= top - self.idle) - self.delay, w_all
+        return projection_watermarks(pmax, partitions, self.delay, self.idle)
 
     def fold(
         self, events: Mapping[str, list[Any]], current: dict[tuple[str, bytes], int],

@@ -221,15 +221,7 @@ class Rule:
     def watermarks(self, pmax: Mapping[TP, int], partitions: Sequence[TP]) -> tuple[int | None, int | None]:
         """(W, W_all): the projection watermark over the non-idle partitions, and the one over all
         partitions (when every window past it may drop its state); None = no watermark yet."""
-        vals = [pmax.get(tp) for tp in partitions]
-        seen = [v for v in vals if v is not None]
-        w_all = min(seen) - self.delay if seen and len(seen) == len(vals) else None
-        if not seen:
-            return None, w_all
-        if self.idle is None:
-            return w_all, w_all
-        top = max(seen)
-        return min(v for v in seen if v >= top - self.idle) - self.delay, w_all
+        return projection_watermarks(pmax, partitions, self.delay, self.idle)
 
     def fold(
         self,
@@ -296,6 +288,23 @@ class Rule:
             if present[i] and et is not None and (pm is None or et > pm):
                 pmax[tp] = et
 
+
+
+def projection_watermarks(pmax: Mapping[TP, int], partitions: Sequence[TP], delay: int,
+                          idle: int | None) -> tuple[int | None, int | None]:
+    """(W, W_all) from each input partition's largest event time (README "Event time", rule 4): W over
+    the non-idle partitions (a partition is idle when it has no event or is more than `idle` behind the
+    most advanced one; `idle=None`: none is), W_all over every partition (state older than it can be
+    dropped); None = no watermark yet. One definition for windows and joins within a time bound."""
+    vals = [pmax.get(tp) for tp in partitions]
+    seen = [v for v in vals if v is not None]
+    w_all = min(seen) - delay if seen and len(seen) == len(vals) else None
+    if not seen:
+        return None, w_all
+    if idle is None:
+        return w_all, w_all
+    top = max(seen)
+    return min(v for v in seen if v >= top - idle) - delay, w_all
 
 def iso(us: int) -> str:
     return (datetime(1970, 1, 1, tzinfo=UTC) + timedelta(microseconds=us)).isoformat().replace("+00:00", "Z")
