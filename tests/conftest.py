@@ -20,6 +20,16 @@ import pytest
 os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
 os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
 
+# JVM options for the Spark drivers the tests start in child processes (the followers, replays and CLI
+# commands that kill tests run and kill with -9: spark-submit adds SPARK_SUBMIT_OPTS to the driver JVM).
+# Those JVMs live seconds to a minute, so the C2 JIT compiler's work never pays off: with the C1 compiler
+# only and the serial collector, a windows kill test (three follower processes) took 67 s instead of 80 s
+# on the 2-core machine (repeated twice). The session's own SparkSession (the `spark` fixture) is
+# started without them: it lives for the whole run, and with C1 only it was no faster (97.6 s vs 94.7 s
+# for two Spark-heavy files). Not a product setting: a long-running follower wants C2.
+CHILD_SPARK_JVM_OPTS = "-XX:TieredStopAtLevel=1 -XX:+UseSerialGC"
+os.environ.setdefault("SPARK_SUBMIT_OPTS", CHILD_SPARK_JVM_OPTS)
+
 
 def _unique(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex[:10]}"
@@ -152,16 +162,21 @@ def spark() -> Iterator[Any]:
     """The one SparkSession of the test session (local[2])."""
     from pyspark.sql import SparkSession
 
-    session = (
-        SparkSession.builder.master("local[2]")
-        .appName("kappaflow-tests")
-        .config("spark.sql.shuffle.partitions", "4")
-        .config("spark.default.parallelism", "2")
-        .config("spark.ui.enabled", "false")
-        .config("spark.sql.session.timeZone", "UTC")
-        .config("spark.driver.memory", "2g")
-        .getOrCreate()
-    )
+    child_opts = os.environ.pop("SPARK_SUBMIT_OPTS", None)  # see CHILD_SPARK_JVM_OPTS: not for this JVM
+    try:
+        session = (
+            SparkSession.builder.master("local[2]")
+            .appName("kappaflow-tests")
+            .config("spark.sql.shuffle.partitions", "4")
+            .config("spark.default.parallelism", "2")
+            .config("spark.ui.enabled", "false")
+            .config("spark.sql.session.timeZone", "UTC")
+            .config("spark.driver.memory", "2g")
+            .getOrCreate()
+        )
+    finally:
+        if child_opts is not None:
+            os.environ["SPARK_SUBMIT_OPTS"] = child_opts
     try:
         from kappaflow.projections.datasource import register
 

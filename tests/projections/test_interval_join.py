@@ -44,6 +44,7 @@ from kappaflow.projections.folds.interval import interval_status
 from kappaflow.projections.replay import replay
 from kappaflow.projections.simulate import TableWriter
 from kappaflow.projections.status import projection_status
+from tests._kill import trial_count
 
 T0 = datetime(2024, 3, 1, tzinfo=UTC)
 ORDER_PARTS, PAY_PARTS = 3, 2
@@ -481,7 +482,7 @@ def test_follower_killed_with_sigkill_equals_the_reference(rt: Any, embedded_log
 
     proc = start()
     try:
-        for trial in range(2):
+        for trial in range(trial_count(1, 2)):
             before = stored()
             history(ow, pw, rnd, 70, None, at)
             wait(lambda b=before: stored() > b, 300, f"trial {trial}: progress")

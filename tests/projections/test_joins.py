@@ -32,6 +32,7 @@ from kappaflow.projections.runtime import Runtime
 from kappaflow.projections.simulate import TableWriter
 from kappaflow.projections.sinks.postgres import PostgresSink
 from kappaflow.projections.verify import verify
+from tests._kill import trial_count
 from tests.projections.join_helpers import (
     DOC_COLS,
     REV_COLS,
@@ -426,7 +427,7 @@ def test_follower_killed_with_sigkill_during_fan_out_equals_a_fresh_replay(jrt: 
 
     proc = start()
     try:
-        for trial in range(3):
+        for trial in range(trial_count(2, 3)):
             before = stored()
             shop.w["customers"].update((1,), {"name": f"hub{trial}"})  # 300+ view rows to rewrite
             for o in rnd.sample(range(100, 400), 40):

@@ -41,6 +41,7 @@ from kappaflow.projections.folds.windowed import window_status
 from kappaflow.projections.replay import replay
 from kappaflow.projections.simulate import TableWriter
 from kappaflow.projections.status import projection_status
+from tests._kill import trial_count
 
 T0 = datetime(2024, 3, 1, tzinfo=UTC)
 H = timedelta(hours=1)
@@ -412,7 +413,7 @@ def test_follower_killed_with_sigkill_mid_window_equals_the_reference(rt: Any, e
 
     proc = start()
     try:
-        for trial in range(2):
+        for trial in range(trial_count(1, 2)):
             before = stored()
             history(w, rnd, 80, None, at)
             wait(lambda b=before: stored() > b, 300, f"trial {trial}: progress")
