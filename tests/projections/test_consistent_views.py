@@ -13,10 +13,7 @@ next cut; an idle source keeps recording its cut with every heartbeat, at the lo
 
 from __future__ import annotations
 
-import os
 import random
-import signal
-import subprocess
 import sys
 import threading
 import time
@@ -36,7 +33,7 @@ from kappaflow.config import PostgresSourceConfig
 from kappaflow.connectors.base import StopSignal
 from kappaflow.connectors.postgres.connector import PostgresConnector
 from tests._consistency import InvariantReader, wait_until
-from tests._kill import trial_count
+from tests._kill import KilledProcess, trial_count
 from tests.projections import defs
 
 pytestmark = pytest.mark.integration
@@ -414,22 +411,8 @@ RUNNER = Path(__file__).with_name("follow_runner.py")
 CAPTURE_RUNNER = Path(__file__).with_name("bank_capture_runner.py")
 
 
-class Killed:
-    """A child process (the follower or capture) that a test kills with -9 at seeded moments of a running
-    bank and restarts; its output accumulates in `out` for the failure message."""
-
-    def __init__(self, argv: list[str], out: Path, what: str) -> None:
-        self.argv, self.out, self.what = argv, out, what
-        self.proc = self._start()
-
-    def _start(self) -> subprocess.Popen[bytes]:
-        with self.out.open("ab") as sink:
-            return subprocess.Popen(self.argv, env={**os.environ, "PYSPARK_PYTHON": sys.executable}, stdout=sink,
-                                    stderr=subprocess.STDOUT, start_new_session=True)
-
-    def alive(self) -> bool:
-        assert self.proc.poll() is None, f"{self.what} ended: {self.out.read_bytes()[-3000:].decode(errors='replace')}"
-        return True
+class Killed(KilledProcess):
+    """The follower or capture of a running bank, killed with -9 at seeded moments and restarted."""
 
     def trials(self, run: Run, progress: Callable[[], int], n: int, rnd: random.Random, pause: float,
                timeout: float, moved: str) -> None:
@@ -444,13 +427,6 @@ class Killed:
             time.sleep(rnd.uniform(0.0, pause))
             self.kill()
             self.proc = self._start()
-
-    def kill(self) -> None:
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        self.proc.wait(30)
 
 
 def _transfers_across_kills(run: Run, bank: Bank, start: Callable[[], Killed], progress: Callable[[], int],

@@ -15,13 +15,9 @@ moved to other orders, deletes, payments a day late, a partition that stops gett
 
 from __future__ import annotations
 
-import os
 import random
 import re
-import signal
-import subprocess
 import sys
-import time
 import types
 import uuid
 import zlib
@@ -44,7 +40,7 @@ from kappaflow.projections.folds.interval import interval_status
 from kappaflow.projections.replay import replay
 from kappaflow.projections.simulate import TableWriter
 from kappaflow.projections.status import projection_status
-from tests._kill import trial_count
+from tests._kill import KilledProcess, live_offsets, trial_count
 
 T0 = datetime(2024, 3, 1, tzinfo=UTC)
 ORDER_PARTS, PAY_PARTS = 3, 2
@@ -457,45 +453,15 @@ def test_follower_killed_with_sigkill_equals_the_reference(rt: Any, embedded_log
     rnd = random.Random(4243)
     at: dict[str, Any] = {}
     history(ow, pw, rnd, 100, None, at)
-    ckpt = tmp_path / "ckpt"
-    runner_log = tmp_path / "runner.log"
-    env = {**os.environ, "PYSPARK_PYTHON": sys.executable}
-
-    def stored() -> int:
-        with psycopg.connect(rt.dsn) as conn:
-            row = conn.execute("SELECT coalesce(sum(next_offset), 0) FROM kappaflow.projection_positions "
-                               "WHERE projection = %s AND target = 'live'", (name,)).fetchone()
-        return int(row[0]) if row else 0
-
-    def wait(cond: Any, timeout: float, what: str) -> None:
-        deadline = time.monotonic() + timeout
-        while not cond():
-            if time.monotonic() > deadline:
-                tail = runner_log.read_text()[-3000:] if runner_log.exists() else ""
-                raise AssertionError(f"timed out after {timeout}s waiting for {what}; follower log:\n{tail}")
-            time.sleep(0.1)
-
-    def start() -> subprocess.Popen[bytes]:
-        with runner_log.open("ab") as out:
-            return subprocess.Popen([sys.executable, str(RUNNER), str(embedded_log.path), rt.dsn, str(ckpt), source],
-                                    env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-
-    proc = start()
+    argv = [sys.executable, str(RUNNER), str(embedded_log.path), rt.dsn, str(tmp_path / "ckpt"), source]
+    proc = KilledProcess(argv, tmp_path / "runner.log", "the follower")
     try:
-        for trial in range(trial_count(1, 2)):
-            before = stored()
-            history(ow, pw, rnd, 70, None, at)
-            wait(lambda b=before: stored() > b, 300, f"trial {trial}: progress")
-            time.sleep(rnd.uniform(0.0, 1.0))  # kill at a random point of a batch, not a synchronisation
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(30)
-            proc = start()
+        proc.kill_after_progress(lambda: live_offsets(rt.dsn, name), lambda _: history(ow, pw, rnd, 70, None, at),
+                                 trial_count(1, 2), rnd, 1.0)
         end = sum(embedded_log.end_offsets(ow.topic).values()) + sum(embedded_log.end_offsets(pw.topic).values())
-        wait(lambda: stored() >= end, 300, "the restarted follower to reach the log end")
+        proc.wait(lambda: live_offsets(rt.dsn, name) >= end, 300, "the restarted follower to reach the log end")
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(30)
+        proc.kill()
     want, want_late = reference(embedded_log, ow.topic, pw.topic, cfg)
     assert view(rt.dsn, name) == want, "after kill -9: " + diff(view(rt.dsn, name), want)
     from tests.projections.interval_runner import unpaid

@@ -7,12 +7,8 @@ The views are compared with a plain-Python join of the tables' current rows
 
 from __future__ import annotations
 
-import os
 import random
-import signal
-import subprocess
 import sys
-import time
 import uuid
 from datetime import UTC, datetime, timedelta
 from decimal import Decimal
@@ -32,7 +28,7 @@ from kappaflow.projections.runtime import Runtime
 from kappaflow.projections.simulate import TableWriter
 from kappaflow.projections.sinks.postgres import PostgresSink
 from kappaflow.projections.verify import verify
-from tests._kill import trial_count
+from tests._kill import KilledProcess, live_offsets, trial_count
 from tests.projections.join_helpers import (
     DOC_COLS,
     REV_COLS,
@@ -394,58 +390,24 @@ def test_follower_killed_with_sigkill_during_fan_out_equals_a_fresh_replay(jrt: 
                                  "status": "new"})
     shop.flush()
     proj = order_docs(source, name=f"{source}_docs")
-    ckpt = tmp_path / "kill_ckpt"
     rnd = random.Random(915)
-    env = {**os.environ, "PYSPARK_PYTHON": sys.executable}
     topics = [w.topic for w in shop.w.values()]
 
-    def stored() -> int:
-        with psycopg.connect(rt.dsn) as conn:
-            row = conn.execute("SELECT coalesce(sum(next_offset), 0) FROM kappaflow.projection_positions "
-                               "WHERE projection = %s AND target = 'live'", (proj.name,)).fetchone()
-        return int(row[0]) if row else 0
+    def more(trial: int) -> None:
+        shop.w["customers"].update((1,), {"name": f"hub{trial}"})  # 300+ view rows to rewrite
+        for o in rnd.sample(range(100, 400), 40):
+            shop.w["orders"].update((o,), {"amount": Decimal(rnd.randint(1, 999))})
+        shop.w["products"].update((1 + trial % 3,), {"title": f"t{trial}"})
+        shop.flush()
 
-    def log_end() -> int:
-        return sum(sum(log.end_offsets(t).values()) for t in topics)
-
-    def wait(cond: Any, timeout: float, what: str) -> None:
-        deadline = time.monotonic() + timeout
-        while not cond():
-            if time.monotonic() > deadline:
-                tail = runner_log.read_text()[-3000:] if runner_log.exists() else ""
-                raise AssertionError(f"timed out after {timeout}s waiting for {what}; follower log:\n{tail}")
-            time.sleep(0.1)
-
-    runner_log = tmp_path / "runner.log"
-
-    def start() -> subprocess.Popen[bytes]:
-        with runner_log.open("ab") as out:
-            return subprocess.Popen(
-                [sys.executable, str(RUNNER), str(log.path), rt.dsn, str(ckpt), source, "joins"],
-                env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
-            )
-
-    proc = start()
+    argv = [sys.executable, str(RUNNER), str(log.path), rt.dsn, str(tmp_path / "kill_ckpt"), source, "joins"]
+    proc = KilledProcess(argv, tmp_path / "runner.log", "the follower")
     try:
-        for trial in range(trial_count(2, 3)):
-            before = stored()
-            shop.w["customers"].update((1,), {"name": f"hub{trial}"})  # 300+ view rows to rewrite
-            for o in rnd.sample(range(100, 400), 40):
-                shop.w["orders"].update((o,), {"amount": Decimal(rnd.randint(1, 999))})
-            shop.w["products"].update((1 + trial % 3,), {"title": f"t{trial}"})
-            shop.flush()
-            wait(lambda b=before: stored() > b, 300, f"trial {trial}: progress")
-            time.sleep(rnd.uniform(0.0, 1.5))
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(30)
-            proc = start()
-        wait(lambda: stored() >= log_end(), 300, "the follower to catch up")
+        proc.kill_after_progress(lambda: live_offsets(rt.dsn, proj.name), more, trial_count(2, 3), rnd, 1.5)
+        end = sum(sum(log.end_offsets(t).values()) for t in topics)
+        proc.wait(lambda: live_offsets(rt.dsn, proj.name) >= end, 300, "the follower to catch up")
     finally:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        proc.wait(30)
+        proc.kill()
     followed = _view(rt, proj, DOC_COLS)
     assert followed == _want(ref_docs(shop.rows), DOC_COLS), _diff(followed, _want(ref_docs(shop.rows), DOC_COLS))
     replay(proj, rt)

@@ -14,12 +14,8 @@ partition that stops getting events (idle).
 
 from __future__ import annotations
 
-import os
 import random
-import signal
-import subprocess
 import sys
-import time
 import uuid
 import zlib
 from dataclasses import dataclass
@@ -41,7 +37,7 @@ from kappaflow.projections.folds.windowed import window_status
 from kappaflow.projections.replay import replay
 from kappaflow.projections.simulate import TableWriter
 from kappaflow.projections.status import projection_status
-from tests._kill import trial_count
+from tests._kill import KilledProcess, live_offsets, trial_count
 
 T0 = datetime(2024, 3, 1, tzinfo=UTC)
 H = timedelta(hours=1)
@@ -388,45 +384,15 @@ def test_follower_killed_with_sigkill_mid_window_equals_the_reference(rt: Any, e
     rnd = random.Random(4242)
     at: dict[str, Any] = {}
     history(w, rnd, 120, None, at)
-    ckpt = tmp_path / "ckpt"
-    runner_log = tmp_path / "runner.log"
-    env = {**os.environ, "PYSPARK_PYTHON": sys.executable}
-
-    def stored() -> int:
-        with psycopg.connect(rt.dsn) as conn:
-            row = conn.execute("SELECT coalesce(sum(next_offset), 0) FROM kappaflow.projection_positions "
-                               "WHERE projection = %s AND target = 'live'", (name,)).fetchone()
-        return int(row[0]) if row else 0
-
-    def wait(cond: Any, timeout: float, what: str) -> None:
-        deadline = time.monotonic() + timeout
-        while not cond():
-            if time.monotonic() > deadline:
-                tail = runner_log.read_text()[-3000:] if runner_log.exists() else ""
-                raise AssertionError(f"timed out after {timeout}s waiting for {what}; follower log:\n{tail}")
-            time.sleep(0.1)
-
-    def start() -> subprocess.Popen[bytes]:
-        with runner_log.open("ab") as out:
-            return subprocess.Popen([sys.executable, str(RUNNER), str(embedded_log.path), rt.dsn, str(ckpt), source,
-                                     shape], env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-
-    proc = start()
+    argv = [sys.executable, str(RUNNER), str(embedded_log.path), rt.dsn, str(tmp_path / "ckpt"), source, shape]
+    proc = KilledProcess(argv, tmp_path / "runner.log", "the follower")
     try:
-        for trial in range(trial_count(1, 2)):
-            before = stored()
-            history(w, rnd, 80, None, at)
-            wait(lambda b=before: stored() > b, 300, f"trial {trial}: progress")
-            time.sleep(rnd.uniform(0.0, 1.0))
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(30)
-            proc = start()
+        proc.kill_after_progress(lambda: live_offsets(rt.dsn, name), lambda _: history(w, rnd, 80, None, at),
+                                 trial_count(1, 2), rnd, 1.0)
         end = sum(embedded_log.end_offsets(w.topic).values())
-        wait(lambda: stored() >= end, 300, "the restarted follower to reach the log end")
+        proc.wait(lambda: live_offsets(rt.dsn, name) >= end, 300, "the restarted follower to reach the log end")
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(30)
+        proc.kill()
     want, want_late = want_of()
     assert view(rt.dsn, name) == want, "after kill -9: " + diff(view(rt.dsn, name), want)
     spec = ProjectionSpec.from_class(make(source))
