@@ -55,6 +55,7 @@ from kappaflow.events import (
     TableSchema,
     TransactionInfo,
 )
+from kappaflow.events._fast import fast_frozen_init
 from kappaflow.events.connect import parse_value_schema
 from kappaflow.events.sources import layout_for_connector
 
@@ -66,6 +67,7 @@ _AS_IS = frozenset({FieldType.INT8, FieldType.INT16, FieldType.INT32, FieldType.
                     FieldType.STRING, FieldType.ENUM, FieldType.BOOLEAN})
 
 
+@fast_frozen_init
 @dataclass(frozen=True, slots=True)
 class Converted:
     """A change event converted from Debezium's JSON straight to the JSON kappaflow writes
@@ -93,6 +95,7 @@ class Converted:
                            self.ts_us, self.ts_ns)
 
 
+@fast_frozen_init  # one per record
 @dataclass(frozen=True, slots=True)
 class Decoded:
     """What one Debezium record becomes.

@@ -448,8 +448,10 @@ class DebeziumSource(Connector):
         self._where = f"{msg.topic}/{msg.partition}/{msg.offset}".encode()
         self._src = (SOURCE_HEADER, self._where)
         try:
-            d = self.decoder.convert(msg.topic, msg.partition, msg.offset, msg.key, msg.value, self.codec,
-                                     timestamp_ms=getattr(msg, "timestamp", None))
+            value = msg.value
+            d = self.decoder.convert(msg.topic, msg.partition, msg.offset, msg.key, value, self.codec,
+                                     # (only a tombstone's delete uses it)
+                                     timestamp_ms=getattr(msg, "timestamp", None) if value is None else None)
             if d.kind == "event":
                 self._records(d, msg.partition)
                 self.summary.events += 1
