@@ -65,6 +65,9 @@ def _records() -> list[tuple[str, bytes | None, bytes | None]]:
         {"born": "2024-01-01"},  # bad
         {"extra_column": 1},  # bad: not in the schema
         {"doc": "__debezium_unavailable_value"},  # unavailable, not a value
+        {"doc": '{"__debezium_unavailable_value" : "__debezium_unavailable_value"}'},  # hstore as json: too
+        {"doc": '{"x": -99999999, "y": -99999999.0}'}, {"doc": '["__debezium_unavailable_value"]'},
+        {"doc": '{"wkb": "AQEAACDmEAAAAAAA/IPXl8EAAAD8g9eXwQ=="}'},
         {"seen": 12},  # bad
     ]
     for i, after in enumerate(values):
