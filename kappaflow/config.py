@@ -347,6 +347,16 @@ class DebeziumSourceConfig(_SourceBase):
     kafka: KafkaClientConfig | None = None
     # the connector's unavailable.value.placeholder (unchanged TOAST values, Oracle LOBs)
     unavailable_placeholder: str = Field("__debezium_unavailable_value", min_length=1)
+    # records read from one input partition in a row before the next partition's turn (a partition
+    # read to its end hands over at once); moving the Kafka reader drops the client's prefetch
+    switch_after: int = Field(50_000, ge=1)
+
+    @field_validator("switch_after", mode="before")
+    @classmethod
+    def _switch_after_not_bool(cls, v: Any) -> Any:
+        if isinstance(v, bool):  # pydantic would read true as 1
+            raise ValueError("expected an integer >= 1 (records read from a partition in a row), got a boolean")
+        return v
 
 
 SourceConfig = Annotated[

@@ -42,25 +42,60 @@ from kappaflow.connectors.debezium.cloudevents import envelope_from_cloudevent, 
 from kappaflow.connectors.debezium.infer import InferredSchemas, decode_schemaless_row
 from kappaflow.connectors.debezium.mongodb import apply_update, is_mongodb, mongodb_schema
 from kappaflow.connectors.debezium.ordering import PartitionOrder
-from kappaflow.connectors.debezium.placeholder import DEFAULT_PLACEHOLDER, Placeholder
+from kappaflow.connectors.debezium.placeholder import DEFAULT_PLACEHOLDER, Placeholder, screen_for
 from kappaflow.errors import ValidationError
 from kappaflow.events import (
     ChangeEvent,
     EventCodec,
+    FieldType,
     Op,
     Position,
     Snapshot,
     SourceInfo,
     TableSchema,
+    TransactionInfo,
 )
+from kappaflow.events._fast import fast_frozen_init
 from kappaflow.events.connect import parse_value_schema
 from kappaflow.events.sources import layout_for_connector
 
-__all__ = ["DebeziumDecoder", "Decoded"]
+__all__ = ["Converted", "DebeziumDecoder", "Decoded"]
 
 _OPS = {o.value: o for o in Op}
+# Column types whose JSON value is the Python value (a key column of these needs no decoding)
+_AS_IS = frozenset({FieldType.INT8, FieldType.INT16, FieldType.INT32, FieldType.INT64, FieldType.YEAR,
+                    FieldType.STRING, FieldType.ENUM, FieldType.BOOLEAN})
 
 
+@fast_frozen_init
+@dataclass(frozen=True, slots=True)
+class Converted:
+    """A change event converted from Debezium's JSON straight to the JSON kappaflow writes
+    (``DebeziumDecoder.convert``): ``before``/``after`` are in the output codec's JSON form, ready for
+    ``EventCodec.encode_converted``; ``key`` holds the key columns' Python values."""
+
+    op: Op
+    key: dict[str, Any] | None
+    before: dict[str, Any] | None
+    after: dict[str, Any] | None
+    source: SourceInfo
+    ts_ms: int
+    transaction: TransactionInfo | None
+    ts_us: int | None
+    ts_ns: int | None
+    wire_before: dict[str, Any] | None  # the rows as the record had them
+    wire_after: dict[str, Any] | None
+    rows: Callable[[Any, str], Any]  # the record schema's row decoder (decodes in place)
+
+    def event(self) -> ChangeEvent:
+        """The event ``DebeziumDecoder.decode`` makes of the same record (Python values)."""
+        before = None if self.wire_before is None else self.rows(dict(self.wire_before), "before")
+        after = None if self.wire_after is None else self.rows(dict(self.wire_after), "after")
+        return ChangeEvent(self.op, self.key, before, after, self.source, self.ts_ms, self.transaction, (),
+                           self.ts_us, self.ts_ns)
+
+
+@fast_frozen_init  # one per record
 @dataclass(frozen=True, slots=True)
 class Decoded:
     """What one Debezium record becomes.
@@ -78,6 +113,7 @@ class Decoded:
     key: bytes | None = None
     value: bytes | None = None
     patch: Callable[[dict[str, Any]], dict[str, Any]] | None = None  # MongoDB: the update to the repaired row
+    converted: Converted | None = None  # kind "event" from ``convert``: the event, already in JSON form
 
 
 class DebeziumDecoder:
@@ -127,6 +163,75 @@ class DebeziumDecoder:
                 gone = self._scan(ev)
                 return self._event(topic, partition, offset, key, ev, table, gone)
         return self._slow(topic, partition, offset, key, value)
+
+    def convert(self, topic: str, partition: int, offset: int, key: bytes | None, value: bytes | None,
+                out: EventCodec, *, timestamp_ms: int | None = None) -> Decoded:
+        """``decode``, for a source writing with codec ``out``: a change event whose schema part was
+        seen before (Debezium repeats it on every record of a table) is converted from its JSON
+        straight to ``out``'s (``Decoded.converted``, with ``event`` None), without the Python values
+        in between; anything else -- other records, a row with an odd value or with a placeholder,
+        ``decimal.format=NUMERIC`` -- is decoded by ``decode``, which also says what is wrong."""
+        if value is not None and key is not None and self.flattened.get(topic) is False:
+            d = self._converted(topic, partition, offset, key, value, out)
+            if d is not None:
+                return d
+        return self.decode(topic, partition, offset, key, value, timestamp_ms=timestamp_ms)
+
+    def _converted(self, topic: str, partition: int, offset: int, key: bytes, value: bytes,
+                   out: EventCodec) -> Decoded | None:
+        """``convert``'s fast path; None (having changed nothing) when ``decode`` must read the record."""
+        split = self.codec.split_envelope(value)
+        if split is None:
+            return None
+        table, rows, payload = split
+        op_code = payload.get("op")
+        op = _OPS.get(op_code) if type(op_code) is str else None
+        if op is None or op is Op.TRUNCATE or "kf_unavailable" in payload:
+            return None
+        before, after = payload.get("before"), payload.get("after")
+        if op is Op.DELETE:
+            if after is not None or type(before) is not dict:
+                return None
+        elif type(after) is not dict or (before is not None and type(before) is not dict):
+            return None
+        tr = out.transcoder(table)
+        if tr is None:
+            return None
+        screen = screen_for(table)
+        suspect = self.placeholder.suspect
+        if screen and ((after is not None and suspect(screen, after)) or (before is not None
+                                                                          and suspect(screen, before))):
+            return None
+        try:
+            b = None if before is None else tr(before)
+            a = None if after is None else tr(after)
+        except Exception:
+            return None  # decode() names the field (or reads what the fast path does not)
+        # from here on the record is placed: decode's order of checks and fall-backs
+        try:
+            src, ts_ms, ts_us, ts_ns, tx = self.codec.envelope_meta(
+                payload, place=self._placer(topic, partition, offset), source_name=self.source)
+        except ValidationError:
+            return self._slow(topic, partition, offset, key, value)
+        self.flattened[topic] = False
+        _qualified, out_topic, names = self._target(topic, key, src)
+        schema = self._with_key(out_topic, table, names)
+        if schema.key or out_topic not in self.known:
+            self.known[out_topic] = schema
+        k: dict[str, Any] | None = None
+        if schema.key:
+            plain = schema._cache.get("kf.plain_key")
+            if plain is None:
+                plain = schema._cache["kf.plain_key"] = all(schema.column(c).type in _AS_IS for c in schema.key)
+            if plain:  # the written row holds the key columns' values as they are
+                k = self._row_key(schema, a if a is not None else b, key, None)
+            else:
+                wire = after if after is not None else before
+                assert wire is not None
+                k = self._row_key(schema, rows(dict(wire), "after" if after is not None else "before"), key, None)
+        self._noted(topic, partition, offset, key, op, out_topic, src)
+        return Decoded("event", topic=out_topic, schema=schema, converted=Converted(
+            op, k, b, a, src, ts_ms, tx, ts_us, ts_ns, before, after, rows))
 
     def _slow(self, topic: str, partition: int, offset: int, key: bytes | None, value: bytes) -> Decoded:
         try:
@@ -193,16 +298,7 @@ class DebeziumDecoder:
                table: TableSchema | None, unavailable: tuple[str, ...]) -> Decoded:
         """The decoded envelope (already named and placed) as an event of its kappaflow topic."""
         src = ev.source
-        names_of = (src.schema, src.db, src.table)
-        named = self._named.get(names_of)
-        if named is None:
-            qualified = f"{src.schema if src.schema is not None else src.db}.{src.table}"
-            if len(self._named) > 4096:
-                self._named.clear()
-            named = self._named[names_of] = (qualified, f"{self.source}.{qualified}")
-        qualified, out = named
-        self.out_topics[topic] = out
-        names = self.key_columns.get(qualified) or self._key_names(key)
+        qualified, out, names = self._target(topic, key, src)
         raw_key: dict[str, Any] | None = None
         before, after = ev.before, ev.after
         if table is not None:
@@ -219,24 +315,49 @@ class DebeziumDecoder:
             self.known[out] = schema
         k: dict[str, Any] | None = None
         if ev.op is not Op.TRUNCATE and schema.key:
-            row = after if after is not None else before
-            try:
-                k = None if row is None else {c: row[c] for c in schema.key}
-            except KeyError:
-                k = None
-            if k is None:
-                raw_key = raw_key if raw_key is not None else _raw_key(key)
-                if raw_key:
-                    k = {c: raw_key[c] for c in schema.key if c in raw_key}
-        if ev.op is Op.DELETE:
-            self.order.note_delete(topic, partition, offset, key)
-        else:
-            self.order.note_other(topic, partition)
-        self.last_source[out] = src
+            k = self._row_key(schema, after if after is not None else before, key, raw_key)
+        self._noted(topic, partition, offset, key, ev.op, out, src)
         if ev.unavailable:
             unavailable = tuple(dict.fromkeys((*ev.unavailable, *unavailable)))
         ev = ChangeEvent(ev.op, k, before, after, src, ev.ts_ms, ev.transaction, unavailable, ev.ts_us, ev.ts_ns)
         return Decoded("event", topic=out, event=ev, schema=schema)
+
+    def _target(self, topic: str, key: bytes | None, src: SourceInfo) -> tuple[str, str, tuple[str, ...]]:
+        """An event's ``<schema or db>.<table>``, its kappaflow topic (remembered for the input topic),
+        and its key column names (``key_columns``, else the record key's)."""
+        names_of = (src.schema, src.db, src.table)
+        named = self._named.get(names_of)
+        if named is None:
+            qualified = f"{src.schema if src.schema is not None else src.db}.{src.table}"
+            if len(self._named) > 4096:
+                self._named.clear()
+            named = self._named[names_of] = (qualified, f"{self.source}.{qualified}")
+        qualified, out = named
+        self.out_topics[topic] = out
+        return qualified, out, self.key_columns.get(qualified) or self._key_names(key)
+
+    @staticmethod
+    def _row_key(schema: TableSchema, row: dict[str, Any] | None, key: bytes | None,
+                 raw_key: dict[str, Any] | None) -> dict[str, Any] | None:
+        """The key columns' values from the row, else (a row without them) from the record key."""
+        try:
+            k = None if row is None else {c: row[c] for c in schema.key}
+        except KeyError:
+            k = None
+        if k is None:
+            raw_key = raw_key if raw_key is not None else _raw_key(key)
+            if raw_key:
+                k = {c: raw_key[c] for c in schema.key if c in raw_key}
+        return k
+
+    def _noted(self, topic: str, partition: int, offset: int, key: bytes | None, op: Op, out: str,
+               src: SourceInfo) -> None:
+        """The partition's delete/tombstone pairing and the table's last source block, after an event."""
+        if op is Op.DELETE:
+            self.order.note_delete(topic, partition, offset, key)
+        else:
+            self.order.note_other(topic, partition)
+        self.last_source[out] = src
 
     def _mongodb(self, topic: str, partition: int, offset: int, key: bytes | None, value: bytes,
                  payload: dict[str, Any]) -> Decoded:

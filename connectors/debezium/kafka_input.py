@@ -14,10 +14,21 @@ import time
 from collections.abc import Mapping
 from typing import Any, NamedTuple
 
-from kappaflow.errors import LogError, Retry, SourceError, UnknownTopicError
+from kappaflow.errors import ConfigError, LogError, Retry, SourceError, UnknownTopicError
 from kappaflow.log import Log, LogRecord, open_log
 
-__all__ = ["DebeziumInput", "InputPartition"]
+__all__ = ["SWITCH_AFTER", "DebeziumInput", "InputPartition", "check_switch_after"]
+
+#: Records read from one input partition in a row, by default (``[sources.NAME] switch_after``).
+SWITCH_AFTER = 50_000
+
+
+def check_switch_after(name: str, value: Any) -> int:
+    """``switch_after`` of source ``name``: an integer >= 1, else a ConfigError naming the setting."""
+    if type(value) is not int or value < 1:
+        raise ConfigError(f"sources.{name}.switch_after: expected an integer >= 1 (records read from one input "
+                          f"partition in a row before the next partition's turn), got {value!r}")
+    return value
 
 
 class InputPartition(NamedTuple):
@@ -29,20 +40,20 @@ class DebeziumInput:
     """`poll()` returns the next records of the assigned partitions, in offset order per partition.
 
     Partitions are read one at a time: the reader keeps the partition it is on while it has
-    records, for up to ``switch_after`` records, then takes the next one (a partition that is
-    read to its end hands over at once). Why: both Kafka clients read a partition through one
-    consumer that is re-assigned when the partition changes, and a re-assignment throws away
-    what the client had prefetched (librdkafka: up to 64 MB) and waits for a new fetch; taking
-    the partitions in turn on every poll did that several times per poll, fetching most
-    records from the broker more than once.
+    records, for up to ``switch_after`` records (``[sources.NAME] switch_after``, default 50,000),
+    then takes the next one (a partition that is read to its end hands over at once). Why: both
+    Kafka clients read a partition through one consumer that is re-assigned when the partition
+    changes, and a re-assignment throws away what the client had prefetched (librdkafka: up to
+    64 MB) and waits for a new fetch; taking the partitions in turn on every poll did that
+    several times per poll, fetching most records from the broker more than once.
     """
 
     def __init__(self, name: str, bootstrap: str, topics: list[str], kafka_options: Mapping[str, Any], *,
-                 switch_after: int = 50_000) -> None:
+                 switch_after: int = SWITCH_AFTER) -> None:
         self.name = name
         self.bootstrap = bootstrap
         self.topics = topics
-        self.switch_after = max(1, switch_after)
+        self.switch_after = check_switch_after(name, switch_after)
         options = {k: v for k, v in kafka_options.items() if k != "replication_factor"}
         try:
             self.log: Log = open_log(f"kafka://{bootstrap}", read_only=True, **options)

@@ -37,7 +37,9 @@ from typing import Any
 
 import orjson
 
-__all__ = ["DEFAULT_PLACEHOLDER", "Placeholder", "ToastState"]
+from kappaflow.events import FieldType, TableSchema
+
+__all__ = ["DEFAULT_PLACEHOLDER", "Placeholder", "ToastState", "screen_for"]
 
 DEFAULT_PLACEHOLDER = "__debezium_unavailable_value"
 
@@ -106,6 +108,52 @@ class Placeholder:
         return gone
 
     scan = strip
+
+    def suspect(self, screen: tuple[tuple[str, int], ...], row: dict[str, Any]) -> bool:
+        """A row as the message has it (JSON values) with a column that is, or may decode to, the
+        placeholder; ``screen`` (``screen_for``) says how each column's JSON decodes. False: no
+        column of the decoded row ``matches``, so there is nothing to ``scan``."""
+        strings = self._strings
+        for name, how in screen:
+            v = row.get(name)
+            if v is None:
+                continue
+            if how == _AS_TEXT:
+                if type(v) is str and v in strings:
+                    return True
+            elif how == _AS_IS:
+                if self.matches(v):
+                    return True
+            else:  # a json column's document: the placeholder is what it parses to
+                if (type(v) is str and v[:1] == "{" and "\\" not in v and self.text not in v and '"wkb"' not in v
+                        and '"x"' not in v):
+                    continue  # an object, and none of the placeholder's (hstore, geometry, point)
+                try:
+                    if self.matches(orjson.loads(v)):
+                        return True
+                except (orjson.JSONDecodeError, TypeError):
+                    return True  # (the decoder says what is wrong with it)
+        return False
+
+
+# How a column's JSON value relates to its decoded value, for Placeholder.suspect: a string decoded to
+# the same string or to the bytes it encodes (base64: one of the placeholder's strings), a list or dict
+# that matches where the decoded one does, a json document. Columns of other types decode to values
+# that never match (numbers, decimals, times, UUIDs, sets).
+_AS_TEXT, _AS_IS, _AS_JSON = 0, 1, 2
+_SCREEN = {FieldType.STRING: _AS_TEXT, FieldType.ENUM: _AS_TEXT, FieldType.BYTES: _AS_TEXT,
+           FieldType.BITS: _AS_TEXT, FieldType.ARRAY: _AS_IS, FieldType.STRUCT: _AS_IS, FieldType.MAP: _AS_IS,
+           FieldType.JSON: _AS_JSON}
+
+
+def screen_for(schema: TableSchema) -> tuple[tuple[str, int], ...]:
+    """The columns of ``schema`` whose decoded values can be the placeholder, with how to tell from
+    their JSON (``Placeholder.suspect``); cached with the schema."""
+    screen = schema._cache.get("kf.placeholder_screen")
+    if screen is None:
+        screen = schema._cache["kf.placeholder_screen"] = tuple(
+            (c.name, _SCREEN[c.type]) for c in schema.columns if c.type in _SCREEN)
+    return screen
 
 
 class ToastState:

@@ -49,8 +49,8 @@ from typing import Any
 import orjson
 
 from kappaflow.connectors.base import OP_HEADER, POSITION_HEADER, CaptureSummary, Connector, StopSignal, TrustedRecord
-from kappaflow.connectors.debezium.decode import DebeziumDecoder, Decoded
-from kappaflow.connectors.debezium.kafka_input import DebeziumInput
+from kappaflow.connectors.debezium.decode import Converted, DebeziumDecoder, Decoded
+from kappaflow.connectors.debezium.kafka_input import SWITCH_AFTER, DebeziumInput, check_switch_after
 from kappaflow.connectors.debezium.ordering import PartitionOrder
 from kappaflow.connectors.debezium.placeholder import DEFAULT_PLACEHOLDER, ToastState
 from kappaflow.connectors.offsets import OFFSETS_TOPIC, OffsetStore
@@ -83,9 +83,10 @@ class DebeziumSource(Connector):
                  decimal_mode: str = "string", partitions: int = 4, kafka_options: dict[str, Any] | None = None,
                  batch_records: int = 5000, poll_timeout_ms: int = 200, fault: FaultHook | None = None,
                  threaded_writer: bool = True, key_columns: dict[str, list[str]] | None = None,
-                 unavailable_placeholder: str = DEFAULT_PLACEHOLDER) -> None:
+                 unavailable_placeholder: str = DEFAULT_PLACEHOLDER, switch_after: int = SWITCH_AFTER) -> None:
         if not topics:
             raise ConfigError(f"sources.{name}.topics: expected at least one Debezium topic")
+        self.switch_after = check_switch_after(name, switch_after)
         self.name = name
         self.log = log
         self.bootstrap = bootstrap
@@ -131,12 +132,14 @@ class DebeziumSource(Connector):
         return cls(name=cfg.name, log=log, bootstrap=cfg.bootstrap, topics=list(cfg.topics),
                    schemas_enabled=cfg.schemas_enabled, decimal_mode=cfg.decimal_mode,
                    key_columns=dict(cfg.key_columns),
-                   unavailable_placeholder=getattr(cfg, "unavailable_placeholder", DEFAULT_PLACEHOLDER), **options)
+                   unavailable_placeholder=getattr(cfg, "unavailable_placeholder", DEFAULT_PLACEHOLDER),
+                   switch_after=getattr(cfg, "switch_after", SWITCH_AFTER), **options)
 
     # -- Kafka ---------------------------------------------------------------------------
     def _consumer(self) -> DebeziumInput:
         """Debezium's topics through a read-only log on their cluster, with the configured Kafka client."""
-        return DebeziumInput(self.name, self.bootstrap, self.topics, self.kafka_options)
+        return DebeziumInput(self.name, self.bootstrap, self.topics, self.kafka_options,
+                             switch_after=self.switch_after)
 
     # -- topics ----------------------------------------------------------------------------
     def _ensure(self, topic: str, compacted: bool = True, partitions: int | None = None) -> int:
@@ -153,6 +156,13 @@ class DebeziumSource(Connector):
 
     # -- conversion ----------------------------------------------------------------------
     def _records(self, d: Decoded, in_partition: int) -> None:
+        c = d.converted
+        if c is not None:  # rows already in the JSON this source writes
+            assert d.schema is not None and d.topic is not None
+            if d.schema.key and not self.toast.tracked(d.topic):
+                self._converted(d.topic, d.schema, c)
+                return
+            d = replace(d, event=c.event(), converted=None)  # keyless, or the rows are needed for repairs
         assert d.event is not None and d.schema is not None and d.topic is not None
         ev, schema, topic = d.event, d.schema, d.topic
         if ev.op is Op.TRUNCATE:
@@ -170,25 +180,44 @@ class DebeziumSource(Connector):
             self._add(topic, [TrustedRecord(None, self.codec.encode_value(ev, schema),
                                             (_OP_HEADERS[ev.op], self._src))], in_partition % n)
             return
-        if ev.key is None or len(ev.key) != len(schema.key):
+        key = self._keyed(topic, schema, ev.key)
+        self._schema_record(topic, schema, ev.source.position)
+        if ev.unavailable or self.toast.tracked(topic):
+            ev = self._repair(topic, key, ev, schema, d.patch)
+        self._keyed_records(topic, key, self.codec.encode_value(ev, schema), ev.op, ev.source.position)
+
+    def _converted(self, topic: str, schema: TableSchema, c: Converted) -> None:
+        """``_records`` of a keyed event ``DebeziumDecoder.convert`` converted (the same bytes)."""
+        key = self._keyed(topic, schema, c.key)
+        self._schema_record(topic, schema, c.source.position)
+        try:
+            value = self.codec.encode_converted(schema, c.op, c.before, c.after, c.source, c.ts_ms, c.transaction,
+                                                c.ts_us, c.ts_ns)
+        except Exception:  # encode_value of the event names what cannot be written
+            value = self.codec.encode_value(c.event(), schema)
+        self._keyed_records(topic, key, value, c.op, c.source.position)
+
+    def _keyed(self, topic: str, schema: TableSchema, k: dict[str, Any] | None) -> bytes:
+        """The record key of an event of a keyed table (its topic checked, created if new)."""
+        if k is None or len(k) != len(schema.key):
             raise ValidationError(f"key: the record names no value for the key column(s) {list(schema.key)} of "
                                   f"{schema.name!r}")
         self._ensure(topic)
         if not self._compacted[topic]:
             raise ValidationError(f"key: {topic!r} is an append-only topic (its table had no key), this record has "
                                   f"key columns {list(schema.key)}: key_columns or the table's key changed")
-        key = self.codec.encode_key(ev.key, schema)
+        key = self.codec.encode_key(k, schema)
         assert key is not None
-        self._schema_record(topic, schema, ev.source.position)
-        if ev.unavailable or self.toast.tracked(topic):
-            ev = self._repair(topic, key, ev, schema, d.patch)
-        value = self.codec.encode_value(ev, schema)
-        if ev.op is Op.DELETE:
-            ph = (POSITION_HEADER, orjson.dumps(ev.source.position.to_dict()))
-            self._add(topic, [TrustedRecord(key, value, (_OP_HEADERS[ev.op], self._src)),
-                              TrustedRecord(key, None, (_OP_HEADERS[ev.op], ph, self._src))], None)
+        return key
+
+    def _keyed_records(self, topic: str, key: bytes, value: bytes, op: Op, position: Any) -> None:
+        """An event's record, and after a delete the tombstone (with the delete's position)."""
+        if op is Op.DELETE:
+            ph = (POSITION_HEADER, orjson.dumps(position.to_dict()))
+            self._add(topic, [TrustedRecord(key, value, (_OP_HEADERS[op], self._src)),
+                              TrustedRecord(key, None, (_OP_HEADERS[op], ph, self._src))], None)
         else:
-            self._add(topic, [TrustedRecord(key, value, (_OP_HEADERS[ev.op], self._src))], None)
+            self._add(topic, [TrustedRecord(key, value, (_OP_HEADERS[op], self._src))], None)
 
     def _truncate(self, topic: str, ev: ChangeEvent, schema: TableSchema) -> None:
         """An op=t marker in every partition, then a delete (the row the log last held) and the tombstone
@@ -419,8 +448,10 @@ class DebeziumSource(Connector):
         self._where = f"{msg.topic}/{msg.partition}/{msg.offset}".encode()
         self._src = (SOURCE_HEADER, self._where)
         try:
-            d = self.decoder.decode(msg.topic, msg.partition, msg.offset, msg.key, msg.value,
-                                    timestamp_ms=getattr(msg, "timestamp", None))
+            value = msg.value
+            d = self.decoder.convert(msg.topic, msg.partition, msg.offset, msg.key, value, self.codec,
+                                     # (only a tombstone's delete uses it)
+                                     timestamp_ms=getattr(msg, "timestamp", None) if value is None else None)
             if d.kind == "event":
                 self._records(d, msg.partition)
                 self.summary.events += 1

@@ -48,6 +48,7 @@ from kappaflow.events.values import (
     identity_check,
     make_decoder,
     make_encoder,
+    make_transcoder,
     short_repr,
 )
 
@@ -204,6 +205,30 @@ class _BadWire(Exception):
     """A wire value failed an inline check of a generated row decoder (named by ``_failed``)."""
 
 
+def _row_transcoder(schema: TableSchema, wires: Mapping[str, Wire], mode: str) -> RowFn:
+    """A function taking a row as a message's JSON has it (a dict, checked by the caller) to the row
+    ``_row_encoder(schema, mode, native=True)`` makes of ``_row_decoder(schema, wires)``'s row, without
+    the Python values in between where that is exact (``make_transcoder``). Returns a new dict (the
+    input is left alone); raises on any value the decoder refuses (or may refuse), naming nothing:
+    the caller then takes the decode/encode path, whose errors name the field.
+    """
+    names = frozenset(c.name for c in schema.columns)
+    ns: dict[str, Any] = {"_issuperset": names.issuperset, "_Bad": _BadWire}
+    lines = ["def tr(row):", "    if not _issuperset(row):", "        raise _Bad", "    out = row.copy()"]
+    for i, c in enumerate(schema.columns):
+        check, conv = make_transcoder(c, wires[c.name], mode)
+        lines.append(f"    v = row.get({c.name!r})")
+        if check is not None:
+            lines.append(f"    if v is not None and not ({check}): raise _Bad")
+        else:
+            ns[f"_f{i}"] = conv
+            lines += ["    if v is not None:", f"        out[{c.name!r}] = _f{i}(v)"]
+    lines.append("    return out")
+    exec("\n".join(lines), ns)
+    tr: RowFn = ns["tr"]
+    return tr
+
+
 def _raw_rows(row: Any, path: str) -> Any:
     if row is None or type(row) is dict:
         return row
@@ -351,6 +376,27 @@ def _envelope_int(payload: Mapping[str, Any], key: str) -> int | None:
     raise ValidationError(f"{key}: expected an integer or null, got {short_repr(v)}")
 
 
+def _envelope_times(payload: Mapping[str, Any], source: SourceInfo) -> tuple[int, int | None, int | None]:
+    """The envelope's ``ts_ms`` (the source's when null), ``ts_us`` and ``ts_ns`` (None when they
+    only repeat ``ts_ms``)."""
+    ts_ms = payload.get("ts_ms")
+    if ts_ms is None:
+        ts_ms = source.ts_ms
+    elif type(ts_ms) is not int:
+        if type(ts_ms) is str and ts_ms.isdigit():  # quoted in some of Debezium's documentation
+            ts_ms = int(ts_ms)
+        else:
+            raise ValidationError(
+                f"ts_ms: expected an integer (ms since the epoch) or null, got {short_repr(ts_ms)}")
+    ts_us, ts_ns = payload.get("ts_us"), payload.get("ts_ns")
+    if ts_us is not None or ts_ns is not None:
+        if type(ts_us) is not int or type(ts_ns) is not int:
+            ts_us, ts_ns = _envelope_int(payload, "ts_us"), _envelope_int(payload, "ts_ns")
+        if ts_us == ts_ms * 1000 and ts_ns == ts_ms * 1_000_000:
+            ts_us = ts_ns = None
+    return ts_ms, ts_us, ts_ns
+
+
 def _decode_transaction(t: Any) -> TransactionInfo | None:
     if t is None:
         return None
@@ -479,6 +525,7 @@ class EventCodec:
         if hit is not None and hit[0] == wire_schema:
             return hit[1]
         table, wires = table_from_connect(wire_schema)
+        table._cache["wires"] = wires  # for transcoder()
         plan = (table, _row_decoder(table, wires, self.decimal_mode))
         if len(self._connect_cache) > 1024:
             self._connect_cache.clear()
@@ -498,31 +545,61 @@ class EventCodec:
                     plan[1](before)
                 if after is not None:
                     plan[1](after)
-            src = event.source
-            tx = event.transaction
-            ts_ms = event.ts_ms
-            payload = {
-                "before": None if before is None else conv(before),
-                "after": None if after is None else conv(after),
-                "source": source_block(src, self.version),
-                "transaction": None
-                if tx is None
-                else {"id": tx.id, "total_order": tx.total_order, "data_collection_order": tx.data_collection_order},
-                "op": event.op,
-                "ts_ms": ts_ms,
-                "ts_us": event.ts_us if event.ts_us is not None else ts_ms * 1000,
-                "ts_ns": event.ts_ns if event.ts_ns is not None else ts_ms * 1_000_000,
-            }
-            if event.unavailable:
-                payload["kf_unavailable"] = list(event.unavailable)
-            if self.include_schema:
-                frag = self._schema_fragment(schema, plan, src)
-                return orjson.dumps({"schema": frag, "payload": payload}, option=_UTC_Z)
-            return orjson.dumps(payload, option=_UTC_Z)
+            return self._envelope_bytes(schema, plan, event.op, None if before is None else conv(before),
+                                        None if after is None else conv(after), event.source, event.ts_ms,
+                                        event.transaction, event.ts_us, event.ts_ns, event.unavailable)
         except ValidationError:
             raise
         except Exception as exc:
             raise self._diagnose(event, schema, exc) from None
+
+    def encode_converted(self, schema: TableSchema, op: Op, before: dict[str, Any] | None,
+                         after: dict[str, Any] | None, source: SourceInfo, ts_ms: int,
+                         transaction: TransactionInfo | None = None, ts_us: int | None = None,
+                         ts_ns: int | None = None) -> bytes:
+        """``encode_value`` of an event whose rows are already in this codec's JSON form (made by
+        ``transcoder``), byte for byte. Raises whatever orjson raises on a value it cannot write:
+        ``encode_value`` of the decoded event then says which field."""
+        plan = schema._cache.get(self._enc_key) or self._enc_plan(schema)
+        return self._envelope_bytes(schema, plan, op, before, after, source, ts_ms, transaction, ts_us, ts_ns, ())
+
+    def _envelope_bytes(self, schema: TableSchema, plan: tuple[Any, ...], op: Op, before: Any, after: Any,
+                        src: SourceInfo, ts_ms: int, tx: TransactionInfo | None, ts_us: int | None,
+                        ts_ns: int | None, unavailable: tuple[str, ...]) -> bytes:
+        """The envelope of rows in their JSON form."""
+        payload = {
+            "before": before,
+            "after": after,
+            "source": source_block(src, self.version),
+            "transaction": None
+            if tx is None
+            else {"id": tx.id, "total_order": tx.total_order, "data_collection_order": tx.data_collection_order},
+            "op": op,
+            "ts_ms": ts_ms,
+            "ts_us": ts_us if ts_us is not None else ts_ms * 1000,
+            "ts_ns": ts_ns if ts_ns is not None else ts_ms * 1_000_000,
+        }
+        if unavailable:
+            payload["kf_unavailable"] = list(unavailable)
+        if self.include_schema:
+            frag = self._schema_fragment(schema, plan, src)
+            return orjson.dumps({"schema": frag, "payload": payload}, option=_UTC_Z)
+        return orjson.dumps(payload, option=_UTC_Z)
+
+    def transcoder(self, table: TableSchema) -> RowFn | None:
+        """For a table this codec read from a message's Connect schema (``split_envelope``): a function
+        taking a row as such messages write it straight to this codec's JSON form of it -- what
+        ``encode_value`` writes of the decoded row -- for ``encode_converted`` (see ``_row_transcoder``:
+        it raises, naming nothing, on any value it does not take, the decode/encode path names the
+        field). None for a table not read from a Connect schema."""
+        key = ("transcode", self.decimal_mode)
+        tr = table._cache.get(key)
+        if tr is None:
+            wires = table._cache.get("wires")
+            if wires is None:
+                return None
+            tr = table._cache[key] = _row_transcoder(table, wires, self.decimal_mode)
+        return tr
 
     def encode_row_values(self, schema: TableSchema, row: dict[str, Any]) -> dict[str, Any]:
         """A row's column values in their JSON form (the fast path connectors can reuse)."""
@@ -686,6 +763,25 @@ class EventCodec:
                 exact = _merge_exact(parsed, exact)
             return self._decode_value(data, schema, place, exact, source_name)
 
+    def split_envelope(self, data: Any) -> tuple[TableSchema, Callable[[Any, str], Any], dict[str, Any]] | None:
+        """For ``{"schema": S, "payload": P}`` bytes whose schema part S this codec decoded before: (the
+        table S describes, its row decoder, P parsed); None for anything else (``decode_envelope`` reads
+        those). The row decoder, ``rows(row, "after")``, decodes a row in place as ``decode_envelope`` does."""
+        fast = self._split_schema_part(data)
+        if fast is None:
+            return None
+        (table, rows), payload = fast
+        return table, rows, payload
+
+    def envelope_meta(
+        self, payload: Mapping[str, Any], *, place: PositionHook | None = None, source_name: str | None = None,
+    ) -> tuple[SourceInfo, int, int | None, int | None, TransactionInfo | None]:
+        """An envelope's source block, ``ts_ms``, ``ts_us``, ``ts_ns`` and transaction block, decoded and
+        checked as ``decode_envelope`` does (in its order; the op and rows are the caller's)."""
+        source = _decode_source(payload.get("source"), place, source_name)
+        ts_ms, ts_us, ts_ns = _envelope_times(payload, source)
+        return source, ts_ms, ts_us, ts_ns, _decode_transaction(payload.get("transaction"))
+
     def _decode_value(
         self, data: Any, schema: TableSchema | None, place: PositionHook | None, parsed: Any,
         source_name: str | None = None,
@@ -744,21 +840,7 @@ class EventCodec:
             raise ValidationError(
                 f"{e} (op {op.value!r} on {source.name}/{source.table} at position {source.position})"
             ) from None
-        ts_ms = payload.get("ts_ms")
-        if ts_ms is None:
-            ts_ms = source.ts_ms
-        elif type(ts_ms) is not int:
-            if type(ts_ms) is str and ts_ms.isdigit():  # quoted in some of Debezium's documentation
-                ts_ms = int(ts_ms)
-            else:
-                raise ValidationError(
-                    f"ts_ms: expected an integer (ms since the epoch) or null, got {short_repr(ts_ms)}")
-        ts_us, ts_ns = payload.get("ts_us"), payload.get("ts_ns")
-        if ts_us is not None or ts_ns is not None:
-            if type(ts_us) is not int or type(ts_ns) is not int:
-                ts_us, ts_ns = _envelope_int(payload, "ts_us"), _envelope_int(payload, "ts_ns")
-            if ts_us == ts_ms * 1000 and ts_ns == ts_ms * 1_000_000:
-                ts_us = ts_ns = None
+        ts_ms, ts_us, ts_ns = _envelope_times(payload, source)
         unavailable = payload.get("kf_unavailable") or ()
         if unavailable:
             if type(unavailable) is not list or not all(type(u) is str for u in unavailable):

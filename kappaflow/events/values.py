@@ -41,12 +41,14 @@ __all__ = [
     "identity_check",
     "make_decoder",
     "make_encoder",
+    "make_transcoder",
     "short_repr",
     "time_unit",
 ]
 
 Encoder = Callable[[Any], Any]
 Decoder = Callable[[Any], Any]
+Converter = Callable[[Any], Any]
 
 
 class _JsonNull:
@@ -702,6 +704,75 @@ def identity_check(col: Column, dec: Decoder) -> str | None:
         lo, hi = _INT_RANGES[col.type]
         return f"type(v) is int and {lo} <= v <= {hi}"
     return None
+
+
+# -- wire -> wire (a message's JSON straight to the JSON kappaflow writes) ------------------------
+_TS_US_RANGE = ((datetime.min - _EPOCH) // _US, (datetime.max - _EPOCH) // _US)
+_DATE_RANGE = (1 - _EPOCH_ORDINAL, date.max.toordinal() - _EPOCH_ORDINAL)
+_INTERVAL_RANGE = (timedelta.min // _US, timedelta.max // _US)
+
+
+def _fixed_bytes_to_text(scale: int) -> Converter:
+    """A Connect Decimal (base64 two's-complement bytes, ``scale``) -> its text, digit for digit what
+    ``_fixed_str_encoder(scale)`` makes of ``_fixed_precise_decoder(scale)``'s Decimal (plain notation,
+    exactly ``scale`` fractional digits), without the Decimal."""
+
+    def conv(v: Any) -> str:
+        if type(v) is not str:  # decimal.format=NUMERIC: the decode/encode path
+            raise _BadValue
+        i = int.from_bytes(a2b_base64(v, strict_mode=True), "big", signed=True)
+        if not scale:
+            return str(i)
+        digits = str(-i if i < 0 else i).rjust(scale + 1, "0")
+        text = f"{digits[:-scale]}.{digits[-scale:]}"
+        return "-" + text if i < 0 else text
+
+    return conv
+
+
+def _composed(dec: Decoder, enc: Encoder | None) -> Converter:
+    if enc is None:
+        return dec
+
+    def conv(v: Any) -> Any:
+        return enc(dec(v))
+
+    return conv
+
+
+def make_transcoder(col: Column, wire: Wire, mode: str) -> tuple[str | None, Converter | None]:
+    """How a column's value goes from a message's JSON (``wire``) to the JSON kappaflow writes with
+    decimal ``mode`` -- ``make_encoder(col, mode, native=True)`` of ``make_decoder(col, wire)`` -- without
+    the Python value in between where that is exact.
+
+    Returns ``(check, None)`` when the value is written as it came: ``check`` is a Python expression on
+    ``v`` (non-None) that is true exactly for the values the decoder accepts and the encoder gives back
+    unchanged (ints, strings, booleans; dates, times, timestamps and intervals in the unit they are
+    written in, within the range the Python types hold); else ``(None, conv)``, a converter that raises
+    on any value the decoder refuses (and may refuse more: the caller then decodes and encodes, and
+    that path names the field).
+    """
+    dec = make_decoder(col, wire)
+    check = identity_check(col, dec)
+    if check is not None:
+        return check, None
+    t = col.type
+    unit = time_unit(col)
+    span: tuple[int, int] | None = None
+    if t is FieldType.DATE:
+        span = _DATE_RANGE
+    elif t is FieldType.INTERVAL:
+        span = _INTERVAL_RANGE
+    elif t is FieldType.TIMESTAMP and wire.unit == unit and unit in ("us", "ms"):
+        lo, hi = _TS_US_RANGE
+        span = (lo, hi) if unit == "us" else (-(-lo // 1000), hi // 1000)
+    elif t is FieldType.TIME and wire.unit == unit and unit in ("us", "ms"):
+        span = (0, _DAY_US - 1) if unit == "us" else (0, _DAY_US // 1000 - 1)
+    if span is not None:
+        return f"type(v) is int and {span[0]} <= v <= {span[1]}", None
+    if t is FieldType.DECIMAL and wire.mode == "precise" and mode == "string" and (col.scale or 0) >= 0:
+        return None, _fixed_bytes_to_text(col.scale or 0)
+    return None, _composed(dec, make_encoder(col, mode, True))
 
 
 # -- descriptions for error messages ------------------------------------------------------

@@ -184,3 +184,44 @@ def test_security_reaches_every_kafka_python_client() -> None:
                     opts["sasl_plain_password"]) == ("SASL_SSL", "PLAIN", "u", "pw-never-shown"), role
     finally:
         reader.close()
+
+
+SWITCH = """
+[sources.dbz.kafka]
+client = "kafka-python"
+
+[sources.dbz]
+kind = "debezium"
+bootstrap = "127.0.0.1:9"
+topics = ["a.public.t"]
+"""
+
+
+def test_switch_after_is_configured_and_checked(tmp_path: Path, embedded_log: Any) -> None:
+    """``switch_after`` (records read from one input partition in a row) comes from the source's table, and a
+    bad value is refused naming the setting and what it must be -- in the file and when built in code."""
+    cfg = tmp_path / "kappaflow.toml"
+    cfg.write_text(SWITCH)
+    default = make_connector(Settings.load(cfg, environ={}).source("dbz"), embedded_log)
+    assert isinstance(default, DebeziumSource) and default.switch_after == 50_000
+    cfg.write_text(SWITCH + "switch_after = 400\n")
+    src = make_connector(Settings.load(cfg, environ={}).source("dbz"), embedded_log)
+    assert isinstance(src, DebeziumSource) and src.switch_after == 400
+    reader = src._consumer()  # (kafka-python connects lazily: no broker needed)
+    try:
+        assert reader.switch_after == 400
+    finally:
+        reader.close()
+    env = Settings.load(cfg, environ={"KAPPAFLOW_SOURCES__DBZ__SWITCH_AFTER": "1000"}).source("dbz")
+    assert env.switch_after == 1000  # type: ignore[union-attr]
+    for bad, expected in (("0", "greater than or equal to 1"), ("-3", "greater than or equal to 1"),
+                          ('"many"', "valid integer"), ("2.5", "valid integer"), ("true", "got a boolean")):
+        cfg.write_text(SWITCH + f"switch_after = {bad}\n")
+        with pytest.raises(KappaflowError) as info:
+            Settings.load(cfg, environ={})
+        assert "sources.dbz" in str(info.value) and "switch_after" in str(info.value), str(info.value)
+        assert expected in str(info.value) and str(cfg) in str(info.value), str(info.value)
+    for value in (0, -1, True, 2.0, "5"):
+        with pytest.raises(KappaflowError, match=r"sources\.dbz\.switch_after: expected an integer >= 1 .*got "):
+            DebeziumSource(name="dbz", log=embedded_log, bootstrap="127.0.0.1:9", topics=["a.public.t"],
+                           switch_after=value)  # type: ignore[arg-type]
