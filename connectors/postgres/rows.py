@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from itertools import compress
 from typing import Any
 
+import numpy as np
 import orjson
 
 from kappaflow.connectors.postgres import types as t
@@ -174,11 +175,21 @@ def read_value(after: bytes, src_prefix: bytes, index: int, times: bytes) -> byt
 
 # How a column's JSON fragments are made a column at a time (TableCodec.encode_reads); every kind
 # falls back to the per-value expression of _fragment_code when its bulk form does not apply.
-_RAW, _QUOTED, _TEXT, _BOOL, _FLOAT, _DISTINCT, _MAP = range(7)
+_RAW, _QUOTED, _TEXT, _BOOL, _FLOAT, _DISTINCT, _TSTZ, _JSONF, _MAP = range(9)
 _BOOL_FRAG = {b"t": b"true", b"f": b"false"}
 # what a text column (joined by tabs, no COPY escapes) must not hold to be quoted as it is: the bytes
 # JSON escapes (orjson writes all other UTF-8 raw) but the tab, which cannot be in unescaped COPY text
 _TEXT_BAD = re.compile(rb'[\x00-\x08\x0a-\x1f"\\]')
+
+
+# timestamptz texts (TimeZone=UTC) joined by tabs: a fraction of 1-5 digits (trailing zeros dropped), and
+# the whole column when every value is "YYYY-MM-DD HH:MM:SS[.ffffff]+00" (then its JSON is a few replaces)
+_TSTZ_SHORT = re.compile(rb"\.(\d{1,5})\+00")
+_TSTZ_COLUMN = re.compile(rb"(?:\d{4}-\d\d-\d\d \d\d:\d\d:\d\d(?:\.\d{6})?\+00\t)*")
+
+
+def _pad_fraction(m: re.Match[bytes]) -> bytes:
+    return b"." + m.group(1).ljust(6, b"0") + b"+00"
 
 
 def _utf8(b: bytes) -> bool:
@@ -214,6 +225,25 @@ def _bulk(kind: int, one: Callable[[bytes], bytes], col: list[bytes]) -> list[by
     elif kind == _DISTINCT:
         memo = {v: one(v) for v in set(col)}
         return list(map(memo.__getitem__, col))
+    elif kind == _TSTZ:
+        # what _tstz_fragment makes of each value: "YYYY-MM-DDTHH:MM:SS[.ffffff]Z", fraction padded to 6
+        j = b"\t".join(col) + b"\t"
+        if b"." in j:
+            j = _TSTZ_SHORT.sub(_pad_fraction, j)
+        if _TSTZ_COLUMN.fullmatch(j):
+            return (b'"' + j[:-1].replace(b" ", b"T").replace(b"+00", b'Z"').replace(b"\t", b'\t"')).split(b"\t")
+    elif kind == _JSONF:
+        # what _json_fragment makes of each value: parsed and written compactly by orjson, then quoted
+        j = b",".join(col)
+        if _19_DIGITS not in j.translate(_DIGITS_TO_0):  # (a number orjson may not hold: one at a time)
+            try:
+                docs = orjson.loads(b"[" + j + b"]")
+            except orjson.JSONDecodeError:
+                docs = None
+            if docs is not None and len(docs) == len(col):
+                compact = b"\t".join(map(orjson.dumps, docs))  # orjson escapes every control character
+                return (b'"' + compact.replace(b"\\", b"\\\\").replace(b'"', b'\\"').replace(b"\t", b'"\t"')
+                        + b'"').split(b"\t")
     return list(map(one, col))
 
 
@@ -645,11 +675,11 @@ class TableCodec(ToastState):
             elif conv is t._bool:
                 kind = _BOOL
             elif conv is _js_json:
-                kind, one = _MAP, _json_fragment
+                kind, one = _JSONF, _json_fragment
             elif conv is _js_float:
                 kind = _FLOAT
             elif ft is FieldType.TIMESTAMPTZ and cc.py is t._timestamptz:
-                kind, one = _MAP, _tstz_fragment
+                kind, one = _TSTZ, _tstz_fragment
             elif ft is FieldType.DATE:
                 kind = _DISTINCT  # few distinct dates in a chunk, as a rule
             else:
@@ -661,9 +691,10 @@ class TableCodec(ToastState):
 
         return plan, template(range(len(self.names))), template(self.key_idx)
 
-    def _read_fragments(self, lines: Sequence[bytes]) -> list[list[bytes]] | None:
-        """Per column the JSON fragments of the lines' values; None when the lines do not split
-        into as many values as there are columns (the per-row path then says what is wrong)."""
+    def _read_fragments(self, lines: Sequence[bytes]) -> tuple[list[list[bytes]], list[bytes]] | None:
+        """Per column the JSON fragments of the lines' values, and the values (COPY text, row after
+        row); None when the lines do not split into as many values as there are columns (the per-row
+        path then says what is wrong)."""
         if self._reads is None:
             self._reads = self._build_reads()
         plan = self._reads[0]
@@ -676,7 +707,7 @@ class TableCodec(ToastState):
             return None
         escaped = b"\\" in blob
         end = n * ncol
-        return [_column_fragments(kind, one, flat[i:end:ncol], escaped) for i, (kind, one) in enumerate(plan)]
+        return [_column_fragments(kind, one, flat[i:end:ncol], escaped) for i, (kind, one) in enumerate(plan)], flat
 
     def encode_reads(self, lines: Sequence[bytes], src_prefix: bytes, times: bytes, first_index: int,
                      drop: Container[bytes] = frozenset()) -> tuple[list[bytes], list[bytes]]:
@@ -694,11 +725,12 @@ class TableCodec(ToastState):
         if not lines:
             return [], []
         try:
-            cols = self._read_fragments(lines)
+            split = self._read_fragments(lines)
         except Exception:  # a value the bulk forms cannot take: the per-row path raises the precise error
-            cols = None
-        if cols is None:
+            split = None
+        if split is None:
             return self._encode_reads_by_row(lines, src_prefix, times, first_index, drop)
+        cols, flat = split
         assert self._reads is not None
         _plan, row_t, key_t = self._reads
         keys = list(map(key_t.__mod__, zip(*[cols[i] for i in self.key_idx], strict=True)))
@@ -713,7 +745,7 @@ class TableCodec(ToastState):
         value_t = (b'{"before":null,"after":' + row_t + b',"source":' + src_prefix.replace(b"%", b"%%")
                    + b'%d,"snapshot":true}},"transaction":null,"op":"r",' + times.replace(b"%", b"%%") + b"}")
         values = list(map(value_t.__mod__, zip(*cols, range(first_index, first_index + len(keys)), strict=True)))
-        self._remember_reads(lines, keep)
+        self._remember_reads(lines, keep, flat)
         return keys, values
 
     def _encode_reads_by_row(self, lines: Sequence[bytes], src_prefix: bytes, times: bytes, first_index: int,
@@ -735,15 +767,30 @@ class TableCodec(ToastState):
         self._remember_reads(lines, keep)
         return keys, values
 
-    def _remember_reads(self, lines: Sequence[bytes], keep: Sequence[bool] | None) -> None:
-        """Keep the long values of the rows read (those kept) in the TOAST state."""
+    def _remember_reads(self, lines: Sequence[bytes], keep: Sequence[bool] | None,
+                        flat: Sequence[bytes] | None = None) -> None:
+        """Keep the long values of the rows read (those kept) in the TOAST state, as streaming does.
+
+        ``flat``: the lines' values, row after row; the rows with a toastable value longer than its
+        minimum as COPY text (never shorter than the value) are the only ones looked at then.
+        """
         if self.toast_state is None or max(map(len, lines)) < TOAST_ROW_MIN:
             return
-        for r, line in enumerate(lines):
+        n = len(lines)
+        rows: Sequence[int] = range(n)
+        if flat is not None:
+            ncol = len(self.names)
+            long = np.fromiter(map(len, lines), np.int64, n) >= TOAST_ROW_MIN
+            big = np.zeros(n, dtype=bool)
+            for i, mn in self.toast:
+                big |= np.fromiter(map(len, flat[i:n * ncol:ncol]), np.int64, n) > mn
+            rows = np.flatnonzero(long & big).tolist()
+        for r in rows:
+            line = lines[r]
             if len(line) >= TOAST_ROW_MIN and (keep is None or keep[r]):
                 raw = copy_fields(line)
-                _after, key, big = self.values_json(raw)
-                if big:
+                _after, key, big_row = self.values_json(raw)
+                if big_row:
                     self.remember(key, self.json_row(raw), raw)
 
     def same_shape(self, rel_columns: Sequence[RelColumn]) -> bool:

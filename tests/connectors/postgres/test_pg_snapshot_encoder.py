@@ -195,6 +195,45 @@ def test_the_bulk_path_takes_chunks_with_nulls_and_escapes() -> None:
         assert tc._read_fragments([copy_line(r) for r in rows]) is not None, what
 
 
+BULK_COLUMNS = {  # columns whose values all take the bulk form of their kind
+    "tstz": [b"2024-01-02 03:04:05+00", b"2024-01-02 03:04:05.1+00", b"2024-01-02 03:04:05.12345+00",
+             b"2024-01-02 03:04:05.123456+00", b"1969-12-31 23:59:59.99999+00", b"0099-01-01 00:00:00.000001+00"],
+    "jb": [b'{"k": 1, "tag": "abc"}', b"null", b'"s"', b"[1, 2.5, -0.0, 1e-7, 9007199254740993]",
+           '{"é": "\u2028 x", "q": 1}'.encode(), b'{"a": {"b": [true, false]}}', b"{}"],
+    "js": [b'{"a":1, "a":2}', b' [ 1 , 2 ] '],
+    "txt": [b"", b"plain", "é 日本語 😀 \u2028".encode(), b"\x7f", b"%s %d %%", b"x" * 400],
+    "f8": [b"0.1", b"1e+100", b"-1.7976931348623157e+308", b"5e-324", b"2", b"-0"],
+    "dec": [b"1.25", b"-0.50"],
+    "b": [b"t", b"f", b"t"],
+    "d": [b"2024-02-29", b"2024-02-29", b"infinity", b"1970-01-01"],
+}
+
+
+def test_bulk_forms_equal_the_per_value_expressions() -> None:
+    from kappaflow.connectors.postgres.rows import _bulk
+
+    tc = _codec()
+    tc._read_fragments([copy_line(_plain_row(1))])  # builds the plan
+    assert tc._reads is not None
+    names = [c[0] for c in COLUMNS]
+
+    def refuse(v: bytes) -> bytes:
+        raise AssertionError(f"value by value: {v!r}")
+
+    for name, vals in BULK_COLUMNS.items():
+        kind, one = tc._reads[0][names.index(name)]
+        want = list(map(one, vals))
+        got = _bulk(kind, (one if name == "d" else refuse), vals)  # dates: once per distinct value
+        assert got == want, name
+        rows = []
+        for i, v in enumerate(vals):
+            row = _plain_row(i + 1)
+            row[names.index(name)] = v
+            rows.append(row)
+        lines = [copy_line(r) for r in [*rows, *rows[:1]]]
+        assert _codec().encode_reads(lines, PFX, TIMES, 0) == old_reads(_codec(), lines, PFX, TIMES, 0), name
+
+
 def test_drop_leaves_keys_out_and_indexes_run_over_the_kept_rows() -> None:
     rows = [_plain_row(i) for i in range(1, 9)]
     rows[3][COLUMNS.index(next(c for c in COLUMNS if c[0] == "txt"))] = b"esc\\aped\n"
