@@ -11,6 +11,11 @@ type dispatch per value:
   from the text where that is cheaper (ints, strings, UUIDs, decimals in string
   mode need no intermediate object).
 
+:meth:`TableCodec.encode_reads` turns a snapshot chunk (``COPY ... TO STDOUT`` text lines) into
+``op=r`` records a column at a time, with the same per-value expressions where a column's values
+cannot be taken in bulk; the bytes are those of the per-row path
+(``tests/connectors/postgres/test_pg_snapshot_encoder.py``).
+
 :meth:`TableCodec.encode_value` assembles the envelope bytes by formatting
 pre-serialised pieces around one ``orjson.dumps`` of the row; the result is
 byte-identical to ``EventCodec.encode_value`` of the equivalent ``ChangeEvent``
