@@ -329,6 +329,7 @@ def test_postgres_copy_output_encodes_as_the_per_row_path(pg_dsn: str, sql: Call
         def codec() -> TableCodec:
             return TableCodec.from_table_info(info, source="src", db="db", codec=EventCodec(), lookup=lookup)
 
+        codec()  # the type catalog keeps what it read: later codecs need no connection
         query = b"COPY (SELECT * FROM enc ORDER BY id) TO STDOUT"
         lines = PgOnDemand._copy(conn.pgconn, query)
     finally:
