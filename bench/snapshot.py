@@ -13,7 +13,12 @@ requested through the capture's request channel and timed from the request to th
   ``snapshot_vs_copy`` is their ratio (goal >= 0.5);
 * ``streaming_lag_p99_s`` / ``_p50_s``: for every streamed change of the small tables committed while
   the snapshot ran, log append time - source commit time (``source.ts_ms``), in seconds (goal p99 <= 2);
-* ``changes_per_s``: the load actually achieved during the snapshot.
+* ``changes_per_s``: the load actually achieved during the snapshot;
+* ``snapshot_cpu_s``: CPU time of this process (capture, writer and load threads; the server's
+  processes are not counted) from the request to the snapshot's end; ``streaming_cpu_per_s``: the
+  same process's CPU per second in the 1.5 s before the request (streaming and load only);
+  ``snapshot_cpu_us_per_row``: (snapshot_cpu_s - streaming_cpu_per_s x seconds) / rows, the
+  snapshot's own CPU per row -- the figure to compare on a shared machine, where wall time is not.
 
 Usage: ``python bench/snapshot.py [--rows 2000000] [--chunk-rows 20000]``; the last line printed is
 one JSON object. Run it at full size on a quiet machine only (2 cores: everything here is co-located).
@@ -155,11 +160,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             time.sleep(0.05)
         load = Load(dsn, args.changes_per_s)
         load.start()
-        time.sleep(2.0)  # the load reaches its steady state before the snapshot starts (pacing, not sync)
+        time.sleep(0.5)  # the load reaches its steady state before the snapshot starts (pacing, not sync)
+        cpu_w, t_w = time.process_time(), time.perf_counter()
+        time.sleep(1.5)  # meanwhile: the CPU the streaming and the load take without a snapshot
+        streaming_cpu_per_s = (time.process_time() - cpu_w) / (time.perf_counter() - t_w)
         channel = FileChannel(work / "log")
         start_ms = int(time.time() * 1000)
         changes0 = load.changes
         t0 = time.perf_counter()
+        cpu0 = time.process_time()
         channel.submit("bench", "start", ["public.wide"])
         deadline = time.monotonic() + 3600
         while (connector.summary.ondemand or {}).get("state") != "done":
@@ -167,6 +176,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 raise RuntimeError(f"snapshot did not finish: {errors}")
             time.sleep(0.02)
         secs = time.perf_counter() - t0
+        cpu = time.process_time() - cpu0
         end_ms = int(time.time() * 1000)
         changes = load.changes - changes0
         load.halt.set()
@@ -185,6 +195,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         result["snapshot_rows_per_s"] = round(rows / secs)
         result["snapshot_vs_copy"] = round(result["snapshot_rows_per_s"] / result["copy_out_rows_per_s"], 3)
         result["changes_per_s"] = round(changes / secs)
+        result["snapshot_cpu_s"] = round(cpu, 2)
+        result["streaming_cpu_per_s"] = round(streaming_cpu_per_s, 3)
+        result["snapshot_cpu_us_per_row"] = round(max(0.0, cpu - streaming_cpu_per_s * secs) / max(rows, 1) * 1e6, 2)
         lag = lags(elog, ["bench.public.s1", "bench.public.s2"], start_ms, end_ms)
         elog.close()
         if lag:

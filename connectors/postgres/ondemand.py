@@ -41,6 +41,7 @@ import time
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import repeat
 from typing import TYPE_CHECKING, Any
 
 import orjson
@@ -60,9 +61,8 @@ from kappaflow.connectors.ondemand import (
 from kappaflow.connectors.postgres import slots
 from kappaflow.connectors.postgres.decoder import LogicalMessage
 from kappaflow.connectors.postgres.replication import wait_fd
+from kappaflow.connectors.postgres.rows import copy_fields
 from kappaflow.connectors.postgres.slots import TableInfo, split_table_name
-from kappaflow.connectors.postgres.snapshot import _unescape
-from kappaflow.connectors.postgres.toast import TOAST_ROW_MIN
 from kappaflow.errors import Retry, SourceError
 
 if TYPE_CHECKING:
@@ -440,28 +440,14 @@ class PgOnDemand:
         recs = pending.by_topic.get(tc.topic)
         if recs is None:
             recs = pending.by_topic[tc.topic] = []
-        values_json = tc.values_json
-        toast = tc.toast_state is not None
-        raw: list[bytes | None] = []
-        idx = 0
-        dropped = 0
-        for line in ch.lines:
-            raw = [None if f == b"\\N" else (_unescape(f) if b"\\" in f else f) for f in line[:-1].split(b"\t")]
-            after, key, big = values_json(raw)
-            if key in drop:
-                dropped += 1
-                continue
-            value = (b'{"before":null,"after":%s,"source":%s%d,"snapshot":true}},"transaction":null,"op":"r",'
-                     b'%s}' % (after, pfx, idx, times))
-            recs.append(TrustedRecord(key, value, _HEADERS_R))
-            if toast and big and len(line) >= TOAST_ROW_MIN:
-                tc.remember(key, tc.json_row(raw), raw)
-            idx += 1
+        keys, values = tc.encode_reads(ch.lines, pfx, times, 0, drop)
+        recs.extend(map(TrustedRecord, keys, values, repeat(_HEADERS_R, len(keys))))
+        idx = len(keys)
+        dropped = len(ch.lines) - idx
         pending.count += idx
         self.track_mark = len(recs)  # the chunk's own reads are not changes of the stream
         if ch.lines:
-            last = ch.lines[-1]
-            fields = [None if f == b"\\N" else (_unescape(f) if b"\\" in f else f) for f in last[:-1].split(b"\t")]
+            fields = copy_fields(ch.lines[-1])
             run.last_key = [(fields[i] or b"").decode() for i in tc.key_idx]
         run.rows += idx
         run.dropped += dropped

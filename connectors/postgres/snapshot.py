@@ -24,10 +24,10 @@ Tables keyed by ``key_columns`` instead of a primary key are read in one chunk
 
 from __future__ import annotations
 
-import re
 import sys
 import time
 from collections.abc import Sequence
+from itertools import repeat
 from typing import Any
 
 from psycopg import pq, sql
@@ -37,9 +37,9 @@ from kappaflow.connectors.postgres import slots
 from kappaflow.connectors.postgres.context import PgCapture
 from kappaflow.connectors.postgres.offset import PgOffset, SnapshotProgress, TableProgress
 from kappaflow.connectors.postgres.replication import wait_fd
+from kappaflow.connectors.postgres.rows import copy_fields, read_value
 from kappaflow.connectors.postgres.slots import TableInfo
 from kappaflow.connectors.postgres.source_info import PgPosition
-from kappaflow.connectors.postgres.toast import TOAST_ROW_MIN
 from kappaflow.errors import SourceError
 
 __all__ = ["PgSnapshotSource", "SnapshotProgressDisplay"]
@@ -218,7 +218,6 @@ class PgSnapshotSource(SnapshotSource):
 
         prefixes: dict[str, bytes] = {}
         values_json = tc.values_json
-        toast = tc.toast_state is not None
         key_idx = tc.key_idx
         mapper = tc.mapper
         where = f"snapshot of {info.qualified}"
@@ -230,12 +229,10 @@ class PgSnapshotSource(SnapshotSource):
             now_ms = int(time.time() * 1000)
             times = b'"ts_ms":%d,"ts_us":%d,"ts_ns":%d' % (now_ms, now_ms * 1000, now_ms * 1_000_000)
             pending = cap.pending
-            raw: list[bytes | None] = []
             skipped = 0  # rows of a mapped table the log already holds (a resumed snapshot)
             if mapper is not None:  # an append-only table whose rows map to records (mapping.py)
                 for r in range(take):
-                    raw = [None if f == b"\\N" else (_unescape(f) if b"\\" in f else f)
-                           for f in lines[r][:-1].split(b"\t")]
+                    raw = copy_fields(lines[r])
                     if not cap.emit_mapped(tc, dict(zip(tc.names, raw, strict=True)), where,
                                            PgPosition(lsn, snap.next_index + r, True)):
                         skipped += 1
@@ -244,29 +241,27 @@ class PgSnapshotSource(SnapshotSource):
                 recs = pending.by_topic.get(tc.topic)
                 if recs is None:
                     recs = pending.by_topic[tc.topic] = []
-                for r in range(take):
-                    raw = [None if f == b"\\N" else (_unescape(f) if b"\\" in f else f)
-                           for f in lines[r][:-1].split(b"\t")]
-                    idx = snap.next_index
-                    if idx == 0:
-                        marker = "first"
-                    elif last_table and not more and r == take - 1:
-                        marker = "last"
-                    else:
-                        marker = "true"
-                    pfx = prefixes.get(marker)
-                    if pfx is None:
-                        pfx = prefixes[marker] = tc.source_prefix(now_ms, marker, None, lsn)
-                    after, key, big = values_json(raw)
-                    value = (b'{"before":null,"after":%s,"source":%s%d,"snapshot":true}},"transaction":null,"op":"r",'
-                             b'%s}' % (after, pfx, idx, times))
-                    recs.append(TrustedRecord(key, value, _HEADERS_R))
-                    if toast and big and len(lines[r]) >= TOAST_ROW_MIN:
-                        tc.remember(key, tc.json_row(raw), raw)
-                    snap.next_index = idx + 1
+                first = snap.next_index
+                pfx = prefixes.get("true")
+                if pfx is None:
+                    pfx = prefixes["true"] = tc.source_prefix(now_ms, "true", None, lsn)
+                rkeys, values = tc.encode_reads(lines[:take] if more else lines, pfx, times, first)
+                # the snapshot's first and last rows say so in source.snapshot
+                marked = [(0, "first")] if first == 0 and take else []
+                if last_table and not more and take and not (first == 0 and take == 1):
+                    marked.append((take - 1, "last"))
+                for r, marker in marked:
+                    mpfx = prefixes.get(marker)
+                    if mpfx is None:
+                        mpfx = prefixes[marker] = tc.source_prefix(now_ms, marker, None, lsn)
+                    after, _key, _big = values_json(copy_fields(lines[r]))
+                    values[r] = read_value(after, mpfx, first + r, times)
+                recs.extend(map(TrustedRecord, rkeys, values, repeat(_HEADERS_R, take)))
+                snap.next_index = first + take
                 pending.count += take
             if take:
-                tp.last_key = [(raw[i] or b"").decode() for i in key_idx]
+                last = copy_fields(lines[take - 1])
+                tp.last_key = [(last[i] or b"").decode() for i in key_idx]
             tp.rows += take
             cap.summary.snapshot_rows += take
             cap.summary.events += take - skipped
@@ -284,11 +279,3 @@ class PgSnapshotSource(SnapshotSource):
             if tp.done:
                 return
 
-
-_COPY_ESCAPE = re.compile(rb"\\(.)", re.S)
-_COPY_CHARS = {b"\\": b"\\", b"t": b"\t", b"n": b"\n", b"r": b"\r", b"b": b"\b", b"f": b"\f", b"v": b"\v"}
-
-
-def _unescape(field: bytes) -> bytes:
-    """Undo COPY TO's text-format escapes (backslash, tab, newline, CR, BS, FF, VT)."""
-    return _COPY_ESCAPE.sub(lambda m: _COPY_CHARS.get(m.group(1), m.group(1)), field)
