@@ -451,7 +451,7 @@ class DebeziumSource(Connector):
             value = msg.value
             d = self.decoder.convert(msg.topic, msg.partition, msg.offset, msg.key, value, self.codec,
                                      # (only a tombstone's delete uses it)
-                                     timestamp_ms=getattr(msg, "timestamp", None) if value is None else None)
+                                     timestamp_ms=msg.timestamp_ms if value is None else None)
             if d.kind == "event":
                 self._records(d, msg.partition)
                 self.summary.events += 1

@@ -14,6 +14,7 @@ import base64
 import copy
 import datetime as dt
 import itertools
+import time
 import uuid
 from pathlib import Path
 from typing import Any
@@ -131,7 +132,9 @@ def test_documented_records_of_every_connector_land_in_their_topics(kafka_broker
         (f"{ce}.s1.a", b'{"pk":1}', fx_bytes("cloudevents_doc_json.json")),
         (f"{ce}.s1.a", b'{"pk":1}', fx_bytes("cloudevents_doc_avro.json")),
     ]
+    produced_from = int(time.time() * 1000)
     topics = _produce(kafka_broker.bootstrap, records)
+    produced_to = int(time.time() * 1000)
     log = embedded_log
     src = _source(log, kafka_broker.bootstrap, "dbz", topics)
     summary = src.run(until_caught_up=True)
@@ -143,6 +146,11 @@ def test_documented_records_of_every_connector_land_in_their_topics(kafka_broker
         ("c", {"id": 1}), ("u", {"id": 1}), ("r", {"id": 1}), ("d", {"id": 1}), ("tombstone", {"id": 1}),
         ("d", {"id": 2}), ("tombstone", {"id": 2})]
     assert got[1][3] == dict(anne, first_name="Anne Marie")  # the placeholder never became a value
+    # the delete made from the lone tombstone has the tombstone's Kafka timestamp as its time (it has
+    # no payload of its own): the producer stamped it while this test produced
+    lone = [orjson.loads(r.value) for p in range(log.partitions("dbz.public.customers"))
+            for r in log.iter_partition("dbz.public.customers", p) if r.value is not None and r.key == b'{"id":2}']
+    assert len(lone) == 1 and produced_from <= lone[0]["ts_ms"] <= produced_to, lone
     # positions strictly increase in the order of the input partition (ordering.py)
     from kappaflow.events import Position
 
