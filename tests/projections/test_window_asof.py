@@ -341,11 +341,12 @@ def test_windows_over_as_of_rows_replay_and_follow_equal_the_reference(rt: Any, 
 
 @pytest.mark.integration
 def test_session_windows_over_as_of_rows_follow_equals_replay(rt: Any, embedded_log: Any) -> None:
-    """Session windows take the enriched rows too: a follower in batches equals a replay."""
+    """Session windows take the enriched rows too (late="update": late changes applied): a follower in
+    batches equals a replay."""
     cfg = CONFIGS["time-hopping-drop"]
     rnd = random.Random(77)
     shop = history(embedded_log, cfg, rnd, 120)
-    window = Session("created_at", gap="30m", delay="5m", allowed_lateness="1h", late="drop")
+    window = Session("created_at", gap="30m", delay="5m", allowed_lateness="1h", late="update")
     replayed = category_hourly(shop.orders.topic, shop.products.topic, window, "sr_" + uuid.uuid4().hex[:8])
     replay(replayed, rt)
     followed = category_hourly(shop.orders.topic, shop.products.topic, window, "sf_" + uuid.uuid4().hex[:8])
