@@ -377,3 +377,21 @@ def test_a_lookup_feeding_a_window_is_refused_at_load_naming_the_attribute() -> 
         ProjectionSpec.from_class(type("CatTotals", (Projection,), {
             "name": "cat_totals", "sources": ["s.public.orders"], "key": ["product_category"],
             "aggregates": {"n": Count()}, "as_of": [asof]}))
+
+
+def test_copy_csv_of_a_table_with_leading_empty_chunks() -> None:
+    """A windowed batch whose events all wait writes only the watermark row, concatenated after empty
+    chunks: the COPY text holds that row and nothing else (pyarrow's CSV writer emitted stale bytes)."""
+    import pyarrow as pa
+
+    from kappaflow.projections.sinks.postgres import csv_bytes
+
+    def rows(n: int, topic: str) -> pa.Table:
+        return pa.table({"t": pa.array([topic] * n, pa.string()), "k": pa.array([b"W"] * n, pa.binary()),
+                         "d": pa.array([False] * n, pa.bool_())})
+
+    csv_bytes(rows(500, "some.public.orders"))  # leaves bytes in the memory pool
+    assert csv_bytes(pa.concat_tables([rows(0, "x"), rows(0, "x"), rows(1, "kf:watermark")])) == (
+        b'"kf:watermark","\\x57",false\n'
+    )
+    assert csv_bytes(pa.concat_tables([rows(0, "x"), rows(0, "x")])) == b""
