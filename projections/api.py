@@ -738,12 +738,8 @@ class ProjectionSpec:
         if lookups:
             strategy = spec.strategy
             if not strategy.reads_latest_per_key:
-                hint = (
-                    "; an apply() fold folds events, so enrich each event with the row as it was then: "
-                    "as_of = [AsOf(...)] with the same arguments (a lookup's current row would make a replay "
-                    "differ from the follow that folded the same events earlier)"
-                    if strategy.folds_events else f"; a {spec.kind} fold over joined rows is not supported yet"
-                )
+                advice = strategy.lookup_advice()
+                hint = f"; {advice}" if advice else f"; a {spec.kind} fold over joined rows is not supported yet"
                 raise ConfigError(
                     f"{where}: 'lookups': lookups feed the folds over current rows (latest-row and grouped "
                     f"views){hint}"

@@ -59,7 +59,7 @@ def prepare(spec: ProjectionSpec, rt: Runtime) -> Plan:
     if others:
         schemas.update(load_table_schemas(rt.reader(), others, {}))
     plan = Plan.build(rt.spark, spec, schemas)
-    if spec.as_of:
+    if spec.as_of and plan.asof is None:  # a windowed view's compile binds it already (its rows have the columns)
         plan.asof = asof_stage.AsOfPlan.build(spec, schemas)
     return plan
 

@@ -141,6 +141,10 @@ class Plan:
             if self.join is not None
             else row_struct(self.schemas[self.spec.topics[0]], self.row_columns)
         )
+        if self.asof is not None:  # each event's row with the tables' rows as they were then (windowed views)
+            from kappaflow.projections.joins.asof_stage import row_fields
+
+            row = StructType([*row.fields, *row_fields(self.asof)])
         return StructType(
             [
                 StructField("_kf_topic", StringType()),
@@ -154,10 +158,31 @@ class Plan:
             ]
         )
 
-    def events(self, raw: DataFrame, topic: str) -> DataFrame:
-        """Canonical event frame of one topic's raw records (declarative folds)."""
+    def events(self, raw: DataFrame, topic: str, keep: tuple[str, ...] = ()) -> DataFrame:
+        """Canonical event frame of one topic's raw records (declarative folds); `keep`: columns of
+        `raw` carried along (an as-of stage's ``_kf_asof``)."""
         first, second = self.cached(("events", topic), lambda: self._event_columns(topic))
-        return raw.select(*first).select(*second)
+        return raw.select(*first, *keep).select(*second, *keep)
+
+    def asof_events(self, staged: DataFrame, topic: str) -> DataFrame:
+        """Canonical event frame of the records an as-of stage released (``joins.asof_stage``: the
+        ``stream_events`` columns and ``_kf_asof``), the row extended with the enrichment's columns
+        (``prefix + column``, NULL for a delete's absent row)."""
+        from kappaflow.projections.joins.asof_stage import enriched_columns
+
+        raw = staged.select(
+            F.col("_kf_topic").alias("topic"),
+            F.col("_kf_partition").alias("partition"),
+            F.col("_kf_offset").alias("offset"),
+            F.col("_kf_key").alias("key"),
+            F.col("_kf_value").alias("value"),
+            F.col("_kf_asof"),
+        )
+        ev = self.events(raw, topic, keep=("_kf_asof",))
+        row = F.col("_kf_row")
+        extended = F.struct(*[row[c].alias(c) for c in self._source_columns],
+                            *enriched_columns(self.asof, F.col("_kf_asof")))
+        return ev.withColumn("_kf_row", F.when(row.isNotNull(), extended)).drop("_kf_asof")
 
     def _event_columns(self, topic: str) -> tuple[list[SparkColumn], list[SparkColumn]]:
         schema = self.schemas[topic]

@@ -5,8 +5,9 @@
   custom Python fold), ``CustomerSessions`` (shopping sessions per customer: a 30-minute session
   window); ``ProductSearch``, ``OrderSearch`` and ``OrderDocuments`` (search
   indexes; the last joins orders with customers and products), ``CategoryRevenue`` (revenue per
-  product category over a join), ``CustomerCache`` and ``CustomerDocuments`` (Redis; the latter
-  a customer with the list of its orders);
+  product category over a join), ``CategoryHourlyRevenue`` (revenue per product category and hour, the
+  category as of each order change: as-of enrichment feeding a window), ``CustomerCache`` and
+  ``CustomerDocuments`` (Redis; the latter a customer with the list of its orders);
 - ``demo``: ``run_demo()`` runs the whole flow: a PostgreSQL (a private one when none is
   configured), the shop tables with data, ``source add``, ``capture --until-caught-up``,
   ``replay``, and prints the view.
@@ -15,6 +16,7 @@
 """
 
 from examples.shop.projections import (
+    CategoryHourlyRevenue,
     CategoryRevenue,
     CustomerActivity,
     CustomerCache,
@@ -28,6 +30,7 @@ from examples.shop.projections import (
 )
 
 __all__ = [
+    "CategoryHourlyRevenue",
     "CategoryRevenue",
     "CustomerActivity",
     "CustomerCache",

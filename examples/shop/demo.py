@@ -28,6 +28,7 @@ DEMO_DB = "kappaflow_demo"
 SCHEMA_SQL = Path(__file__).with_name("schema.sql")
 CITIES = ("Lisbon", "Oslo", "Lyon", "Graz", "Turku", "Porto")
 SHOP_TABLES = ("public.customers", "public.products", "public.orders")  # what `source add shop --tables` lists
+KEEP_HISTORY = ("public.products",)  # `--keep-history`: every version, for the as-of view CategoryHourlyRevenue
 NAMES = ("Ada", "Brian", "Chen", "Dana", "Emil", "Farah", "Gus", "Hana", "Ivo", "Jun", "Kai", "Lea")
 
 
@@ -212,11 +213,13 @@ def run_demo(
             log=LogConfig(url=str(work / ".kappaflow" / "log")),
             spark=SparkConfig(master=spark_master, checkpoint_dir=str(work / ".kappaflow" / "checkpoints")),
             views=ViewsConfig(postgres=PostgresSettings(dsn=db)),
-            sources={"shop": PostgresSourceConfig(name="shop", dsn=db, tables=list(SHOP_TABLES))},
+            sources={"shop": PostgresSourceConfig(name="shop", dsn=db, tables=list(SHOP_TABLES),
+                                                  keep_history=list(KEEP_HISTORY))},
             base_dir=work,
         )
         settings.save(work / "kappaflow.toml")
-        out(f"$ kappaflow source add shop --postgres {db} --tables {','.join(SHOP_TABLES)}   (in {work})")
+        out(f"$ kappaflow source add shop --postgres {db} --tables {','.join(SHOP_TABLES)} "
+            f"--keep-history {','.join(KEEP_HISTORY)}   (in {work})")
 
         # 2. capture until caught up
         result = DemoResult(work, db)

@@ -14,6 +14,9 @@ Redis caches of the same tables, each declaring its sink (``sinks``) and that si
 - ``CategoryRevenue`` (PostgreSQL view ``category_revenue``): orders and revenue per product
   category, grouped over orders joined with products (an order whose product moves category
   moves its revenue);
+- ``CategoryHourlyRevenue`` (PostgreSQL view ``category_hourly_revenue``): orders and revenue per
+  product category and hour, each order in the category its product had when the order changed
+  (as-of enrichment feeding a tumbling window: a product moved later leaves past hours as they were);
 - ``CustomerDocuments`` (Redis view ``customer_documents``, one JSON document per customer): the
   customer with the list of its orders (a nested collection), oldest first; an order added, changed,
   moved to another customer or deleted rewrites the documents it enters and leaves;
@@ -34,7 +37,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar
 
-from kappaflow.projections import Count, Event, Lookup, Max, Nested, Projection, Session, Sum
+from kappaflow.projections import AsOf, Count, Event, Lookup, Max, Nested, Projection, Session, Sum, Tumbling
 
 
 class CustomerTotals(Projection):
@@ -170,6 +173,27 @@ class CategoryRevenue(Projection):
     lookups: ClassVar[Sequence[Lookup]] = [
         Lookup("product", "shop.public.products", on={"product_id": "id"}, columns=["category"], how="inner"),
     ]
+    aggregates = {"orders": Count(), "revenue": Sum("amount")}
+
+
+class CategoryHourlyRevenue(Projection):
+    """Orders and revenue per product category and hour the order was placed (cancelled orders
+    excluded), each order in the category its product had when the order row last changed: as-of
+    enrichment feeding a tumbling window (README "Windows over as-of rows"). Unlike
+    ``CategoryRevenue`` (the current category), moving a product to another category later leaves
+    the hours already counted as they were, and a replay gives the view the follower gave. Changes
+    to orders placed more than a day before the newest order of their log partition are late and go
+    to the dead-letter topic. The products' topic must keep every version (``keep_history``, as the
+    demo's source has it)."""
+
+    name = "category_hourly_revenue"
+    sources = ["shop.public.orders"]
+    key = ["product_category"]
+    where = "status <> 'cancelled'"
+    as_of: ClassVar[Sequence[AsOf]] = [
+        AsOf("product", "shop.public.products", on={"product_id": "id"}, columns=["category"]),
+    ]
+    window = Tumbling("created_at", size="1h", delay="5m", allowed_lateness="1d", late="dead_letter")
     aggregates = {"orders": Count(), "revenue": Sum("amount")}
 
 

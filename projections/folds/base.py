@@ -149,9 +149,10 @@ class FoldStrategy(abc.ABC):
     ``latestPerKey``, so a batch or a replay never carries superseded records."""
 
     folds_events: ClassVar[bool] = False
-    """Each event reaches the fold once, in log order (``apply()``), not only the current row of its
-    key: what as-of enrichment (``Projection.as_of``: the looked-up row as it was at each event)
-    feeds, and what a lookup's current row cannot serve (a replay would differ from the follow)."""
+    """Each event reaches the fold once, in log order (``apply()``; a windowed view's rule), not only
+    the current row of its key: what as-of enrichment (``Projection.as_of``: the looked-up row as it
+    was at each event) feeds, and what a lookup's current row cannot serve (a replay would differ
+    from the follow): ``lookup_advice`` says so when a class declares ``lookups``."""
 
     holds_nested: ClassVar[bool] = False
     """One view row per driving row, so a nested collection (``Projection.nested``: the child rows of
@@ -162,6 +163,10 @@ class FoldStrategy(abc.ABC):
     "evolve"``: new view columns added, view columns widened by the sink's ``evolve``) because the
     fold keeps no state typed by the source columns beside the view. Folds whose keyed state holds
     source columns (grouped, windowed) need a rebuild for a widened column."""
+
+    def lookup_advice(self) -> str | None:
+        """Why ``lookups`` cannot feed this fold and what to use instead (None: not supported yet)."""
+        return None
 
     def default_schema_policy(self, fold: FoldSpec) -> str:
         """``on_schema_change`` when the class sets none: stop for a rebuild when the view would change."""

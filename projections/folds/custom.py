@@ -65,6 +65,11 @@ class CustomStrategy(FoldStrategy):
     def claims(self, decl: Declaration) -> bool:
         return decl.has_apply
 
+    def lookup_advice(self) -> str:
+        return ("an apply() fold folds events, so enrich each event with the row as it was then: "
+                "as_of = [AsOf(...)] with the same arguments (a lookup's current row would make a replay "
+                "differ from the follow that folded the same events earlier)")
+
     def declare(self, decl: Declaration) -> CustomFold:
         import inspect
 

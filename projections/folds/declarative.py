@@ -56,6 +56,10 @@ class DeclarativeStrategy(FoldStrategy):
             join = JoinPlan.build(spec, schemas)
             row_cols = (*row_cols, *join.extra_columns)
         plan = Plan(spec, schemas, view=cast(ViewSpec, None), row_columns=row_cols, join=join)  # view: set below
+        if spec.as_of:  # the fold sees each event's row with the as-of columns (windowed views)
+            from kappaflow.projections.joins.asof_stage import AsOfPlan
+
+            plan.asof = AsOfPlan.build(spec, schemas)
         plan.check_same_columns()
         self.check_sources(plan)
         plan.view = self.view_of(plan, plan.empty_rows(spark))  # derive + where validated here

@@ -38,6 +38,15 @@ sessions are formed from the contributions afterwards -- natively after the rule
 touched group in follow (``folds/sessions.py``); each state row carries its session's bounds as
 ``window_start``/``window_end``, so everything below applies to sessions unchanged.
 
+As-of enrichment (``as_of``, ``joins/asof_stage.py``): the source's records go through the as-of
+stage before the rule, which releases each event with the tables' rows as they were at it (the
+columns feed ``key``/``derive``/``where``/aggregates) and holds back events the tables' capture has
+not passed. Event clocks are non-decreasing within a log partition, so what it releases is a prefix
+of each partition: the rule reads every partition in offset order, later, and takes the decisions
+it takes without the enrichment (held-back events move no watermark until released). Replay regroups
+the released events by log partition after the stage's shuffles; follow runs the stage in the
+batch's transaction (``asof_stage.transaction``).
+
 Replay runs the rule once per log partition inside Spark's workers (``mapInArrow`` over the
 partition's records in offset order) and aggregates the contributions natively; follow runs the
 same loop on the driver over a batch, starting from the stored state of the keys it touches, and
@@ -89,6 +98,8 @@ from kappaflow.projections.api import (
 from kappaflow.projections.folds.base import BuildJob, Built, FoldedBatch, collect_bad, register
 from kappaflow.projections.folds.declarative import DeclarativeStrategy
 from kappaflow.projections.folds.grouped import _check_agg_type, _spark_agg
+from kappaflow.projections.joins import asof_stage
+from kappaflow.projections.joins.plan import VALID_OPS
 from kappaflow.projections.loader import LOAD_RESULT_DDL, make_loader
 from kappaflow.projections.plan import Plan
 from kappaflow.projections.sinks.base import (
@@ -353,11 +364,29 @@ def _shape(plan: Plan) -> Shape:
     return shape
 
 
-def _events(plan: Plan, raws: dict[str, DataFrame], bad: Observation) -> DataFrame:
+def _events(
+    plan: Plan, raws: dict[str, DataFrame], bad: Observation, stage: Callable[[DataFrame], DataFrame] | None = None
+) -> DataFrame:
     """The frame the rule reads: position, key, verdicts, event time (µs) and the value columns.
-    `bad` counts the malformed records (dead-lettered by ``collect_bad``; they change nothing)."""
+    `bad` counts the malformed records (dead-lettered by ``collect_bad``; they change nothing).
+
+    With ``as_of`` (`stage`: ``asof_stage.build_stage`` or ``follow_stage`` bound to the target) the
+    source's records go through the as-of stage first: only the events it releases come out, each
+    row with the tables' columns as they were at the event, so ``key``, ``derive``, ``where`` and the
+    aggregates can use them. The stage releases a log partition's events in offset order (a prefix
+    of what was read; the rest waits in its state), so the rule reads every partition as the log
+    has it, only later: the same watermarks and late decisions as without the enrichment."""
     shape = _shape(plan)
-    ev = plan.all_events(raws).observe(bad, F.count(F.when(F.col("_kf_bad"), 1)).alias("bad")).where(
+    if plan.asof is None:
+        ev = plan.all_events(raws).observe(bad, F.count(F.when(F.col("_kf_bad"), 1)).alias("bad"))
+    else:
+        assert stage is not None, "a windowed view with as_of runs its events through the as-of stage"
+        (topic,) = plan.spec.source_topics
+        op = F.col("_kf_op")
+        released = stage(asof_stage.stream_events(plan.asof, raws[topic]).observe(
+            bad, F.count(F.when(op.isNull() | ~op.isin(*VALID_OPS), 1)).alias("bad")))
+        ev = plan.asof_events(released, topic)
+    ev = ev.where(
         F.col("_kf_key").isNotNull() & ~F.col("_kf_bad") & (F.col("_kf_op").isNull() | (F.col("_kf_op") != "t"))
     )
     return plan.rows(ev).select(*shape.event_columns)
@@ -385,6 +414,14 @@ class WindowedStrategy(DeclarativeStrategy):
     fold: ClassVar[type[WindowFold]] = WindowFold
     priority: ClassVar[int] = 110  # before custom: a class with a window and apply() is refused, not custom
     reads_latest_per_key: ClassVar[bool] = False  # every event makes the watermark
+    folds_events: ClassVar[bool] = True  # ... and is folded into the windows of its time: as_of feeds it
+
+    def lookup_advice(self) -> str:
+        return ("a windowed view folds every event into the windows of its event time, so enrich each event "
+                "with the row as it was when the event happened: as_of = [AsOf(...)] with the same arguments "
+                "(a lookup's current row would rewrite windows already closed whenever the looked-up row "
+                "changes later -- a product moved to another category would move last month's revenue -- and "
+                "a replay would differ from the follow that folded the same events earlier)")
 
     def claims(self, decl: Declaration) -> bool:
         return getattr(decl.klass, "window", None) is not None
@@ -502,7 +539,15 @@ class WindowedStrategy(DeclarativeStrategy):
         # one Spark partition per log partition, records in offset order (the rule runs over each in order)
         raws = {t: job.counted(rt.raw(t, "earliest", job.end), t) for t in spec.topics}
         bad = Observation(f"kf_wbad_{spec.name}_{time.monotonic_ns()}")
-        ev = _events(plan, raws, bad)
+        asof_dead: list[dict[str, Any]] = []
+        if plan.asof is None:
+            ev = _events(plan, raws, bad)
+        else:  # the released events, enriched; the target's as-of state (history, waiting events) loaded
+            ev = _events(plan, raws, bad, lambda e: asof_stage.build_stage(
+                plan.asof, job.sink, job.target, e, raws, asof_dead))
+            # the stage's joins scatter the events: whole log partitions back together for the rule
+            parts = sum(len(job.end.get(t, {})) for t in spec.source_topics)
+            ev = ev.repartition(max(1, parts), "_kf_topic", "_kf_partition")
         out = ev.mapInArrow(make_window_folder(Rule.of(fold), shape), _folded_type(shape))
         out = out.persist(StorageLevel.MEMORY_AND_DISK)
         sessioned: DataFrame | None = None
@@ -540,7 +585,7 @@ class WindowedStrategy(DeclarativeStrategy):
             out.unpersist()
             if sessioned is not None:
                 sessioned.unpersist()
-        built = Built(loaded=sum(r["_kf_loaded"] or 0 for r in loaded), dead=dead)
+        built = Built(loaded=sum(r["_kf_loaded"] or 0 for r in loaded), dead=dead + asof_dead)
         if bad.get.get("bad"):
             built.dead += collect_bad(plan, raws)
         return built
@@ -553,7 +598,12 @@ class WindowedStrategy(DeclarativeStrategy):
         fold, shape, spec = _fold(plan), _shape(plan), plan.spec
         rule = Rule.of(fold)
         bad = Observation(f"kf_wbad_{spec.name}_{time.monotonic_ns()}")
-        tbl = _events(plan, raws, bad).toArrow()
+        asof_dead: list[dict[str, Any]] = []
+        stage = None
+        if plan.asof is not None:  # inside asof_stage.transaction (engine.apply_batch): commits with the view
+            def stage(e: DataFrame) -> DataFrame:
+                return asof_stage.follow_stage(plan.asof, rt.spark, sink, target, e, raws, asof_dead)
+        tbl = _events(plan, raws, bad, stage).toArrow()
         tbl = tbl.take(pc.sort_indices(tbl, [("_kf_topic", "ascending"), ("_kf_partition", "ascending"),
                                              ("_kf_offset", "ascending")]))
         keeper = _keeper(plan, sink)
@@ -572,7 +622,7 @@ class WindowedStrategy(DeclarativeStrategy):
             state.setdefault((t, k), {})[ws] = ("stored", values)
         before_marks = {tp: (pmax.get(tp), late.get(tp, 0)) for tp in set(pmax) | set(late)}
         changes: list[tuple[str, str, bytes, int, Any, int]] = []
-        dead: list[dict[str, Any]] = []
+        dead: list[dict[str, Any]] = list(asof_dead)
         rule.fold(events, state, pmax, late, changes, dead)
         w_after, w_all = rule.watermarks(pmax, partitions)
         if rule.session:

@@ -4,7 +4,9 @@ A ``Lookup`` joins the CURRENT looked-up row, so a renamed customer changes ever
 points to it. An event stream needs the opposite: a statement line keeps the account holder's name
 as it was when the money moved, and a replay a year later must give the line the follow wrote on
 the day. ``AsOf`` declares that, for custom folds (``apply``) over an event topic (a ledger stream
-type, ``Source(..., events=True)``) or a change topic used as a stream (an append-only table)::
+type, ``Source(..., events=True)``) or a change topic used as a stream (an append-only table), and
+for windowed views over a change topic (``window``: the enriched columns feed ``key``, ``derive``,
+``where`` and the aggregates; ``folds/windowed.py``)::
 
     class Statement(Projection):
         name = "statement"
@@ -77,11 +79,11 @@ def parse_as_of(
 ) -> tuple[AsOf, ...]:
     """Validate ``Projection.as_of``: shape, names, and what the projection around it must be.
 
-    As-of enrichment feeds custom folds (the fold sees each event once, in order: a latest-row or
-    grouped view keeps current rows, which is what ``lookups`` are for) over exactly one source
-    topic, lives in PostgreSQL (its state commits with the view rows and positions), and reads
-    at transaction cuts (``consistency = "transactions"``: the table's capture is known complete
-    up to a cut, which the hold-back rule needs)."""
+    As-of enrichment feeds folds over events -- custom folds and windowed views (the fold sees each
+    event once, in order: a latest-row or grouped view keeps current rows, which is what ``lookups``
+    are for) -- over exactly one source topic, lives in PostgreSQL (its state commits with the view
+    rows and positions), and reads at transaction cuts (``consistency = "transactions"``: the
+    table's capture is known complete up to a cut, which the hold-back rule needs)."""
     if raw is None or (isinstance(raw, (list, tuple)) and not raw):
         return ()
     if isinstance(raw, AsOf):
@@ -128,8 +130,9 @@ def parse_as_of(
         out.append(a)
     if not folds_events:  # the fold's strategy says so (custom folds), not its kind's name
         raise ConfigError(
-            f"{where}: 'as_of': as-of enrichment feeds custom folds (def apply(self, row, event)) over events; "
-            f"this is a {kind} fold (for the current looked-up row use 'lookups')"
+            f"{where}: 'as_of': as-of enrichment feeds custom folds (def apply(self, row, event)) and windowed "
+            f"views (window = Tumbling/Hopping/Session(...)) over events; this is a {kind} fold (for the current "
+            f"looked-up row use 'lookups')"
         )
     if len(sources) != 1:
         raise ConfigError(

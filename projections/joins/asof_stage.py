@@ -35,6 +35,11 @@ view the follow gave on the day. With the time clock, an idle table holds events
 next change: let the table's source change regularly (a heartbeat row, as Debezium's
 ``heartbeat.action.query``), or keep the table in the stream's source (position clock).
 
+**Consumers.** Custom folds (``folds/custom.py``: events sorted by view key, then ``apply``) and
+windowed views (``folds/windowed.py``: the change topic's records from ``stream_events``, the
+released ones parsed again with ``Plan.asof_events``, whose rows gain ``enriched_columns``, then the
+window rule per log partition in offset order -- a prefix of each partition is released, see above).
+
 **State** (PostgreSQL views database, ``kappaflow`` schema, one set per view table, swapped with
 it; written in the transaction of the view rows and positions): per looked-up table
 ``asof__<schema>__<view>__h<i>`` -- the history: ``k`` (canonical key text), the change's clock
@@ -68,7 +73,14 @@ from kappaflow.events import TableSchema
 from kappaflow.projections.folds.base import BAD_REASON
 from kappaflow.projections.joins.asof import AsOf
 from kappaflow.projections.joins.plan import VALID_OPS, canonical, comparable
-from kappaflow.projections.schemas import converted_row, envelope_struct, key_struct, pos_order, spark_type
+from kappaflow.projections.schemas import (
+    converted_row,
+    envelope_struct,
+    key_struct,
+    pos_order,
+    row_wire_struct,
+    spark_type,
+)
 from kappaflow.projections.sinks.base import Target
 
 KF_SCHEMA = "kappaflow"
@@ -258,6 +270,54 @@ def event_columns(ap: AsOfPlan, ev: DataFrame) -> DataFrame:
     return ev.select(
         "*", *[fk.alias(f"_kf_fk{i}") for i, fk in enumerate(fks)], rt.alias("_kf_rt"), pos.alias("_kf_pos")
     )
+
+
+def stream_events(ap: AsOfPlan, raw: DataFrame) -> DataFrame:
+    """A change topic's records in the stages' input shape (``custom_events``' columns, no view key):
+    ``_kf_topic, _kf_partition, _kf_offset, _kf_key, _kf_value, _kf_op, _kf_order``; no tombstones or
+    truncate markers (the deletes carry the change). What a windowed view feeds ``build_stage`` /
+    ``follow_stage``: the stages release a log partition's events in offset order (event clocks are
+    non-decreasing in it), so the rule after them reads each partition as it is in the log."""
+    assert ap.schema is not None, "an event topic is folded by apply(), not by a windowed view"
+    env = F.from_json(F.col("value").cast("string"), envelope_struct(ap.schema))
+    op = F.coalesce(env["payload"]["op"], env["op"])
+    pos = F.coalesce(env["payload"]["source"]["kf_pos"], env["source"]["kf_pos"])
+    return (
+        raw.where(F.col("value").isNotNull())
+        .select(
+            F.col("topic").alias("_kf_topic"),
+            F.col("partition").alias("_kf_partition"),
+            F.col("offset").alias("_kf_offset"),
+            F.col("key").alias("_kf_key"),
+            F.col("value").alias("_kf_value"),
+            op.alias("_kf_op"),
+            pos_order(pos).alias("_kf_order"),
+        )
+        .where(F.col("_kf_op").isNull() | (F.col("_kf_op") != "t"))
+    )
+
+
+def row_fields(ap: AsOfPlan) -> list[StructField]:
+    """The enrichment's columns (``prefix + column``) with the looked-up tables' types."""
+    return [
+        StructField(o, spark_type(ap.tables[it.table].schema.column(c)), True)
+        for it in ap.items
+        for c, o in zip(it.columns, it.out_names, strict=True)
+    ]
+
+
+def enriched_columns(ap: AsOfPlan, asof: SparkColumn) -> list[SparkColumn]:
+    """The enrichment's columns (typed as ``row_fields``) from a stage's ``_kf_asof`` text: each
+    table's ``after`` row as it was, NULL columns where there was none."""
+    struct = StructType(
+        [StructField(it.asof.name, row_wire_struct(ap.tables[it.table].schema), True) for it in ap.items]
+    )
+    parsed = F.from_json(asof, struct)
+    out: list[SparkColumn] = []
+    for it in ap.items:
+        row = converted_row(parsed[it.asof.name], ap.tables[it.table].schema, it.columns)
+        out += [row[c].alias(o) for c, o in zip(it.columns, it.out_names, strict=True)]
+    return out
 
 
 def table_changes(ap: AsOfPlan, tb: AsOfTable, raw: DataFrame) -> DataFrame:
@@ -870,4 +930,16 @@ def follow_stage(
     )
 
 
-__all__ = ["AsOfPlan", "AsOfState", "build_stage", "drop", "follow_stage", "swap", "table_schemas", "transaction"]
+__all__ = [
+    "AsOfPlan",
+    "AsOfState",
+    "build_stage",
+    "drop",
+    "enriched_columns",
+    "follow_stage",
+    "row_fields",
+    "stream_events",
+    "swap",
+    "table_schemas",
+    "transaction",
+]

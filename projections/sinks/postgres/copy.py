@@ -69,6 +69,10 @@ def _render_for_csv(table: pa.Table) -> pa.Table:
 
 
 def csv_bytes(table: pa.Table) -> bytes:
+    # without empty chunks (zero-copy): pyarrow 26's CSV writer emits stale buffer bytes for a table whose
+    # first chunks are empty (a batch's concatenated changes when only the watermark row moved)
+    chunks = [b for b in table.to_batches() if b.num_rows]
+    table = pa.Table.from_batches(chunks, schema=table.schema)
     buf = io.BytesIO()
     pacsv.write_csv(_render_for_csv(table), buf, pacsv.WriteOptions(include_header=False))
     return buf.getvalue()
