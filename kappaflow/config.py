@@ -642,6 +642,6 @@ def _env_overrides(env: dict[str, str]) -> dict[str, Any]:
         for part in path[:-1]:
             node = node.setdefault(part, {})
         leaf = path[-1]
-        lists = ("tables", "topics", "followers", "projections")
+        lists = ("tables", "topics", "followers", "projections", "keep_history")
         node[leaf] = [v for v in value.split(",") if v] if leaf in lists else value
     return out

@@ -206,6 +206,7 @@ LONGEST_FIRST = (
     "projections/test_follow_differential.py",
     "projections/test_windows.py",
     "projections/test_interval_join.py",
+    "projections/test_window_asof.py",
     "monitoring/test_stack.py",
     "projections/test_joins_nested.py",
     "projections/test_session_windows.py",

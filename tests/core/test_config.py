@@ -65,6 +65,15 @@ def test_profile_overlays_and_env_wins(cfg_file: Path) -> None:
     assert opts["security"]["sasl_mechanism"] == "SCRAM-SHA-512" and opts["security"]["sasl_password"] == "pw"
 
 
+def test_list_settings_from_the_environment_are_comma_separated(cfg_file: Path) -> None:
+    """`KAPPAFLOW_SOURCES__SHOP__KEEP_HISTORY=a,b` is a list, like `...__TABLES` (docker-compose sets both)."""
+    env = {"KAPPAFLOW_SOURCES__SHOP__TABLES": "public.orders,public.products",
+           "KAPPAFLOW_SOURCES__SHOP__KEEP_HISTORY": "public.products"}
+    src = Settings.load(cfg_file, environ=env).source("shop")
+    assert isinstance(src, PostgresSourceConfig)
+    assert src.tables == ["public.orders", "public.products"] and src.keep_history == ["public.products"]
+
+
 def test_unknown_profile_is_named(cfg_file: Path) -> None:
     with pytest.raises(ConfigError, match=r"--profile 'prod'.*known: cluster"):
         Settings.load(cfg_file, profile="prod", environ={})
