@@ -29,6 +29,7 @@ from typing import Any
 
 import orjson
 from pyspark.sql import Column as SparkColumn
+from pyspark.sql import DataFrame
 from pyspark.sql import functions as F
 from pyspark.sql.types import (
     ArrayType,
@@ -204,6 +205,28 @@ def converted_row(parsed_row: SparkColumn, schema: TableSchema, names: Iterable[
     cols = schema.columns if names is None else [schema.column(n) for n in names]
     fields = [convert(parsed_row[c.name], c).alias(c.name) for c in cols]
     return F.when(parsed_row.isNotNull(), F.struct(*fields))
+
+
+def record_frame(raw: DataFrame, op: SparkColumn, pos: SparkColumn, *extra: SparkColumn) -> DataFrame:
+    """The change records of a topic read from the log, as the folds that order records themselves take
+    them (custom folds, the as-of stage): coordinates (``_kf_topic``, ``_kf_partition``, ``_kf_offset``),
+    the record's bytes (``_kf_key``, ``_kf_value``), its op and the order of its source position
+    (``_kf_order``), then `extra`. Tombstones and truncate markers are left out: the deletes written
+    after a truncate carry its rows."""
+    return (
+        raw.where(F.col("value").isNotNull())
+        .select(
+            F.col("topic").alias("_kf_topic"),
+            F.col("partition").alias("_kf_partition"),
+            F.col("offset").alias("_kf_offset"),
+            F.col("key").alias("_kf_key"),
+            F.col("value").alias("_kf_value"),
+            op.alias("_kf_op"),
+            pos_order(pos).alias("_kf_order"),
+            *extra,
+        )
+        .where(F.col("_kf_op").isNull() | (F.col("_kf_op") != "t"))
+    )
 
 
 def pos_order(pos: SparkColumn) -> SparkColumn:

@@ -39,7 +39,7 @@ from kappaflow.projections.folds.custom_folder import FoldJob, fold_arrow_schema
 from kappaflow.projections.joins import asof_stage
 from kappaflow.projections.loader import LOAD_RESULT_DDL, make_loader
 from kappaflow.projections.plan import Plan
-from kappaflow.projections.schemas import converted_row, declared_struct, envelope_struct, key_struct, pos_order
+from kappaflow.projections.schemas import converted_row, declared_struct, envelope_struct, key_struct, record_frame
 from kappaflow.projections.sinks.base import (
     DELETED,
     VERSION,
@@ -328,20 +328,7 @@ def custom_events(plan: Plan, raws: dict[str, DataFrame], *, in_place: bool = Fa
             row = F.coalesce(after, before)
             conv = converted_row(row, schema, sorted(set(mapping.values())))
             vk = [conv[mapping[k]].cast(_key_types(plan)[k]).alias(k) for k in plan.spec.key]
-        frames.append(
-            raw.where(F.col("value").isNotNull())
-            .select(
-                F.col("topic").alias("_kf_topic"),
-                F.col("partition").alias("_kf_partition"),
-                F.col("offset").alias("_kf_offset"),
-                F.col("key").alias("_kf_key"),
-                F.col("value").alias("_kf_value"),
-                op.alias("_kf_op"),
-                pos_order(pos).alias("_kf_order"),
-                *vk,
-            )
-            .where(F.col("_kf_op").isNull() | (F.col("_kf_op") != "t"))
-        )
+        frames.append(record_frame(raw, op, pos, *vk))
     out = frames[0]
     for f in frames[1:]:
         out = out.unionByName(f)

@@ -78,6 +78,7 @@ from kappaflow.projections.schemas import (
     envelope_struct,
     key_struct,
     pos_order,
+    record_frame,
     row_wire_struct,
     spark_type,
 )
@@ -282,19 +283,7 @@ def stream_events(ap: AsOfPlan, raw: DataFrame) -> DataFrame:
     env = F.from_json(F.col("value").cast("string"), envelope_struct(ap.schema))
     op = F.coalesce(env["payload"]["op"], env["op"])
     pos = F.coalesce(env["payload"]["source"]["kf_pos"], env["source"]["kf_pos"])
-    return (
-        raw.where(F.col("value").isNotNull())
-        .select(
-            F.col("topic").alias("_kf_topic"),
-            F.col("partition").alias("_kf_partition"),
-            F.col("offset").alias("_kf_offset"),
-            F.col("key").alias("_kf_key"),
-            F.col("value").alias("_kf_value"),
-            op.alias("_kf_op"),
-            pos_order(pos).alias("_kf_order"),
-        )
-        .where(F.col("_kf_op").isNull() | (F.col("_kf_op") != "t"))
-    )
+    return record_frame(raw, op, pos)
 
 
 def row_fields(ap: AsOfPlan) -> list[StructField]:
